@@ -1,0 +1,5 @@
+import sys
+
+from jaxfuse.cli import main
+
+sys.exit(main())

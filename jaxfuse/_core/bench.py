@@ -1,0 +1,299 @@
+"""The bench harness behind ``jaxfuse bench``: timing, ceilings, errors, tables, JSON and plots.
+
+Each op family supplies :class:`Case` objects. For each case and implementation the harness
+checks the forward output and the training step (output and every gradient) against float64
+references, then times both. Timing runs ``copies`` independent calls inside one jitted
+function on freshly drawn inputs, so dispatch cost is spread over many kernels and repeated runs
+do not read from a warm L2, and takes the median over repetitions. Rates are quoted against the
+ceilings measured in the same run: a device-to-device copy for memory-bound ops and a bf16 matrix
+product for compute-bound ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import platform as host_platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxfuse._core import registry
+from jaxfuse._core.testing import relative_error, x64
+
+
+@dataclasses.dataclass
+class Case:
+  """One benchmarked problem.
+
+  ``forward(impl)`` and ``train(impl)`` return functions of the inputs; ``train`` returns the
+  output and all gradients (a training step). ``*_work`` is the minimal bytes moved (unit GB/s)
+  or FLOPs done (unit TFLOP/s) per call.
+  """
+  op: str
+  label: str
+  size: int
+  make_inputs: Callable[[jax.Array], tuple]
+  forward: Callable[[str], Callable]
+  train: Callable[[str], Callable] | None
+  forward_work: float
+  train_work: float
+  implementations: Sequence[str]
+  unit: str = "GB/s"
+  # Implementations checked for correctness but not timed (the Pallas interpreter on the CPU).
+  check_only: Sequence[str] = ()
+
+
+@dataclasses.dataclass
+class Row:
+  op: str
+  label: str
+  size: int
+  implementation: str
+  unit: str
+  forward_ms: float | None = None
+  forward_rate: float | None = None
+  train_ms: float | None = None
+  train_rate: float | None = None
+  train_temp_mib: float | None = None
+  forward_error: float | None = None
+  train_error: float | None = None
+  ceiling_name: str = ""
+  forward_pct: float | None = None
+  train_pct: float | None = None
+  note: str = ""
+
+
+def _rate(work, ms, unit):
+  if ms is None:
+    return None
+  return work / (ms * 1e-3) / (1e9 if unit == "GB/s" else 1e12)
+
+
+def _block(tree):
+  for leaf in jax.tree.leaves(tree):
+    leaf.block_until_ready()
+
+
+def time_ms(fn: Callable, input_sets: Sequence[tuple], *, min_seconds: float = 0.3,
+            max_reps: int = 50) -> float:
+  """Median milliseconds of one ``fn`` call, from calls on ``len(input_sets)`` input sets."""
+  batched = jax.jit(lambda sets: [fn(*s) for s in sets])
+  _block(batched(input_sets))
+  times = []
+  start = time.perf_counter()
+  while len(times) < max_reps and (len(times) < 5 or time.perf_counter() - start < min_seconds):
+    t0 = time.perf_counter()
+    _block(batched(input_sets))
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times) * 1e3 / len(input_sets)
+
+
+def copies_for(bytes_per_call: float) -> int:
+  """Independent calls per timing: enough to outrun L2 and dispatch, within memory."""
+  return int(max(2, min(64, math.ceil(512e6 / max(bytes_per_call, 1.0)))))
+
+
+def copy_bandwidth() -> float:
+  """GB/s of a large device-to-device copy (bytes read plus bytes written)."""
+  n = (1 << 28) if registry.platform() == "gpu" else (1 << 22)
+  keys = jax.random.split(jax.random.key(1), 4)
+  sets = [(jax.random.normal(k, (n,), jnp.bfloat16),) for k in keys]
+  ms = time_ms(lambda a: -a, sets)
+  return 2 * n * 2 / (ms * 1e-3) / 1e9
+
+
+def matmul_rate() -> float:
+  """TFLOP/s of a bf16 matrix product (8192^3 on a GPU)."""
+  n = 8192 if registry.platform() == "gpu" else 512
+  keys = jax.random.split(jax.random.key(2), 4)
+  sets = [(jax.random.normal(k, (n, n), jnp.bfloat16),
+           jax.random.normal(jax.random.fold_in(k, 1), (n, n), jnp.bfloat16)) for k in keys]
+  ms = time_ms(lambda a, b: a @ b, sets)
+  return 2 * n ** 3 / (ms * 1e-3) / 1e12
+
+
+def _upcast(tree):
+  return jax.tree.map(lambda a: a.astype(jnp.float64)
+                      if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+
+
+def _error(actual, expected) -> float:
+  pairs = list(zip(jax.tree.leaves(actual), jax.tree.leaves(expected)))
+  return max(relative_error(a, e) for a, e in pairs)
+
+
+class _Progress:
+  def __init__(self, total):
+    self.total, self.done = total, 0
+    self.enabled = sys.stderr.isatty()
+
+  def step(self, text):
+    self.done += 1
+    if self.enabled:
+      filled = int(30 * self.done / self.total)
+      sys.stderr.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} "
+                       f"{text[:60]:<60}")
+      sys.stderr.flush()
+
+  def close(self):
+    if self.enabled:
+      sys.stderr.write("\n")
+
+
+def run(cases: Sequence[Case], *, implementations: Sequence[str] | None = None,
+        time_it: bool = True) -> tuple[list[Row], dict]:
+  """Checks and times ``cases``; returns the rows and the ceilings measured."""
+  ceilings = {}
+  units = {c.unit for c in cases}
+  if time_it and "GB/s" in units:
+    ceilings["copy GB/s"] = copy_bandwidth()
+  if time_it and "TFLOP/s" in units:
+    ceilings["matmul TFLOP/s"] = matmul_rate()
+  todo = [(c, impl) for c in cases for impl in list(c.implementations) + list(c.check_only)
+          if implementations is None or impl in implementations]
+  progress = _Progress(len(todo))
+  rows = []
+  for case in cases:
+    impls = [i for c, i in todo if c is case]
+    if impls:
+      rows += _run_case(case, impls, ceilings, time_it, progress)
+  progress.close()
+  return rows, ceilings
+
+
+def _run_case(case, impls, ceilings, time_it, progress):
+  key = jax.random.key(hash((case.op, case.label)) % (1 << 31))
+  inputs = case.make_inputs(key)
+  with x64():
+    wide = _upcast(inputs)
+    ref_fwd = case.forward("xla")(*wide)
+    ref_train = case.train("xla")(*wide) if case.train else None
+  rows = []
+  for impl in impls:
+    progress.step(f"{case.op} {case.label} {impl}")
+    row = Row(case.op, case.label, case.size, impl, case.unit)
+    try:
+      row.forward_error = _error(case.forward(impl)(*inputs), ref_fwd)
+      if case.train:
+        row.train_error = _error(case.train(impl)(*inputs), ref_train)
+    except NotImplementedError as e:
+      row.note = str(e)
+    except Exception as e:  # noqa: BLE001  (a broken kernel is reported, the sweep goes on)
+      row.note = f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    rows.append(row)
+  del ref_fwd, ref_train, wide
+  if not time_it:
+    return rows
+  in_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(inputs))
+  n_sets = copies_for(case.forward_work if case.unit == "GB/s" else 2 * in_bytes)
+  sets = [inputs] + [case.make_inputs(jax.random.fold_in(key, i)) for i in range(1, n_sets)]
+  ceiling_name = "copy GB/s" if case.unit == "GB/s" else "matmul TFLOP/s"
+  for row in rows:
+    if row.note or row.implementation in case.check_only:
+      continue
+    impl = row.implementation
+    row.ceiling_name = ceiling_name
+    row.forward_ms = time_ms(case.forward(impl), sets)
+    row.forward_rate = _rate(case.forward_work, row.forward_ms, case.unit)
+    if case.train:
+      train = case.train(impl)
+      row.train_ms = time_ms(train, sets)
+      row.train_rate = _rate(case.train_work, row.train_ms, case.unit)
+      mem = jax.jit(train).lower(*inputs).compile().memory_analysis()
+      row.train_temp_mib = getattr(mem, "temp_size_in_bytes", 0) / 2 ** 20 if mem else None
+    ceiling = ceilings.get(ceiling_name)
+    if ceiling:
+      row.forward_pct = 100 * row.forward_rate / ceiling
+      if row.train_rate is not None:
+        row.train_pct = 100 * row.train_rate / ceiling
+  return rows
+
+
+def _fmt(v, spec):
+  return "" if v is None else format(v, spec)
+
+
+def table(rows: Sequence[Row], ceilings: dict) -> str:
+  """Plain-text tables, one per op."""
+  out = []
+  if ceilings:
+    out.append("ceilings measured in this run: " +
+               ", ".join(f"{k} {v:.0f}" for k, v in ceilings.items()))
+  for op in dict.fromkeys(r.op for r in rows):
+    op_rows = [r for r in rows if r.op == op]
+    unit = op_rows[0].unit
+    header = (f"{'shape':<28} {'impl':<8} {'fwd ms':>8} {'fwd ' + unit:>12} {'%ceil':>6} "
+              f"{'step ms':>8} {'step ' + unit:>13} {'%ceil':>6} {'temp MiB':>9} "
+              f"{'err fwd':>9} {'err step':>9}")
+    out += ["", f"## {op}", header, "-" * len(header)]
+    for r in op_rows:
+      line = (f"{r.label:<28} {r.implementation:<8} {_fmt(r.forward_ms, '8.3f'):>8} "
+              f"{_fmt(r.forward_rate, '12.1f'):>12} {_fmt(r.forward_pct, '6.1f'):>6} "
+              f"{_fmt(r.train_ms, '8.3f'):>8} {_fmt(r.train_rate, '13.1f'):>13} "
+              f"{_fmt(r.train_pct, '6.1f'):>6} {_fmt(r.train_temp_mib, '9.1f'):>9} "
+              f"{_fmt(r.forward_error, '9.1e'):>9} {_fmt(r.train_error, '9.1e'):>9}")
+      out.append(line + (f"  {r.note}" if r.note else ""))
+  return "\n".join(out)
+
+
+def environment() -> dict:
+  device = jax.devices()[0]
+  return {
+      "device": f"{device.platform}: {device.device_kind}",
+      "device_count": jax.device_count(),
+      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      "jax_version": jax.__version__,
+      "jaxlib_version": getattr(jax.lib, "__version__", None) or _jaxlib_version(),
+      "python": host_platform.python_version(),
+      "command": " ".join(["jaxfuse"] + sys.argv[1:]),
+  }
+
+
+def _jaxlib_version():
+  import jaxlib
+  return jaxlib.__version__
+
+
+def save_json(path: str, rows: Sequence[Row], ceilings: dict):
+  record = dict(environment(), ceilings=ceilings, rows=[dataclasses.asdict(r) for r in rows])
+  with open(path, "w") as f:
+    json.dump(record, f, indent=1)
+
+
+def save_plot(path: str, rows: Sequence[Row], ceilings: dict):
+  """Rate against problem size per implementation, forward and training step, one row per op."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  ops = list(dict.fromkeys(r.op for r in rows if r.forward_rate is not None))
+  if not ops:
+    return
+  fig, axes = plt.subplots(len(ops), 2, figsize=(11, 3.6 * len(ops)), squeeze=False)
+  for (ax_f, ax_t), op in zip(axes, ops):
+    op_rows = [r for r in rows if r.op == op and r.forward_rate is not None]
+    unit = op_rows[0].unit
+    for impl in dict.fromkeys(r.implementation for r in op_rows):
+      pts = sorted((r.size, r.forward_rate, r.train_rate) for r in op_rows
+                   if r.implementation == impl)
+      ax_f.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
+      ax_t.plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=impl)
+    ceiling = ceilings.get("copy GB/s" if unit == "GB/s" else "matmul TFLOP/s")
+    for ax, title in ((ax_f, "forward"), (ax_t, "training step")):
+      if ceiling:
+        ax.axhline(ceiling, color="gray", linestyle="--", label="ceiling")
+      ax.set_xscale("log", base=2)
+      ax.set_title(f"{op}: {title}")
+      ax.set_xlabel("size")
+      ax.set_ylabel(unit)
+      ax.legend()
+      ax.grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)

@@ -1,0 +1,67 @@
+"""Argument checks shared by the ops. They run at trace time and name the offending argument."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def describe(x) -> str:
+  """``float32[8,128]``-style description of an array or abstract value."""
+  shape = ",".join(map(str, np.shape(x)))
+  return f"{jnp.result_type(x)}[{shape}]" if hasattr(x, "dtype") else f"{type(x).__name__}"
+
+
+def check_array(op: str, name: str, x, *, floating: bool = True):
+  """Returns ``x`` as a JAX array (or tracer); floating point unless ``floating=False``."""
+  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+    if isinstance(x, (int, float, np.number, list, tuple)):
+      x = jnp.asarray(x)
+    else:
+      raise TypeError(f"{op}: {name} must be an array, got {type(x).__name__}")
+  if floating and not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f"{op}: {name} must have a real floating-point dtype (float16, bfloat16, "
+                    f"float32 or float64), got {describe(x)}")
+  return x
+
+
+def check_positive_float(op: str, name: str, value) -> float:
+  """A static, finite, strictly positive Python float (``eps`` and the like)."""
+  if isinstance(value, jax.core.Tracer) or hasattr(value, "aval"):
+    raise TypeError(f"{op}: {name} must be a Python float known at trace time, got a traced value")
+  try:
+    value = float(value)
+  except (TypeError, ValueError):
+    raise TypeError(f"{op}: {name} must be a float, got {type(value).__name__} {value!r}") from None
+  if not math.isfinite(value) or value <= 0:
+    raise ValueError(f"{op}: {name} must be finite and > 0, got {value!r}")
+  return value
+
+
+def check_choice(op: str, name: str, value, choices: Sequence):
+  if value not in choices:
+    raise ValueError(f"{op}: {name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+  return value
+
+
+def canonical_dtype(op: str, name: str, dtype):
+  """``dtype`` as a NumPy dtype, or ``None``; it must be a floating type."""
+  if dtype is None:
+    return None
+  try:
+    dtype = jnp.dtype(dtype)
+  except TypeError:
+    raise TypeError(f"{op}: {name} must be a dtype, got {dtype!r}") from None
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(f"{op}: {name} must be a floating-point dtype, got {dtype}")
+  return dtype
+
+
+def compute_dtype(*dtypes):
+  """Accumulation dtype: float64 when any operand is float64, float32 otherwise."""
+  return jnp.float64 if any(d is not None and jnp.dtype(d) == jnp.float64 for d in dtypes) \
+      else jnp.float32

@@ -1,0 +1,66 @@
+"""Command line: ``jaxfuse bench [family-or-op ...] [--json PATH] [--plot PATH]``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from jaxfuse._core import bench, registry
+
+# Op families with a bench spec module exposing ``cases(quick) -> list[Case]``.
+FAMILIES = {
+    "norm": "jaxfuse.ops.norm.bench",
+}
+
+
+def _cases(names, quick):
+  cases = []
+  for family, module in FAMILIES.items():
+    family_cases = importlib.import_module(module).cases(quick)
+    ops = {c.op for c in family_cases}
+    if not names or family in names:
+      cases += family_cases
+    else:
+      cases += [c for c in family_cases if c.op in names]
+  known = set(FAMILIES) | {c.op for c in cases}
+  unknown = [n for n in names if n not in known and not any(c.op == n for c in cases)]
+  return cases, unknown
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(prog="jaxfuse")
+  sub = parser.add_subparsers(dest="command", required=True)
+  b = sub.add_parser("bench", help="check every op against float64 and time it on this device")
+  b.add_argument("ops", nargs="*", help=f"families ({', '.join(FAMILIES)}) or op names; "
+                                        "default: all")
+  b.add_argument("--json", metavar="PATH", help="save the numbers with device, date, versions")
+  b.add_argument("--plot", metavar="PATH", help="save a PNG of rate against size")
+  b.add_argument("--quick", action="store_true", help="a few sizes only")
+  b.add_argument("--impl", help="comma-separated implementations to run (default: all)")
+  args = parser.parse_args(argv)
+
+  cases, unknown = _cases(args.ops, args.quick)
+  if unknown:
+    parser.error(f"unknown op or family: {', '.join(unknown)}")
+  on_gpu = registry.platform() == "gpu"
+  env = bench.environment()
+  print(f"jaxfuse bench on {env['device']} (jax {env['jax_version']}, {env['date']})")
+  if not on_gpu:
+    print("No GPU here: XLA is timed, the Pallas kernels are only checked in the interpreter. "
+          "Kernel timings need a GPU.")
+  impls = args.impl.split(",") if args.impl else None
+  rows, ceilings = bench.run(cases, implementations=impls)
+  print(bench.table(rows, ceilings))
+  if args.json:
+    bench.save_json(args.json, rows, ceilings)
+    print(f"saved {args.json}")
+  if args.plot:
+    bench.save_plot(args.plot, rows, ceilings)
+    print(f"saved {args.plot}")
+  failed = [r for r in rows if r.note]
+  return 1 if failed and impls else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

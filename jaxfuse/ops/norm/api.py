@@ -1,0 +1,283 @@
+"""``jaxfuse.rms_norm`` and ``jaxfuse.layer_norm``: validation, dispatch, custom VJP, vmap, sharding."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.custom_batching import custom_vmap
+
+from jaxfuse._core import registry
+from jaxfuse._core.sharding import parallel_call
+from jaxfuse._core.validation import (canonical_dtype, check_array, check_positive_float,
+                                      describe)
+from jaxfuse.ops.norm import reference, triton
+
+_BACKENDS = {"xla": registry.xla_available, "triton": registry.triton_unavailable}
+
+
+def _preference():
+  # The kernels beat XLA on every measured GPU shape; on the CPU they only run interpreted.
+  return ("xla",) if registry.platform() == "cpu" else ("triton", "xla")
+
+
+def rms_norm(x, weight=None, *, eps: float = 1e-6, normalized_ndim: int | None = None,
+             out_dtype=None, implementation: str | None = None):
+  """Root-mean-square normalization, ``x / sqrt(mean(x**2) + eps) * weight``.
+
+  Args:
+    x: ``(*batch, *features)`` float16, bfloat16, float32 or float64.
+    weight: optional ``features``-shaped scale; the statistics are taken over its
+      ``weight.ndim`` trailing axes of ``x``. Its dtype may differ from ``x``'s.
+    eps: added to the mean square; a Python float > 0.
+    normalized_ndim: number of trailing axes to normalize over when there is no weight
+      (default 1). If given with a weight it must equal ``weight.ndim``.
+    out_dtype: output dtype; default ``jnp.result_type(x, weight)``. Pass ``weight.dtype`` for
+      the "output takes the weight's dtype" convention.
+    implementation: ``'xla'``, ``'triton'`` (a Pallas kernel; interpreted on the CPU) or
+      ``None`` for the fastest available here.
+
+  Returns:
+    An array of ``x.shape``. Statistics are accumulated in float32 (float64 for float64
+    inputs). Differentiable with respect to ``x`` and ``weight``.
+  """
+  return _normalize("rms_norm", "rms", x, weight, None, eps, normalized_ndim, out_dtype,
+                    implementation)
+
+
+def layer_norm(x, weight=None, bias=None, *, eps: float = 1e-5,
+               normalized_ndim: int | None = None, out_dtype=None,
+               implementation: str | None = None):
+  """Layer normalization, ``(x - mean) / sqrt(var + eps) * weight + bias``.
+
+  Args:
+    x: ``(*batch, *features)`` float16, bfloat16, float32 or float64.
+    weight: optional ``features``-shaped scale; the statistics are taken over its
+      ``weight.ndim`` trailing axes of ``x``.
+    bias: optional shift, the same shape as ``weight`` (or, without a weight, ``features``).
+    eps: added to the (biased) variance; a Python float > 0.
+    normalized_ndim: number of trailing axes to normalize over when there is neither weight nor
+      bias (default 1). If given with them it must equal their ``ndim``.
+    out_dtype: output dtype; default ``jnp.result_type(x, weight, bias)``.
+    implementation: ``'xla'``, ``'triton'`` or ``None`` (see :func:`rms_norm`).
+
+  Returns:
+    An array of ``x.shape``, differentiable with respect to ``x``, ``weight`` and ``bias``.
+  """
+  return _normalize("layer_norm", "layer", x, weight, bias, eps, normalized_ndim, out_dtype,
+                    implementation)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  """Everything about a call that is fixed at trace time."""
+  op: str
+  kind: str
+  eps: float
+  norm_ndim: int
+  out_dtype: jnp.dtype
+  bias_dtype: jnp.dtype | None
+  implementation: str
+  group_ndim: int = 0
+
+
+def _normalize(op, kind, x, weight, bias, eps, normalized_ndim, out_dtype, implementation):
+  x = check_array(op, "x", x)
+  weight = None if weight is None else check_array(op, "weight", weight)
+  bias = None if bias is None else check_array(op, "bias", bias)
+  eps = check_positive_float(op, "eps", eps)
+  params = [(n, p) for n, p in (("weight", weight), ("bias", bias)) if p is not None]
+  if normalized_ndim is not None and (not isinstance(normalized_ndim, int)
+                                      or isinstance(normalized_ndim, bool)):
+    raise TypeError(f"{op}: normalized_ndim must be an int, got {normalized_ndim!r}")
+  if params:
+    norm_ndim = params[0][1].ndim
+    features = x.shape[x.ndim - norm_ndim:] if norm_ndim <= x.ndim else None
+    for name, p in params:
+      if p.ndim == 0 or p.shape != features or p.shape != params[0][1].shape:
+        raise ValueError(f"{op}: {name} must have the shape of the trailing axes of x it "
+                         f"normalizes, x.shape[-{name}.ndim:]; got x {describe(x)} and "
+                         + ", ".join(f"{n} {describe(q)}" for n, q in params))
+    if normalized_ndim is not None and normalized_ndim != norm_ndim:
+      raise ValueError(f"{op}: normalized_ndim={normalized_ndim} disagrees with "
+                       f"{params[0][0]}.ndim={norm_ndim} ({describe(params[0][1])})")
+  else:
+    norm_ndim = 1 if normalized_ndim is None else normalized_ndim
+    if not 1 <= norm_ndim <= x.ndim:
+      raise ValueError(f"{op}: normalized_ndim must be between 1 and x.ndim={x.ndim}, got "
+                       f"{norm_ndim} (x {describe(x)})")
+  if math.prod(x.shape[x.ndim - norm_ndim:]) == 0:
+    raise ValueError(f"{op}: cannot normalize over zero elements (x {describe(x)}, "
+                     f"normalizing its last {norm_ndim} axes)")
+  out_dtype = canonical_dtype(op, "out_dtype", out_dtype) or \
+      jnp.result_type(x, *(p for _, p in params))
+  impl = registry.resolve(op, implementation, _BACKENDS, _preference())
+  st = _Static(op, kind, eps, norm_ndim, jnp.dtype(out_dtype),
+               None if bias is None else jnp.dtype(bias.dtype), impl)
+  return _norm_jit(x, weight, bias, st)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _norm(x, weight, bias, st):
+  return _forward(x, weight, bias, st)[0]
+
+
+def _norm_fwd(x, weight, bias, st):
+  y, mean, rstd = _forward(x, weight, bias, st)
+  return y, (x, weight, mean, rstd)
+
+
+def _norm_bwd(st, residuals, dy):
+  x, weight, mean, rstd = residuals
+  return _backward(dy, x, weight, mean, rstd, st)
+
+
+_norm.defvjp(_norm_fwd, _norm_bwd)
+_norm_jit = jax.jit(_norm, static_argnums=(3,))
+
+
+def _forward(x, weight, bias, st):
+  if st.implementation == "xla" or x.size == 0:
+    return reference.forward(x, weight, bias, kind=st.kind, eps=st.eps, norm_ndim=st.norm_ndim,
+                             group_ndim=st.group_ndim, out_dtype=st.out_dtype)
+  return _kernels(st).forward(x, weight, bias)
+
+
+def _backward(dy, x, weight, mean, rstd, st):
+  if st.implementation == "xla" or x.size == 0:
+    return reference.backward(dy, x, weight, mean, rstd, kind=st.kind,
+                              has_bias=st.bias_dtype is not None, norm_ndim=st.norm_ndim,
+                              group_ndim=st.group_ndim, bias_dtype=st.bias_dtype)
+  return _kernels(st).backward(dy, x, weight, mean, rstd)
+
+
+class _Kernels:
+  """The kernel path for one static configuration: vmap rules around sharded kernel calls."""
+
+  def __init__(self, st: _Static):
+    self.st = st
+    self.forward = custom_vmap(self._sharded_forward)
+    self.forward.def_vmap(self._forward_rule)
+    self.backward = custom_vmap(self._sharded_backward)
+    self.backward.def_vmap(self._backward_rule)
+
+  # Factor names for parallel_call: groups and rows are parallel, features are reduced over.
+  def _dims(self, ndim):
+    st = self.st
+    groups = tuple(f"g{i}" for i in range(st.group_ndim))
+    rows = tuple(f"r{i}" for i in range(ndim - st.group_ndim - st.norm_ndim))
+    features = tuple(f"f{i}" for i in range(st.norm_ndim))
+    return groups + rows + features, groups + features, groups + rows, set(groups + rows)
+
+  def _flat(self, x):
+    st = self.st
+    g = math.prod(x.shape[:st.group_ndim])
+    n = math.prod(x.shape[x.ndim - st.norm_ndim:])
+    return x.reshape(g, -1, n), lambda a: a.reshape(g, n), lambda s: s.reshape(g, -1)
+
+  def _sharded_forward(self, x, weight, bias):
+    st = self.st
+    x_dims, param_dims, stat_dims, parallel = self._dims(x.ndim)
+    params = [p for p in (weight, bias) if p is not None]
+    n_stats = 2 if st.kind == "layer" else 1
+
+    def local(x, *params):
+      w, b = self._unpack(weight, bias, params)
+      x3, flat_param, _ = self._flat(x)
+      y, mean, rstd = triton.forward(
+          x3, None if w is None else flat_param(w), None if b is None else flat_param(b),
+          kind=st.kind, eps=st.eps, out_dtype=st.out_dtype)
+      stats = (rstd,) if mean is None else (mean, rstd)
+      return (y.reshape(x.shape),) + tuple(s.reshape(x.shape[:x.ndim - st.norm_ndim])
+                                           for s in stats)
+
+    def feature_sharded(x, *params, axis_names):
+      w, b = self._unpack(weight, bias, params)
+      y, mean, rstd = reference.forward(x, w, b, kind=st.kind, eps=st.eps,
+                                        norm_ndim=st.norm_ndim, group_ndim=st.group_ndim,
+                                        out_dtype=st.out_dtype, axis_names=axis_names)
+      return (y, rstd) if mean is None else (y, mean, rstd)
+
+    outs = parallel_call(st.op, local, x, *params, in_dims=[x_dims] + [param_dims] * len(params),
+                         out_dims=[x_dims] + [stat_dims] * n_stats, parallel=parallel,
+                         sharded_whole_fn=feature_sharded)
+    return (outs[0], None, outs[1]) if n_stats == 1 else tuple(outs)
+
+  def _sharded_backward(self, dy, x, weight, mean, rstd):
+    st = self.st
+    has_bias = st.bias_dtype is not None
+    x_dims, param_dims, stat_dims, parallel = self._dims(x.ndim)
+    stats = [s for s in (mean, rstd) if s is not None]
+    inputs = [dy, x] + ([weight] if weight is not None else []) + stats
+    in_dims = [x_dims, x_dims] + [param_dims] * (weight is not None) + [stat_dims] * len(stats)
+    out_dims = [x_dims] + [param_dims] * ((weight is not None) + has_bias)
+
+    def split(rest):
+      w = rest.pop(0) if weight is not None else None
+      m = rest.pop(0) if mean is not None else None
+      return w, m, rest.pop(0)
+
+    def local(dy, x, *rest):
+      w, m, r = split(list(rest))
+      x3, flat_param, flat_stat = self._flat(x)
+      dx, dw, db = triton.backward(
+          dy.reshape(x3.shape), x3, None if w is None else flat_param(w),
+          None if m is None else flat_stat(m), flat_stat(r), kind=st.kind, has_bias=has_bias,
+          bias_dtype=st.bias_dtype)
+      param_shape = x.shape[:st.group_ndim] + x.shape[x.ndim - st.norm_ndim:]
+      return (dx.reshape(x.shape),) + tuple(g.reshape(param_shape) for g in (dw, db)
+                                            if g is not None)
+
+    def feature_sharded(dy, x, *rest, axis_names):
+      w, m, r = split(list(rest))
+      grads = reference.backward(dy, x, w, m, r, kind=st.kind, has_bias=has_bias,
+                                 norm_ndim=st.norm_ndim, group_ndim=st.group_ndim,
+                                 bias_dtype=st.bias_dtype, axis_names=axis_names)
+      return tuple(g for g in grads if g is not None)
+
+    outs = list(parallel_call(st.op, local, *inputs, in_dims=in_dims, out_dims=out_dims,
+                              parallel=parallel, sharded_whole_fn=feature_sharded))
+    dx = outs.pop(0)
+    dw = outs.pop(0) if weight is not None else None
+    return dx, dw, (outs.pop(0) if has_bias else None)
+
+  @staticmethod
+  def _unpack(weight, bias, params):
+    params = list(params)
+    return (params.pop(0) if weight is not None else None,
+            params.pop(0) if bias is not None else None)
+
+  # vmap: the mapped axis arrives in front. With shared parameters it is just more rows. When a
+  # parameter is mapped (or the per-example parameter gradients of a mapped backward are wanted)
+  # it becomes a new leading group axis of every operand.
+  def _forward_rule(self, axis_size, in_batched, x, weight, bias):
+    if self.st.group_ndim == 0 and not any(in_batched[1:]):
+      return self._all_batched(self.forward(x, weight, bias))
+    args = [a if b or a is None else _broadcast(a, axis_size)
+            for a, b in zip((x, weight, bias), in_batched)]
+    return self._all_batched(_grouped(self.st).forward(*args))
+
+  def _backward_rule(self, axis_size, in_batched, dy, x, weight, mean, rstd):
+    args = [a if b or a is None else _broadcast(a, axis_size)
+            for a, b in zip((dy, x, weight, mean, rstd), in_batched)]
+    return self._all_batched(_grouped(self.st).backward(*args))
+
+  @staticmethod
+  def _all_batched(outs):
+    return outs, tuple(None if o is None else True for o in outs)
+
+
+def _broadcast(a, axis_size):
+  return jnp.broadcast_to(a, (axis_size,) + a.shape)
+
+
+@functools.cache
+def _kernels(st: _Static) -> _Kernels:
+  return _Kernels(st)
+
+
+def _grouped(st: _Static) -> _Kernels:
+  return _kernels(dataclasses.replace(st, group_ndim=st.group_ndim + 1))

@@ -1,0 +1,64 @@
+"""Bench cases for ``rms_norm`` and ``layer_norm``.
+
+Bytes counted: forward reads x and writes y (2 passes); the training step reads x twice (forward
+and backward), writes y, reads dy and writes dx (5 passes). Parameters and statistics are
+negligible next to them and not counted.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxfuse._core import registry
+from jaxfuse._core.bench import Case
+from jaxfuse.ops.norm.api import layer_norm, rms_norm
+
+GPU_SIZES = (256, 1024, 2048, 4096, 8192, 16384, 65536)
+GPU_ROWS = 16384
+
+
+def _inputs(key, rows, n, dtype, with_bias):
+  kx, kw, kb, kd = jax.random.split(key, 4)
+  x = jax.random.normal(kx, (rows, n), dtype)
+  w = 1.0 + 0.1 * jax.random.normal(kw, (n,), dtype)
+  dy = jax.random.normal(kd, (rows, n), dtype)
+  b = 0.1 * jax.random.normal(kb, (n,), dtype) if with_bias else None
+  return (x, w, b, dy) if with_bias else (x, w, dy)
+
+
+def _forward(fn, impl):
+  return lambda x, w, *rest: fn(x, w, *rest[:-1], implementation=impl)
+
+
+def _train(fn, impl):
+  def step(x, *params_and_dy):
+    *params, dy = params_and_dy
+    y, vjp = jax.vjp(lambda x, *p: fn(x, *p, implementation=impl), x, *params)
+    return (y,) + vjp(dy)
+  return step
+
+
+def cases(quick: bool = False) -> list[Case]:
+  on_gpu = registry.platform() == "gpu"
+  if on_gpu:
+    rows, sizes = GPU_ROWS, GPU_SIZES[:3] if quick else GPU_SIZES
+    impls, check_only = ("xla", "triton"), ()
+  else:
+    rows, sizes = 64, (256, 1000, 4097)
+    impls, check_only = ("xla",), ("triton",)
+  dtype = jnp.bfloat16
+  out = []
+  for op, fn, with_bias in (("rms_norm", rms_norm, False), ("layer_norm", layer_norm, True)):
+    for n in sizes:
+      pass_bytes = rows * n * jnp.dtype(dtype).itemsize
+      out.append(Case(
+          op=op, label=f"{rows}x{n} {jnp.dtype(dtype).name}", size=n,
+          make_inputs=functools.partial(_inputs, rows=rows, n=n, dtype=dtype,
+                                        with_bias=with_bias),
+          forward=functools.partial(_forward, fn), train=functools.partial(_train, fn),
+          forward_work=2 * pass_bytes, train_work=5 * pass_bytes,
+          implementations=impls, check_only=check_only))
+  return out

@@ -1,0 +1,436 @@
+"""rms_norm and layer_norm against a float64 reference, under every transformation.
+
+On the CPU the 'triton' implementation runs the Pallas kernels in the interpreter, which fills
+kernel outputs with NaN before the kernel runs: an element the kernel forgets to write fails the
+comparison. On a GPU the same tests run the compiled kernels.
+"""
+
+import functools
+
+import jax
+import jax.test_util  # noqa: F401  (check_grads)
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import jaxfuse
+from jaxfuse._core.testing import assert_close, random, x64
+
+IMPLS = ["xla", "triton"]
+KINDS = ["rms", "layer"]
+EPS = {"rms": 1e-6, "layer": 1e-5}
+
+
+def call(kind, x, w=None, b=None, **kwargs):
+  if kind == "rms":
+    assert b is None
+    return jaxfuse.rms_norm(x, w, **kwargs)
+  return jaxfuse.layer_norm(x, w, b, **kwargs)
+
+
+def _plain_norm(kind, x, w, b, eps, nd):
+  """The textbook formula, differentiated by JAX: independent of the library's own reference."""
+  axes = tuple(range(x.ndim - nd, x.ndim))
+  if kind == "layer":
+    x = x - jnp.mean(x, axes, keepdims=True)
+  y = x / jnp.sqrt(jnp.mean(x * x, axes, keepdims=True) + eps)
+  if w is not None:
+    y = y * w
+  if b is not None:
+    y = y + b
+  return y
+
+
+def reference(kind, x, w=None, b=None, dy=None, *, eps=None, nd=None):
+  """float64 output and, given ``dy``, float64 gradients (dx, dw, db) as NumPy arrays."""
+  eps = EPS[kind] if eps is None else eps
+  nd = nd or (w.ndim if w is not None else b.ndim if b is not None else 1)
+  with x64():
+    up = lambda a: None if a is None else jnp.asarray(np.asarray(a, np.float64))
+    args = [up(x), up(w), up(b)]
+    f = lambda x, w, b: _plain_norm(kind, x, w, b, eps, nd)
+    y, vjp = jax.vjp(f, *args)
+    grads = vjp(up(dy)) if dy is not None else ()
+    to_np = lambda a: None if a is None else np.asarray(a)
+    return to_np(y), tuple(map(to_np, grads))
+
+
+def params(rng, kind, wshape, dtype=jnp.float32, with_weight=True):
+  w = random(rng, wshape, dtype, scale=0.5, offset=1.0) if with_weight else None
+  b = random(rng, wshape, dtype, scale=0.5) if kind == "layer" and with_weight else None
+  return w, b
+
+
+# (x shape, weight shape or None, normalized_ndim): odd sizes, 0-3 leading axes, 1-D and 2-D
+# weights, rows longer than one register tile (4097, 65537 walk the looped kernels).
+FORWARD_CASES = [
+    ((1,), (1,), None),
+    ((3,), (3,), None),
+    ((5, 1000), (1000,), None),
+    ((2, 3, 4097), (4097,), None),
+    ((2, 65537), (65537,), None),
+    ((3, 5, 7, 11), (7, 11), None),
+    ((2, 1, 3, 5, 6), None, 3),
+    ((13, 257), None, None),
+]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("shape,wshape,nd", FORWARD_CASES, ids=str)
+def test_forward_matches_float64(rng, impl, kind, shape, wshape, nd):
+  x = random(rng, shape, jnp.float32)
+  w, b = params(rng, kind, wshape) if wshape else (None, None)
+  y = call(kind, x, w, b, normalized_ndim=nd, implementation=impl)
+  assert y.shape == x.shape and y.dtype == jnp.float32
+  expected, _ = reference(kind, x, w, b, nd=nd)
+  assert_close(y, expected)
+
+
+DTYPES = [jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("x_dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("w_dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_dtype_pairings(rng, impl, kind, x_dtype, w_dtype):
+  with x64():
+    x = random(rng, (6, 300), x_dtype, scale=2.0, offset=0.5)
+    w, b = params(rng, kind, (300,), w_dtype)
+    y = call(kind, x, w, b, implementation=impl)
+    expected_dtype = jnp.result_type(x_dtype, w_dtype)
+    assert y.dtype == expected_dtype
+    expected, _ = reference(kind, x, w, b)
+  assert_close(y, expected, expected_dtype)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_out_dtype_follows_request(rng, impl, kind):
+  x = random(rng, (4, 96), jnp.float32)
+  w, b = params(rng, kind, (96,), jnp.bfloat16)
+  y = call(kind, x, w, b, out_dtype=jnp.bfloat16, implementation=impl)
+  assert y.dtype == jnp.bfloat16
+  assert_close(y, reference(kind, x, w, b)[0], jnp.bfloat16)
+
+
+GRAD_CASES = [
+    ((7,), (7,), jnp.float32),
+    ((5, 1000), (1000,), jnp.float32),
+    ((3, 9000), (9000,), jnp.float32),  # longer than one backward tile: the looped kernel
+    ((2, 3, 4, 5), (4, 5), jnp.float32),
+    ((40, 130), None, jnp.float32),
+    ((33, 515), (515,), jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("shape,wshape,dtype", GRAD_CASES, ids=str)
+def test_gradients_match_float64(rng, impl, kind, shape, wshape, dtype):
+  x = random(rng, shape, dtype, scale=1.5, offset=0.3)
+  w, b = params(rng, kind, wshape, dtype) if wshape else (None, None)
+  dy = random(rng, shape, dtype)
+  present = [a for a in (x, w, b) if a is not None]
+
+  def f(*args):
+    return call(kind, *args, implementation=impl)
+
+  y, vjp = jax.vjp(f, *present)
+  grads = vjp(dy)
+  y_ref, grads_ref = reference(kind, x, w, b, dy)
+  assert_close(y, y_ref, name="y")
+  # Weight gradients sum over rows; bf16 inputs round before the sum.
+  for name, g, g_ref in zip(["dx", "dweight", "dbias"], grads,
+                            [r for r in grads_ref if r is not None]):
+    assert g.dtype == dtype
+    assert_close(g, g_ref, factor=4 if dtype == jnp.bfloat16 else 10, name=name)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_numerical_gradients(rng, impl, kind):
+  with x64():
+    x = random(rng, (3, 17), jnp.float64)
+    w, b = params(rng, kind, (17,), jnp.float64)
+    args = [a for a in (x, w, b) if a is not None]
+    jax.test_util.check_grads(lambda *a: call(kind, *a, implementation=impl), args, order=1,
+                              modes=["rev"])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_layernorm_large_mean(rng, impl, kind):
+  """A large offset must not cancel the variance (the looped kernel merges chunk statistics).
+
+  float32 holds 1e4 + noise to ~6e-4 of the noise, which bounds any float32 algorithm; the
+  one-pass E[x^2] - E[x]^2 formula is off by orders of magnitude more.
+  """
+  x = random(rng, (3, 20000), jnp.float32, scale=1.0, offset=1e4)
+  w, b = params(rng, kind, (20000,))
+  y = call(kind, x, w, b, implementation=impl)
+  assert_close(y, reference(kind, x, w, b)[0], factor=100)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_vmap_any_axis(rng, impl, kind):
+  x = random(rng, (4, 6, 50), jnp.float32)
+  w, b = params(rng, kind, (50,))
+  f = functools.partial(call, kind, implementation=impl)
+  expected = np.stack([reference(kind, x[:, i], w, b)[0] for i in range(6)], axis=1)
+  out = jax.vmap(lambda x: f(x, w, b), in_axes=1, out_axes=1)(x)
+  assert_close(out, expected)
+  # A batched weight: every example normalizes with its own parameters.
+  ws, bs = params(rng, kind, (6, 50))
+  out = jax.vmap(lambda x, w, b: f(x, w, b), in_axes=(1, 0, 0 if b is not None else None),
+                 out_axes=1)(x, ws, bs)
+  expected = np.stack([reference(kind, x[:, i], ws[i], None if bs is None else bs[i])[0]
+                       for i in range(6)], axis=1)
+  assert_close(out, expected)
+  # Nested vmap, the inner one over the weight only.
+  out = jax.vmap(jax.vmap(lambda x, w: f(x, w), in_axes=(None, 0)), in_axes=(0, None))(x, ws)
+  expected = np.stack([[reference(kind, x[i], ws[j])[0] for j in range(6)] for i in range(4)])
+  assert_close(out, expected)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_vmap_and_grad_compose(rng, impl, kind):
+  x = random(rng, (3, 5, 40), jnp.float32)
+  w, b = params(rng, kind, (40,))
+  dy = random(rng, (3, 5, 40), jnp.float32)
+
+  def loss(x, w):
+    return jnp.sum(call(kind, x, w, b, implementation=impl) * dy[0])
+
+  # Per-example gradients: vmap of grad.
+  per_example = jax.vmap(jax.grad(loss, argnums=(0, 1)), in_axes=(0, None))(x, w)
+  for i in range(3):
+    _, (dx_ref, dw_ref, *_) = reference(kind, x[i], w, b, dy[0])
+    assert_close(per_example[0][i], dx_ref, factor=10)
+    assert_close(per_example[1][i], dw_ref, factor=10)
+
+  # grad of vmap: the parameter gradient sums over the mapped axis.
+  def batched_loss(x, w):
+    return jnp.sum(jax.vmap(lambda x: call(kind, x, w, b, implementation=impl))(x) * dy)
+
+  dx, dw = jax.grad(batched_loss, argnums=(0, 1))(x, w)
+  _, (dx_ref, dw_ref, *_) = reference(kind, x, w, b, dy)
+  assert_close(dx, dx_ref, factor=10)
+  assert_close(dw, dw_ref, factor=10)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_jit_and_checkpoint(rng, impl):
+  x = random(rng, (8, 64), jnp.float32)
+  w, b = params(rng, "layer", (64,))
+
+  def loss(x, w, b):
+    return jnp.sum(jnp.sin(jaxfuse.layer_norm(x, w, b, implementation=impl)))
+
+  plain = jax.grad(loss, argnums=(0, 1, 2))(x, w, b)
+  remat = jax.jit(jax.grad(jax.checkpoint(loss), argnums=(0, 1, 2)))(x, w, b)
+  for a, r in zip(plain, remat):
+    np.testing.assert_allclose(a, r, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_deterministic(rng, impl, kind):
+  x = random(rng, (300, 700), jnp.float32)
+  w, b = params(rng, kind, (700,))
+  dy = random(rng, (300, 700), jnp.float32)
+  present = [a for a in (x, w, b) if a is not None]
+
+  @jax.jit
+  def step(*args):
+    y, vjp = jax.vjp(lambda *a: call(kind, *a, implementation=impl), *args)
+    return (y,) + vjp(dy)
+
+  first, second = step(*present), step(*present)
+  for a, c in zip(first, second):
+    assert np.array_equal(np.asarray(a), np.asarray(c))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_nan_and_inf_propagate_per_row(rng, impl, kind):
+  x = np.array(random(rng, (4, 33), jnp.float32))
+  x[1, 5] = np.nan
+  x[2, 7] = np.inf
+  w, b = params(rng, kind, (33,))
+  y = np.asarray(call(kind, jnp.asarray(x), w, b, implementation=impl))
+  expected, _ = reference(kind, x, w, b)
+  np.testing.assert_array_equal(np.isnan(y), np.isnan(expected))
+  assert np.all(np.isnan(y[1]))
+  finite = np.isfinite(expected)
+  assert_close(y[finite], expected[finite])
+  assert_close(y[[0, 3]], expected[[0, 3]])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_empty_batch(impl):
+  x = jnp.zeros((0, 3, 16), jnp.float32)
+  y = jaxfuse.rms_norm(x, jnp.ones(16), implementation=impl)
+  assert y.shape == x.shape
+  dx = jax.grad(lambda x: jnp.sum(jaxfuse.rms_norm(x, implementation=impl)))(x)
+  assert dx.shape == x.shape
+
+
+# --------------------------------------------------------------------------- sharding
+
+
+def _mesh(shape, names, axis_type):
+  n = int(np.prod(shape))
+  if jax.device_count() < n:
+    pytest.skip(f"needs {n} devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+  return jax.make_mesh(shape, names, axis_types=(axis_type,) * len(names),
+                       devices=jax.devices()[:n])
+
+
+SHARDINGS = [
+    ((8,), ("d",), P("d"), P()),
+    ((4, 2), ("a", "b"), P("a", "b"), P()),
+    ((2, 4), ("a", "b"), P(("a", "b")), P()),
+    ((2,), ("d",), P(None, "d"), P()),
+]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=str)
+@pytest.mark.parametrize("mesh_shape,names,x_spec,w_spec", SHARDINGS, ids=str)
+def test_batch_sharding_never_gathers(rng, impl, axis_type, mesh_shape, names, x_spec, w_spec):
+  mesh = _mesh(mesh_shape, names, axis_type)
+  x = random(rng, (16, 6, 128), jnp.float32)
+  w, b = params(rng, "layer", (128,))
+  dy = random(rng, (16, 6, 128), jnp.float32)
+
+  def step(x, w, b):
+    y, vjp = jax.vjp(lambda *a: jaxfuse.layer_norm(*a, implementation=impl), x, w, b)
+    return (y,) + vjp(dy)
+
+  single = jax.jit(step)(x, w, b)
+  put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))
+  args = (put(x, x_spec), put(w, w_spec), put(b, w_spec))
+  compiled = jax.jit(step).lower(*args).compile()
+  hlo = compiled.as_text()
+  assert "all-gather" not in hlo and "all-to-all" not in hlo
+  out = compiled(*args)
+  assert out[0].sharding.spec[:len(x_spec)] == tuple(x_spec)
+  for a, s in zip(out, single):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(s), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=str)
+def test_feature_sharding_reduces_across_shards(rng, impl, axis_type):
+  mesh = _mesh((2, 4), ("rows", "features"), axis_type)
+  x = random(rng, (8, 256), jnp.float32)
+  w, _ = params(rng, "rms", (256,))
+  dy = random(rng, (8, 256), jnp.float32)
+
+  def step(x, w):
+    y, vjp = jax.vjp(lambda *a: jaxfuse.rms_norm(*a, implementation=impl), x, w)
+    return (y,) + vjp(dy)
+
+  put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))
+  args = (put(x, P("rows", "features")), put(w, P("features")))
+  compiled = jax.jit(step).lower(*args).compile()
+  assert "all-gather" not in compiled.as_text()
+  y, dx, dw = compiled(*args)
+  y_ref, (dx_ref, dw_ref, _) = reference("rms", x, w, None, dy)
+  assert_close(y, y_ref)
+  assert_close(dx, dx_ref, factor=10)
+  assert_close(dw, dw_ref, factor=10)
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def _bad(kind, **overrides):
+  args = dict(x=jnp.ones((4, 8)), w=jnp.ones(8), b=jnp.ones(8) if kind == "layer" else None)
+  args.update(overrides)
+  kwargs = {k: v for k, v in args.items() if k not in ("x", "w", "b")}
+  return lambda: call(kind, args["x"], args["w"], args["b"], **kwargs)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("overrides,error,match", [
+    (dict(w=jnp.ones(7)), ValueError, r"weight.*float32\[4,8\].*float32\[7\]"),
+    (dict(w=jnp.ones((2, 8))), ValueError, "weight"),
+    (dict(x=jnp.ones((4, 8), jnp.int32)), TypeError, r"x.*int32\[4,8\]"),
+    (dict(x=jnp.ones((4, 8), jnp.complex64)), TypeError, "x.*complex64"),
+    (dict(w=jnp.ones(8, jnp.int32)), TypeError, "weight.*int32"),
+    (dict(eps=0.0), ValueError, "eps"),
+    (dict(eps=-1e-5), ValueError, "eps"),
+    (dict(eps=float("nan")), ValueError, "eps"),
+    (dict(eps=float("inf")), ValueError, "eps"),
+    (dict(eps="small"), TypeError, "eps"),
+    (dict(implementation="fast"), ValueError, "implementation"),
+    (dict(implementation=3), TypeError, "implementation"),
+    (dict(implementation="cudnn"), NotImplementedError, "cudnn"),
+    (dict(w=None, b=None, normalized_ndim=3), ValueError, "normalized_ndim"),
+    (dict(normalized_ndim=2), ValueError, "normalized_ndim"),
+    (dict(x=jnp.ones((4, 0)), w=None, b=None), ValueError, "zero elements"),
+    (dict(out_dtype=jnp.int8), TypeError, "out_dtype"),
+], ids=str)
+def test_bad_input_raises_naming_argument(kind, overrides, error, match):
+  with pytest.raises(error, match=match):
+    _bad(kind, **overrides)()
+
+
+def test_bias_shape_must_match_weight():
+  with pytest.raises(ValueError, match=r"bias.*float32\[4\]"):
+    jaxfuse.layer_norm(jnp.ones((2, 8)), jnp.ones(8), jnp.ones(4))
+
+
+def test_traced_eps_is_rejected():
+  with pytest.raises(TypeError, match="eps"):
+    jax.jit(lambda e: jaxfuse.rms_norm(jnp.ones((2, 4)), eps=e))(1e-6)
+
+
+def test_errors_raise_at_trace_time():
+  with pytest.raises(ValueError, match="weight"):
+    jax.eval_shape(lambda x, w: jaxfuse.rms_norm(x, w), jax.ShapeDtypeStruct((2, 8), jnp.float32),
+                   jax.ShapeDtypeStruct((9,), jnp.float32))
+
+
+def test_default_implementation_on_cpu_is_xla(rng):
+  if jax.default_backend() != "cpu":
+    pytest.skip("CPU selection")
+  x = random(rng, (3, 10), jnp.float32)
+  jaxpr = str(jax.make_jaxpr(lambda x: jaxfuse.rms_norm(x))(x))
+  assert "pallas_call" not in jaxpr
+
+
+# --------------------------------------------------------------------------- GPU only
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n", [1, 3, 1000, 4097, 8192, 65537, 1 << 20])
+def test_gpu_kernels_against_float64(rng, kind, n):
+  """Compiled kernels, poisoned output memory, odd and huge rows, bf16 like training."""
+  from jaxfuse._core.testing import poison_device_memory
+  rows = max(1, min(4096, (1 << 24) // n))
+  x = random(rng, (rows, n), jnp.bfloat16)
+  w, b = params(rng, kind, (n,), jnp.bfloat16)
+  dy = random(rng, (rows, n), jnp.bfloat16)
+  present = [a for a in (x, w, b) if a is not None]
+  poison_device_memory(8 * rows * n)
+  y, vjp = jax.vjp(lambda *a: call(kind, *a, implementation="triton"), *present)
+  grads = vjp(dy)
+  y_ref, grads_ref = reference(kind, x, w, b, dy)
+  assert_close(y, y_ref)
+  for g, r in zip(grads, [r for r in grads_ref if r is not None]):
+    assert_close(g, r, factor=4)
+
+
+@pytest.mark.gpu
+def test_gpu_default_is_kernel(rng):
+  x = random(rng, (64, 1024), jnp.bfloat16)
+  text = jax.jit(lambda x: jaxfuse.rms_norm(x)).lower(x).as_text()
+  assert "triton" in text.lower() or "__gpu$xla.gpu.triton" in text
