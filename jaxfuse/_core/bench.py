@@ -66,6 +66,8 @@ class Row:
   forward_error: float | None = None
   train_error: float | None = None
   ceiling_name: str = ""
+  # Copy of the case's first input, same bytes as the forward: the ceiling at this size.
+  size_copy_rate: float | None = None
   forward_pct: float | None = None
   train_pct: float | None = None
   note: str = ""
@@ -83,16 +85,25 @@ def _block(tree):
 
 
 def time_ms(fn: Callable, input_sets: Sequence[tuple], *, min_seconds: float = 0.3,
-            max_reps: int = 50) -> float:
-  """Median milliseconds of one ``fn`` call, from calls on ``len(input_sets)`` input sets."""
+            groups: int = 7) -> float:
+  """Median milliseconds of one ``fn`` call, from calls on ``len(input_sets)`` input sets.
+
+  Calls are dispatched back to back and waited for once per group, so the host's dispatch
+  overlaps the device's work and a group's time is the device's.
+  """
   batched = jax.jit(lambda sets: [fn(*s) for s in sets])
   _block(batched(input_sets))
+  t0 = time.perf_counter()
+  _block(batched(input_sets))
+  single = time.perf_counter() - t0
+  calls = int(max(3, min(200, math.ceil(min_seconds / groups / max(single, 1e-6)))))
   times = []
-  start = time.perf_counter()
-  while len(times) < max_reps and (len(times) < 5 or time.perf_counter() - start < min_seconds):
+  for _ in range(groups):
     t0 = time.perf_counter()
-    _block(batched(input_sets))
-    times.append(time.perf_counter() - t0)
+    for _ in range(calls):
+      out = batched(input_sets)
+    _block(out)
+    times.append((time.perf_counter() - t0) / calls)
   return statistics.median(times) * 1e3 / len(input_sets)
 
 
@@ -196,11 +207,16 @@ def _run_case(case, impls, ceilings, time_it, progress):
   n_sets = copies_for(case.forward_work if case.unit == "GB/s" else 2 * in_bytes)
   sets = [inputs] + [case.make_inputs(jax.random.fold_in(key, i)) for i in range(1, n_sets)]
   ceiling_name = "copy GB/s" if case.unit == "GB/s" else "matmul TFLOP/s"
+  size_copy = None
+  if case.unit == "GB/s":
+    first = inputs[0]
+    size_copy = 2 * first.size * first.dtype.itemsize / (time_ms(lambda a, *_: -a, sets) * 1e-3) / 1e9
   for row in rows:
     if row.note or row.implementation in case.check_only:
       continue
     impl = row.implementation
     row.ceiling_name = ceiling_name
+    row.size_copy_rate = size_copy
     row.forward_ms = time_ms(case.forward(impl), sets)
     row.forward_rate = _rate(case.forward_work, row.forward_ms, case.unit)
     if case.train:
@@ -232,14 +248,15 @@ def table(rows: Sequence[Row], ceilings: dict) -> str:
     unit = op_rows[0].unit
     header = (f"{'shape':<28} {'impl':<8} {'fwd ms':>8} {'fwd ' + unit:>12} {'%ceil':>6} "
               f"{'step ms':>8} {'step ' + unit:>13} {'%ceil':>6} {'temp MiB':>9} "
-              f"{'err fwd':>9} {'err step':>9}")
+              f"{'err fwd':>9} {'err step':>9} {'size copy':>10}")
     out += ["", f"## {op}", header, "-" * len(header)]
     for r in op_rows:
       line = (f"{r.label:<28} {r.implementation:<8} {_fmt(r.forward_ms, '8.3f'):>8} "
               f"{_fmt(r.forward_rate, '12.1f'):>12} {_fmt(r.forward_pct, '6.1f'):>6} "
               f"{_fmt(r.train_ms, '8.3f'):>8} {_fmt(r.train_rate, '13.1f'):>13} "
               f"{_fmt(r.train_pct, '6.1f'):>6} {_fmt(r.train_temp_mib, '9.1f'):>9} "
-              f"{_fmt(r.forward_error, '9.1e'):>9} {_fmt(r.train_error, '9.1e'):>9}")
+              f"{_fmt(r.forward_error, '9.1e'):>9} {_fmt(r.train_error, '9.1e'):>9} "
+              f"{_fmt(r.size_copy_rate, '10.0f'):>10}")
       out.append(line + (f"  {r.note}" if r.note else ""))
   return "\n".join(out)
 

@@ -20,8 +20,20 @@ _BACKENDS = {"xla": registry.xla_available, "triton": registry.triton_unavailabl
 
 
 def _preference():
-  # The kernels beat XLA on every measured GPU shape; on the CPU they only run interpreted.
+  # On the CPU the kernels only run interpreted.
   return ("xla",) if registry.platform() == "cpu" else ("triton", "xla")
+
+
+def _fastest(kind: str, n: int, direction: str) -> str:
+  """The faster of the kernel and XLA for one direction, from benchmarks/results (H100, bf16).
+
+  The forward kernel loses to XLA's fusion on short rows, where both are launch-bound; the
+  backward kernel wins wherever a row's accumulators fit in registers. Both directions share
+  the saved statistics, so ``None`` may pair an XLA forward with a kernel backward.
+  """
+  if direction == "forward":
+    return "triton" if n >= (1024 if kind == "rms" else 16384) else "xla"
+  return "triton" if n <= 16384 else "xla"
 
 
 def rms_norm(x, weight=None, *, eps: float = 1e-6, normalized_ndim: int | None = None,
@@ -80,7 +92,8 @@ class _Static:
   norm_ndim: int
   out_dtype: jnp.dtype
   bias_dtype: jnp.dtype | None
-  implementation: str
+  forward_impl: str
+  backward_impl: str
   group_ndim: int = 0
 
 
@@ -115,8 +128,12 @@ def _normalize(op, kind, x, weight, bias, eps, normalized_ndim, out_dtype, imple
   out_dtype = canonical_dtype(op, "out_dtype", out_dtype) or \
       jnp.result_type(x, *(p for _, p in params))
   impl = registry.resolve(op, implementation, _BACKENDS, _preference())
+  forward_impl = backward_impl = impl
+  if implementation is None and impl == "triton":
+    n = math.prod(x.shape[x.ndim - norm_ndim:])
+    forward_impl, backward_impl = _fastest(kind, n, "forward"), _fastest(kind, n, "backward")
   st = _Static(op, kind, eps, norm_ndim, jnp.dtype(out_dtype),
-               None if bias is None else jnp.dtype(bias.dtype), impl)
+               None if bias is None else jnp.dtype(bias.dtype), forward_impl, backward_impl)
   return _norm_jit(x, weight, bias, st)
 
 
@@ -140,14 +157,14 @@ _norm_jit = jax.jit(_norm, static_argnums=(3,))
 
 
 def _forward(x, weight, bias, st):
-  if st.implementation == "xla" or x.size == 0:
+  if st.forward_impl == "xla" or x.size == 0:
     return reference.forward(x, weight, bias, kind=st.kind, eps=st.eps, norm_ndim=st.norm_ndim,
                              group_ndim=st.group_ndim, out_dtype=st.out_dtype)
   return _kernels(st).forward(x, weight, bias)
 
 
 def _backward(dy, x, weight, mean, rstd, st):
-  if st.implementation == "xla" or x.size == 0:
+  if st.backward_impl == "xla" or x.size == 0:
     return reference.backward(dy, x, weight, mean, rstd, kind=st.kind,
                               has_bias=st.bias_dtype is not None, norm_ndim=st.norm_ndim,
                               group_ndim=st.group_ndim, bias_dtype=st.bias_dtype)

@@ -35,7 +35,8 @@ from jaxfuse._core.validation import compute_dtype
 class NormBlocks:
   """Tiling of one kernel: a (block_rows, block_cols) register tile per step.
 
-  ``programs`` is the persistent grid size of the backward (None: chosen from the SM count).
+  Both kernels run a persistent grid of ``programs`` programs per weight group (None: a
+  multiple of the SM count), each walking a fixed, strided set of row blocks.
   """
   block_rows: int
   block_cols: int
@@ -43,33 +44,85 @@ class NormBlocks:
   programs: int | None = None
 
 
-# A register tile of this many elements keeps ~32 values per thread at the warp counts below.
-_TILE_ELEMENTS = 4096
-_FWD_MAX_COLS = 16384
-_BWD_MAX_COLS = 8192
+# Defaults measured on an H100 (benchmarks/tune_norm.py, bf16, 16384 rows): the forward wants
+# ~16 elements per thread and a few thousand programs in flight; the backward, which also keeps
+# the weight-gradient accumulators in registers, wants smaller tiles and two programs per SM.
+# Rows longer than the column caps are walked in chunks, twice, the second walk from L2.
+_FWD_MAX_COLS = 32768
+_BWD_MAX_COLS = 16384
 
 
 def forward_blocks(n_rows: int, n_cols: int) -> NormBlocks:
   block_cols = min(pl.next_power_of_2(n_cols), _FWD_MAX_COLS)
-  block_rows = max(1, min(_TILE_ELEMENTS // block_cols, pl.next_power_of_2(n_rows), 16))
-  num_warps = max(4, min(16, block_rows * block_cols // 1024))
-  return NormBlocks(block_rows, block_cols, num_warps)
+  tile = 1024 if block_cols < 1024 else 8192
+  block_rows = max(1, min(tile // block_cols, pl.next_power_of_2(n_rows)))
+  num_warps = 8 if block_cols < 1024 else 16 if block_cols < 8192 else block_cols // 1024
+  return NormBlocks(block_rows, block_cols, num_warps, 8 * registry.num_multiprocessors())
 
 
-def backward_blocks(n_rows: int, n_cols: int) -> NormBlocks:
-  block_cols = min(pl.next_power_of_2(n_cols), _BWD_MAX_COLS)
-  block_rows = max(1, min(_TILE_ELEMENTS // 2 // block_cols, pl.next_power_of_2(n_rows), 16))
-  num_warps = max(4, min(16, block_rows * block_cols // 512))
-  return NormBlocks(block_rows, block_cols, num_warps)
+def backward_blocks(n_rows: int, n_cols: int, kind: str = "rms") -> NormBlocks:
+  # LayerNorm keeps two accumulator rows (dweight, dbias): past 8192 columns they spill.
+  max_cols = _BWD_MAX_COLS if kind == "rms" else _BWD_MAX_COLS // 2
+  block_cols = min(pl.next_power_of_2(n_cols), max_cols)
+  sms = registry.num_multiprocessors()
+  if n_cols > max_cols:
+    return (NormBlocks(1, 8192, 16, 2 * sms) if n_cols <= 2 * max_cols
+            else NormBlocks(2, 2048, 4, 4 * sms))
+  block_rows = max(1, min(4096 // block_cols, 16, pl.next_power_of_2(n_rows)))
+  num_warps = max(8, min(16, block_rows * block_cols // 512))
+  return NormBlocks(block_rows, block_cols, num_warps, (1 if block_cols >= 8192 else 2) * sms)
+
+
+def _programs(blocks, n_rows, n_groups):
+  """Programs per group for a persistent grid, evened out so no program gets an extra step."""
+  n_row_blocks = pl.cdiv(n_rows, blocks.block_rows)
+  target = blocks.programs or 2 * registry.num_multiprocessors()
+  target = max(1, min(n_row_blocks, target // n_groups))
+  return pl.cdiv(n_row_blocks, pl.cdiv(n_row_blocks, target))
 
 
 def _compiler_params(blocks):
   return plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=1)
 
 
-def _load(ref, index, mask, dtype, evict=None):
+def _load(ref, index, mask, dtype=None, evict=None):
   kwargs = {} if evict is None else {"eviction_policy": evict}
-  return plgpu.load(ref.at[index], mask=mask, other=0.0, **kwargs).astype(dtype)
+  value = plgpu.load(ref.at[index], mask=mask, other=0.0, **kwargs)
+  return value if dtype is None else value.astype(dtype)
+
+
+class _RowBlocks:
+  """Program ``p`` of ``P`` (per group ``g``) owns row blocks ``p, p + P, p + 2P, ...``."""
+
+  def __init__(self, n_rows, blocks, prefetch_limit):
+    block_rows = blocks.block_rows
+    # Holding the next tile too costs registers: only worth it while a thread's share is small.
+    self.prefetch = block_rows * blocks.block_cols <= prefetch_limit * 32 * blocks.num_warps
+    self.g, self.p = pl.program_id(0), pl.program_id(1)
+    self.n_programs = pl.num_programs(1)
+    self.n_rows, self.block_rows = n_rows, block_rows
+    self.n_steps = (pl.cdiv(n_rows, block_rows) - self.p + self.n_programs - 1) // self.n_programs
+
+  def rows(self, step):
+    """Row indices of a step and their mask; steps past the end are fully masked."""
+    rows = (self.p + step * self.n_programs) * self.block_rows + jnp.arange(
+        self.block_rows, dtype=jnp.int32)
+    return rows, rows < self.n_rows
+
+  def loop(self, load, body, init):
+    """``body(step, loaded, carry)`` over this program's steps, loading a step ahead.
+
+    The next block's loads are issued before this block's reductions, so a program keeps memory
+    requests in flight while it computes: the register-level equivalent of double buffering.
+    """
+    if not self.prefetch:
+      return lax.fori_loop(0, self.n_steps, lambda i, c: body(i, load(i), c), init)
+
+    def step(i, state):
+      carry, loaded = state
+      ahead = load(i + 1)
+      return body(i, loaded, carry), ahead
+    return lax.fori_loop(0, self.n_steps, step, (init, load(0)))[0]
 
 
 def _forward_kernel(*refs, kind, has_weight, has_bias, eps, n_rows, n_cols, blocks, cdt):
@@ -77,45 +130,70 @@ def _forward_kernel(*refs, kind, has_weight, has_bias, eps, n_rows, n_cols, bloc
   w_ref = refs.pop(0) if has_weight else None
   b_ref = refs.pop(0) if has_bias else None
   y_ref, *stat_refs = refs
-  g = pl.program_id(0)
-  bc = blocks.block_cols
-  rows = pl.program_id(1) * blocks.block_rows + jnp.arange(blocks.block_rows, dtype=jnp.int32)
-  row_ok = rows < n_rows
+  blk = _RowBlocks(n_rows, blocks, prefetch_limit=32)
+  g, bc = blk.g, blocks.block_cols
   n_chunks = pl.cdiv(n_cols, bc)
 
-  def chunk(j, evict):
+  def columns(j):
     cols = j * bc + jnp.arange(bc, dtype=jnp.int32)
-    col_ok = cols < n_cols
-    mask = row_ok[:, None] & col_ok[None, :]
-    x = _load(x_ref, (g, rows[:, None], cols[None, :]), mask, cdt, evict)
-    return x, cols, col_ok, mask
+    return cols, cols < n_cols
 
-  def write(j, x, mean, rstd):
-    x, cols, col_ok, mask = x
+  def params(j):
+    cols, col_ok = columns(j)
+    w = _load(w_ref, (g, cols), col_ok, cdt) if has_weight else None
+    b = _load(b_ref, (g, cols), col_ok, cdt) if has_bias else None
+    return w, b
+
+  def write(rows, row_ok, j, x, mean, rstd, w, b):
+    cols, col_ok = columns(j)
     y = (x if mean is None else x - mean[:, None]) * rstd[:, None]
-    if has_weight:
-      y = y * _load(w_ref, (g, cols), col_ok, cdt)[None, :]
-    if has_bias:
-      y = y + _load(b_ref, (g, cols), col_ok, cdt)[None, :]
-    plgpu.store(y_ref.at[g, rows[:, None], cols[None, :]], y.astype(y_ref.dtype), mask=mask)
+    if w is not None:
+      y = y * w[None, :]
+    if b is not None:
+      y = y + b[None, :]
+    plgpu.store(y_ref.at[g, rows[:, None], cols[None, :]], y.astype(y_ref.dtype),
+                mask=row_ok[:, None] & col_ok[None, :])
+
+  def write_stats(rows, row_ok, mean, rstd):
+    if kind == "layer":
+      plgpu.store(stat_refs[0].at[g, rows], mean.astype(stat_refs[0].dtype), mask=row_ok)
+    plgpu.store(stat_refs[-1].at[g, rows], rstd.astype(stat_refs[-1].dtype), mask=row_ok)
+
+  def load_tile(rows, row_ok, j, evict=None):
+    cols, col_ok = columns(j)
+    mask = row_ok[:, None] & col_ok[None, :]
+    return _load(x_ref, (g, rows[:, None], cols[None, :]), mask, evict=evict), mask
 
   if n_chunks == 1:
-    tile = chunk(0, None)
-    x, _, _, mask = tile
-    if kind == "layer":
-      mean = jnp.sum(x, axis=1) / n_cols
-      centred = jnp.where(mask, x - mean[:, None], 0.0)
-      var = jnp.sum(centred * centred, axis=1) / n_cols
-    else:
-      mean, var = None, jnp.sum(x * x, axis=1) / n_cols
-    rstd = lax.rsqrt(var + eps)
-    write(0, tile, mean, rstd)
-  else:
+    w, b = params(0)
+
+    def body(i, loaded, carry):
+      rows, row_ok = blk.rows(i)
+      x_raw, mask = loaded
+      x = x_raw.astype(cdt)
+      if kind == "layer":
+        mean = jnp.sum(x, axis=1) / n_cols
+        centred = jnp.where(mask, x - mean[:, None], 0.0)
+        var = jnp.sum(centred * centred, axis=1) / n_cols
+      else:
+        mean, var = None, jnp.sum(x * x, axis=1) / n_cols
+      rstd = lax.rsqrt(var + eps)
+      write(rows, row_ok, 0, x, mean, rstd, w, b)
+      write_stats(rows, row_ok, mean, rstd)
+      return carry
+
+    blk.loop(lambda i: load_tile(*blk.rows(i), 0), body, ())
+    return
+
+  @pl.loop(0, blk.n_steps)
+  def _(i):
+    rows, row_ok = blk.rows(i)
     zeros = jnp.zeros((blocks.block_rows,), cdt)
     if kind == "layer":
       def stats(j, carry):
         count, mean, m2 = carry
-        x, _, _, mask = chunk(j, "evict_last")
+        x_raw, mask = load_tile(rows, row_ok, j, "evict_last")
+        x = x_raw.astype(cdt)
         chunk_count = jnp.minimum(bc, n_cols - j * bc).astype(cdt)
         chunk_mean = jnp.sum(x, axis=1) / chunk_count
         d = jnp.where(mask, x - chunk_mean[:, None], 0.0)
@@ -127,18 +205,17 @@ def _forward_kernel(*refs, kind, has_weight, has_bias, eps, n_rows, n_cols, bloc
       var = m2 / n_cols
     else:
       def stats(j, sum_sq):
-        x = chunk(j, "evict_last")[0]
+        x = load_tile(rows, row_ok, j, "evict_last")[0].astype(cdt)
         return sum_sq + jnp.sum(x * x, axis=1)
       mean, var = None, lax.fori_loop(0, n_chunks, stats, zeros) / n_cols
     rstd = lax.rsqrt(var + eps)
 
     @pl.loop(0, n_chunks)
     def _(j):
-      write(j, chunk(j, "evict_first"), mean, rstd)
+      x = load_tile(rows, row_ok, j, "evict_first")[0].astype(cdt)
+      write(rows, row_ok, j, x, mean, rstd, *params(j))
 
-  if kind == "layer":
-    plgpu.store(stat_refs[0].at[g, rows], mean.astype(stat_refs[0].dtype), mask=row_ok)
-  plgpu.store(stat_refs[-1].at[g, rows], rstd.astype(stat_refs[-1].dtype), mask=row_ok)
+    write_stats(rows, row_ok, mean, rstd)
 
 
 def forward(x, weight, bias, *, kind, eps, out_dtype, blocks: NormBlocks | None = None):
@@ -152,7 +229,8 @@ def forward(x, weight, bias, *, kind, eps, out_dtype, blocks: NormBlocks | None 
       _forward_kernel, kind=kind, has_weight=weight is not None, has_bias=bias is not None,
       eps=eps, n_rows=n_rows, n_cols=n_cols, blocks=blocks, cdt=cdt)
   outs = pl.pallas_call(
-      kernel, out_shape=out_shape, grid=(n_groups, pl.cdiv(n_rows, blocks.block_rows)),
+      kernel, out_shape=out_shape,
+      grid=(n_groups, _programs(blocks, n_rows, n_groups)),
       compiler_params=_compiler_params(blocks), interpret=registry.interpret_mode(),
       name=f"jaxfuse_{kind}_norm_fwd",
   )(x, *[p for p in (weight, bias) if p is not None])
@@ -166,73 +244,80 @@ def _backward_kernel(*refs, kind, has_weight, has_bias, n_rows, n_cols, blocks, 
   rstd_ref, dx_ref, *partial_refs = refs
   dw_ref = partial_refs.pop(0) if has_weight else None
   db_ref = partial_refs.pop(0) if has_bias else None
-  g, p = pl.program_id(0), pl.program_id(1)
-  n_programs = pl.num_programs(1)
-  br, bc = blocks.block_rows, blocks.block_cols
+  # The backward also holds the weight-gradient accumulators: prefetch only small shares.
+  blk = _RowBlocks(n_rows, blocks, prefetch_limit=16)
+  g, p, bc = blk.g, blk.p, blocks.block_cols
   n_chunks = pl.cdiv(n_cols, bc)
-  n_steps = (pl.cdiv(n_rows, br) - p + n_programs - 1) // n_programs
 
-  def rows_of(step):
-    rows = (p + step * n_programs) * br + jnp.arange(br, dtype=jnp.int32)
-    return rows, rows < n_rows
-
-  def row_stats(rows, row_ok):
-    rstd = _load(rstd_ref, (g, rows), row_ok, cdt)
-    mean = _load(mean_ref, (g, rows), row_ok, cdt) if kind == "layer" else None
-    return mean, rstd
-
-  def chunk(j, rows, row_ok, mean, rstd, evict=None):
-    """x_hat, dy and w * dy on one (rows, column chunk) tile; zero outside the array."""
+  def columns(j):
     cols = j * bc + jnp.arange(bc, dtype=jnp.int32)
-    col_ok = cols < n_cols
+    return cols, cols < n_cols
+
+  def load_rows(i, j, evict=None):
+    """Raw x and dy tiles of step i, chunk j, and the rows' statistics."""
+    rows, row_ok = blk.rows(i)
+    cols, col_ok = columns(j)
     mask = row_ok[:, None] & col_ok[None, :]
     index = (g, rows[:, None], cols[None, :])
-    x = _load(x_ref, index, mask, cdt, evict)
-    dy = _load(dy_ref, index, mask, cdt, evict)
-    x_hat = (x if mean is None else x - mean[:, None]) * rstd[:, None]
-    if mean is not None:
-      x_hat = jnp.where(mask, x_hat, 0.0)
-    wdy = dy * _load(w_ref, (g, cols), col_ok, cdt)[None, :] if has_weight else dy
-    return x_hat, dy, wdy, index, cols, col_ok, mask
+    rstd = _load(rstd_ref, (g, rows), row_ok, cdt)
+    mean = _load(mean_ref, (g, rows), row_ok, cdt) if kind == "layer" else None
+    return (_load(x_ref, index, mask, evict=evict), _load(dy_ref, index, mask, evict=evict),
+            mean, rstd, mask)
 
-  def store_dx(x_hat, wdy, rstd, c1, c2, index, mask):
+  def math(loaded, w):
+    """x_hat, dy and w * dy of a tile, zero outside the array."""
+    x_raw, dy_raw, mean, rstd, mask = loaded
+    dy = dy_raw.astype(cdt)
+    x_hat = x_raw.astype(cdt)
+    if mean is not None:
+      x_hat = jnp.where(mask, x_hat - mean[:, None], 0.0)
+    x_hat = x_hat * rstd[:, None]
+    return x_hat, dy, (dy * w[None, :] if w is not None else dy)
+
+  def weight(j):
+    cols, col_ok = columns(j)
+    return _load(w_ref, (g, cols), col_ok, cdt) if has_weight else None
+
+  def store_dx(i, j, x_hat, wdy, rstd, c1, c2):
+    rows, row_ok = blk.rows(i)
+    cols, col_ok = columns(j)
     dx = wdy - x_hat * c1[:, None]
     if c2 is not None:
       dx = dx - c2[:, None]
-    plgpu.store(dx_ref.at[index], (dx * rstd[:, None]).astype(dx_ref.dtype), mask=mask)
+    plgpu.store(dx_ref.at[g, rows[:, None], cols[None, :]],
+                (dx * rstd[:, None]).astype(dx_ref.dtype), mask=row_ok[:, None] & col_ok[None, :])
 
   def row_sums(x_hat, wdy):
-    c1 = jnp.sum(x_hat * wdy, axis=1)
-    return c1, (jnp.sum(wdy, axis=1) if kind == "layer" else None)
+    return jnp.sum(x_hat * wdy, axis=1), (jnp.sum(wdy, axis=1) if kind == "layer" else None)
 
   param_partials = [(r, f) for r, f in ((dw_ref, lambda x_hat, dy: x_hat * dy),
                                         (db_ref, lambda x_hat, dy: dy)) if r is not None]
 
   if n_chunks == 1:
-    def step(i, acc):
-      rows, row_ok = rows_of(i)
-      mean, rstd = row_stats(rows, row_ok)
-      x_hat, dy, wdy, index, cols, _, mask = chunk(0, rows, row_ok, mean, rstd)
+    w = weight(0)
+
+    def body(i, loaded, acc):
+      x_hat, dy, wdy = math(loaded, w)
       c1, c2 = row_sums(x_hat, wdy)
-      store_dx(x_hat, wdy, rstd, c1 / n_cols, None if c2 is None else c2 / n_cols, index, mask)
+      store_dx(i, 0, x_hat, wdy, loaded[3], c1 / n_cols, None if c2 is None else c2 / n_cols)
       return tuple(a + jnp.sum(f(x_hat, dy), axis=0) for a, (_, f) in zip(acc, param_partials))
 
-    acc = lax.fori_loop(0, n_steps, step, tuple(jnp.zeros((bc,), cdt) for _ in param_partials))
-    cols = jnp.arange(bc, dtype=jnp.int32)
+    acc = blk.loop(lambda i: load_rows(i, 0), body,
+                   tuple(jnp.zeros((bc,), cdt) for _ in param_partials))
+    cols, col_ok = columns(0)
     for a, (ref, _) in zip(acc, param_partials):
-      plgpu.store(ref.at[g, p, cols], a, mask=cols < n_cols)
+      plgpu.store(ref.at[g, p, cols], a, mask=col_ok)
     return
 
   # Long rows: two walks over the row per row block. The first accumulates the row sums and adds
   # this block's share of dweight/dbias into the program's own partial row (L2 resident); the
   # second computes dx from the same chunks, which the first walk left in L2.
-  @pl.loop(0, n_steps)
+  @pl.loop(0, blk.n_steps)
   def _(i):
-    rows, row_ok = rows_of(i)
-    mean, rstd = row_stats(rows, row_ok)
-
     def first_walk(j, sums):
-      x_hat, dy, wdy, _, cols, col_ok, _ = chunk(j, rows, row_ok, mean, rstd, "evict_last")
+      loaded = load_rows(i, j, "evict_last")
+      x_hat, dy, wdy = math(loaded, weight(j))
+      cols, col_ok = columns(j)
       for ref, f in param_partials:
         index = (g, p, cols)
         previous = plgpu.load(ref.at[index], mask=col_ok & (i > 0), other=0.0)
@@ -240,7 +325,7 @@ def _backward_kernel(*refs, kind, has_weight, has_bias, n_rows, n_cols, blocks, 
       c1, c2 = row_sums(x_hat, wdy)
       return (sums[0] + c1,) + (() if c2 is None else (sums[1] + c2,))
 
-    zeros = jnp.zeros((br,), cdt)
+    zeros = jnp.zeros((blocks.block_rows,), cdt)
     sums = lax.fori_loop(0, n_chunks, first_walk, (zeros,) * (2 if kind == "layer" else 1))
     # The next block's first walk reads partials that other threads of this program stored.
     if not registry.interpret_mode():
@@ -250,8 +335,9 @@ def _backward_kernel(*refs, kind, has_weight, has_bias, n_rows, n_cols, blocks, 
 
     @pl.loop(0, n_chunks)
     def _(j):
-      x_hat, _, wdy, index, _, _, mask = chunk(j, rows, row_ok, mean, rstd, "evict_first")
-      store_dx(x_hat, wdy, rstd, c1, c2, index, mask)
+      loaded = load_rows(i, j, "evict_first")
+      x_hat, _, wdy = math(loaded, weight(j))
+      store_dx(i, j, x_hat, wdy, loaded[3], c1, c2)
 
 
 def _sum_partials_kernel(partial_ref, out_ref, *, n_partials, n_cols, block_partials, block_cols):
@@ -289,10 +375,8 @@ def backward(dy, x, weight, mean, rstd, *, kind, has_bias, bias_dtype=None,
              blocks: NormBlocks | None = None):
   """Returns ``(dx, dweight | None, dbias | None)`` for ``(G, R, N)`` inputs."""
   n_groups, n_rows, n_cols = x.shape
-  blocks = blocks or backward_blocks(n_rows, n_cols)
-  n_row_blocks = pl.cdiv(n_rows, blocks.block_rows)
-  programs = blocks.programs or 2 * registry.num_multiprocessors()
-  programs = max(1, min(n_row_blocks, programs // n_groups or 1))
+  blocks = blocks or backward_blocks(n_rows, n_cols, kind)
+  programs = _programs(blocks, n_rows, n_groups)
   has_weight = weight is not None
   partial = jax.ShapeDtypeStruct((n_groups, programs, n_cols), rstd.dtype)
   out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype)] + [partial] * (has_weight + has_bias)
