@@ -1,0 +1,421 @@
+"""``softmax``, ``log_softmax`` and ``softmax_cross_entropy``: validation, dispatch, VJPs."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.custom_batching import custom_vmap
+
+from jaxfuse._core import registry
+from jaxfuse._core.sharding import parallel_call
+from jaxfuse._core.validation import check_array, check_choice, describe
+from jaxfuse.ops.softmax import reference, triton
+
+_BACKENDS = {"xla": registry.xla_available, "triton": registry.triton_unavailable}
+
+
+def _preference():
+  return ("xla",) if registry.platform() == "cpu" else ("triton", "xla")
+
+
+def softmax(x, axis: int = -1, *, scale: float = 1.0, mask=None, is_causal: bool = False,
+            causal_offset: int = 0, implementation: str | None = None):
+  """Softmax of ``scale * x`` along ``axis``, optionally masked.
+
+  Args:
+    x: float16, bfloat16, float32 or float64 array of any shape.
+    axis: the axis to normalize (any; an inner axis is read in place, not transposed).
+    scale: multiplies ``x`` first (a Python float, e.g. ``1 / sqrt(head_dim)``).
+    mask: boolean array broadcastable to ``x``; True keeps a logit, False removes it.
+    is_causal: mask the last two axes of ``x`` as (query i, key j), keeping
+      ``j <= i + causal_offset``. Offset 0 is ``jax.nn``'s alignment; ``S - T`` aligns the
+      queries with the last T of S keys (decoding with a cache).
+    causal_offset: see ``is_causal``.
+    implementation: ``'xla'``, ``'triton'`` or ``None`` (fastest available here).
+
+  Returns:
+    An array like ``x``. A fully masked row is all zeros and has zero gradient. Accumulation
+    is in float32 (float64 for float64 inputs).
+  """
+  return _softmax_entry("softmax", False, x, axis, scale, mask, is_causal, causal_offset,
+                        implementation)
+
+
+def log_softmax(x, axis: int = -1, *, scale: float = 1.0, mask=None, is_causal: bool = False,
+                causal_offset: int = 0, implementation: str | None = None):
+  """Log-softmax of ``scale * x`` along ``axis``; arguments as :func:`softmax`.
+
+  Masked entries are ``-inf``; a fully masked row is all ``-inf`` with zero gradient.
+  """
+  return _softmax_entry("log_softmax", True, x, axis, scale, mask, is_causal, causal_offset,
+                        implementation)
+
+
+@dataclasses.dataclass(frozen=True)
+class _SoftmaxStatic:
+  op: str
+  log: bool
+  layout: triton.Layout
+  scale: float
+  implementation: str
+
+
+def _static_float(op, name, value):
+  if isinstance(value, jax.core.Tracer):
+    raise TypeError(f"{op}: {name} must be a Python float known at trace time")
+  try:
+    value = float(value)
+  except (TypeError, ValueError):
+    raise TypeError(f"{op}: {name} must be a float, got {value!r}") from None
+  if not math.isfinite(value):
+    raise ValueError(f"{op}: {name} must be finite, got {value}")
+  return value
+
+
+def _static_int(op, name, value):
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+    raise TypeError(f"{op}: {name} must be an int, got {value!r}")
+  return int(value)
+
+
+def _softmax_entry(op, log, x, axis, scale, mask, is_causal, causal_offset, implementation):
+  x = check_array(op, "x", x)
+  if x.ndim == 0:
+    raise ValueError(f"{op}: x must have at least one axis, got {describe(x)}")
+  axis = _static_int(op, "axis", axis)
+  if not -x.ndim <= axis < x.ndim:
+    raise ValueError(f"{op}: axis {axis} is out of range for x {describe(x)}")
+  axis %= x.ndim
+  scale = _static_float(op, "scale", scale)
+  causal_offset = _static_int(op, "causal_offset", causal_offset)
+  if not isinstance(is_causal, (bool, np.bool_)):
+    raise TypeError(f"{op}: is_causal must be a bool, got {is_causal!r}")
+  if is_causal and x.ndim < 2:
+    raise ValueError(f"{op}: is_causal needs the last two axes (query, key); x is {describe(x)}")
+  strides = None
+  if mask is not None:
+    mask = check_array(op, "mask", mask, floating=False)
+    if mask.dtype != jnp.bool_:
+      raise TypeError(f"{op}: mask must be boolean (True = keep), got {describe(mask)}")
+    try:
+      np.broadcast_shapes(mask.shape, x.shape)
+      ok = np.broadcast_shapes(mask.shape, x.shape) == x.shape
+    except ValueError:
+      ok = False
+    if not ok:
+      raise ValueError(f"{op}: mask {describe(mask)} does not broadcast to x {describe(x)}")
+    mask = mask.reshape((1,) * (x.ndim - mask.ndim) + mask.shape)
+    dense = np.cumprod((1,) + mask.shape[:0:-1])[::-1]
+    strides = tuple(int(s) if m > 1 else 0 for s, m in zip(dense, mask.shape))
+  layout = triton.Layout(tuple(x.shape), axis, strides, bool(is_causal), causal_offset)
+  impl = registry.resolve(op, implementation, _BACKENDS, _preference())
+  st = _SoftmaxStatic(op, log, layout, scale, impl)
+  return _softmax_jit(x, mask, st)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _softmax(x, mask, st):
+  return _softmax_forward(x, mask, st)
+
+
+def _softmax_fwd(x, mask, st):
+  y = _softmax_forward(x, mask, st)
+  return y, y
+
+
+def _softmax_bwd(st, y, dy):
+  if st.implementation == "xla" or y.size == 0:
+    dx = reference.softmax_backward(y, dy, axis=st.layout.axis, scale=st.scale, log=st.log)
+  else:
+    dx = _softmax_kernels(st).backward(y, dy)
+  return dx, None
+
+
+_softmax.defvjp(_softmax_fwd, _softmax_bwd)
+_softmax_jit = jax.jit(_softmax, static_argnums=(2,))
+
+
+def _softmax_forward(x, mask, st):
+  if st.implementation == "xla" or x.size == 0:
+    layout = st.layout
+    keep = reference.keep_mask(x.shape, layout.axis, mask, layout.causal, layout.causal_offset)
+    return reference.softmax_forward(x, keep, axis=layout.axis, scale=st.scale, log=st.log)
+  return _softmax_kernels(st).forward(x, mask)
+
+
+class _SoftmaxKernels:
+  """Kernel path for one static configuration: sharding over the non-softmax axes, vmap."""
+
+  def __init__(self, st):
+    self.st = st
+    self.forward = custom_vmap(self._sharded_forward)
+    self.forward.def_vmap(self._forward_rule)
+    self.backward = custom_vmap(self._sharded_backward)
+    self.backward.def_vmap(self._backward_rule)
+
+  def _dims(self, ndim):
+    axis = self.st.layout.axis
+    dims = tuple(f"a{i}" for i in range(ndim))
+    # With a causal mask the query axis is part of the pattern: keep it whole as well.
+    whole = {axis} | ({ndim - 2} if self.st.layout.causal else set())
+    return dims, {d for i, d in enumerate(dims) if i not in whole}
+
+  def _sharded_forward(self, x, mask):
+    st = self.st
+    dims, parallel = self._dims(x.ndim)
+    if mask is None:
+      args, in_dims = [x], [dims]
+    else:
+      # A broadcast mask dimension is its own factor: it is never sharded.
+      mask_dims = tuple(d if m > 1 else f"m{i}" for i, (d, m) in enumerate(zip(dims, mask.shape)))
+      args, in_dims = [x, mask], [dims, mask_dims]
+
+    def local(x, *mask):
+      layout = dataclasses.replace(st.layout, shape=tuple(x.shape))
+      flat = None
+      if mask:
+        m = mask[0]
+        dense = np.cumprod((1,) + m.shape[:0:-1])[::-1]
+        layout = dataclasses.replace(layout, mask_strides=tuple(
+            int(s) if size > 1 else 0 for s, size in zip(dense, m.shape)))
+        flat = m.reshape(-1).astype(jnp.int8)
+      return (triton.softmax_forward(x, flat, layout, scale=st.scale, log=st.log),)
+
+    return parallel_call(st.op, local, *args, in_dims=in_dims, out_dims=[dims],
+                         parallel=parallel)[0]
+
+  def _sharded_backward(self, y, dy):
+    st = self.st
+    dims, parallel = self._dims(y.ndim)
+
+    def local(y, dy):
+      layout = dataclasses.replace(st.layout, shape=tuple(y.shape), mask_strides=None)
+      return (triton.softmax_backward(y, dy, layout, scale=st.scale, log=st.log),)
+
+    return parallel_call(st.op, local, y, dy, in_dims=[dims, dims], out_dims=[dims],
+                         parallel=parallel)[0]
+
+  # vmap adds a leading axis: move the softmax axis along with it.
+  def _shifted(self):
+    layout = self.st.layout
+    return _softmax_kernels(dataclasses.replace(self.st, layout=dataclasses.replace(
+        layout, shape=(0,) + layout.shape, axis=layout.axis + 1,
+        mask_strides=None if layout.mask_strides is None else (0,) + layout.mask_strides)))
+
+  def _forward_rule(self, axis_size, in_batched, x, mask):
+    if not in_batched[0]:
+      x = jnp.broadcast_to(x, (axis_size,) + x.shape)
+    if mask is not None and not in_batched[1]:
+      mask = mask[None]
+    return self._shifted().forward(x, mask), True
+
+  def _backward_rule(self, axis_size, in_batched, y, dy):
+    y, dy = (a if b else jnp.broadcast_to(a, (axis_size,) + a.shape)
+             for a, b in zip((y, dy), in_batched))
+    return self._shifted().backward(y, dy), True
+
+
+@functools.cache
+def _softmax_kernels(st) -> _SoftmaxKernels:
+  return _SoftmaxKernels(st)
+
+
+# --------------------------------------------------------------------------- cross-entropy
+
+
+def softmax_cross_entropy(logits, labels, *, ignore_index: int | None = None,
+                          label_smoothing: float = 0.0, z_loss: float = 0.0,
+                          reduction: str = "mean", implementation: str | None = None):
+  """Cross-entropy between ``softmax(logits)`` and integer labels, without materializing the
+  probabilities.
+
+  Per row, with ``lse = logsumexp(logits)`` over the last axis and ``V`` classes::
+
+      loss = lse - (1 - label_smoothing) * logits[label]
+             - label_smoothing * mean(logits) + z_loss * lse**2
+
+  i.e. the cross-entropy against the smoothed target ``(1 - s) * onehot + s / V``, plus the
+  z-loss that keeps ``lse`` near 0. With the defaults it equals
+  ``optax.softmax_cross_entropy_with_integer_labels``.
+
+  Args:
+    logits: ``(..., V)`` float16, bfloat16, float32 or float64.
+    labels: integer array of ``logits.shape[:-1]``.
+    ignore_index: rows with this label contribute no loss and no gradient, and are not counted
+      by ``'mean'``. Labels outside ``[0, V)`` are treated the same way (never read out of
+      bounds).
+    label_smoothing: in ``[0, 1)``.
+    z_loss: coefficient of ``lse**2`` (>= 0).
+    reduction: ``'mean'`` over counted rows (0 when none), ``'sum'``, or ``'none'`` for the
+      per-row losses (ignored rows 0).
+    implementation: ``'xla'``, ``'triton'`` or ``None``.
+
+  Returns:
+    A float32 scalar (float64 for float64 logits), or per-row losses for ``'none'``.
+  """
+  op = "softmax_cross_entropy"
+  logits = check_array(op, "logits", logits)
+  labels = check_array(op, "labels", labels, floating=False)
+  if not jnp.issubdtype(labels.dtype, jnp.integer):
+    raise TypeError(f"{op}: labels must be integers, got {describe(labels)}")
+  if logits.ndim == 0 or labels.shape != logits.shape[:-1]:
+    raise ValueError(f"{op}: labels must have shape logits.shape[:-1]; got logits "
+                     f"{describe(logits)} and labels {describe(labels)}")
+  if logits.shape[-1] == 0:
+    raise ValueError(f"{op}: logits have no classes ({describe(logits)})")
+  label_smoothing = _static_float(op, "label_smoothing", label_smoothing)
+  if not 0.0 <= label_smoothing < 1.0:
+    raise ValueError(f"{op}: label_smoothing must be in [0, 1), got {label_smoothing}")
+  z_loss = _static_float(op, "z_loss", z_loss)
+  if z_loss < 0:
+    raise ValueError(f"{op}: z_loss must be >= 0, got {z_loss}")
+  check_choice(op, "reduction", reduction, ("mean", "sum", "none"))
+  if ignore_index is not None:
+    ignore_index = _static_int(op, "ignore_index", ignore_index)
+  impl = registry.resolve(op, implementation, _BACKENDS, _preference())
+  st = _CrossEntropyStatic(label_smoothing, z_loss, reduction, impl)
+  return _cross_entropy_jit(logits, labels, ignore_index, st)
+
+
+@dataclasses.dataclass(frozen=True)
+class _CrossEntropyStatic:
+  label_smoothing: float
+  z_loss: float
+  reduction: str
+  implementation: str
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _cross_entropy_jit(logits, labels, ignore_index, st):
+  vocab = logits.shape[-1]
+  labels = labels.astype(jnp.int32)
+  valid = (labels >= 0) & (labels < vocab)
+  if ignore_index is not None:
+    valid = valid & (labels != ignore_index)
+  labels = jnp.where(valid, labels, -1)
+  cdt = jnp.promote_types(jnp.float32, logits.dtype)
+  if st.reduction == "none":
+    return _per_row_loss(logits, labels, st)
+  counted = jnp.sum(valid, dtype=jnp.int32)
+  if st.reduction == "mean":
+    row_scale = jnp.where(counted > 0, 1.0 / jnp.maximum(counted, 1), 0.0).astype(cdt)
+  else:
+    row_scale = jnp.ones((), cdt)
+  return _reduced_loss(logits, labels, jnp.broadcast_to(row_scale, labels.shape), st)
+
+
+# 'mean' / 'sum': the kernel computes the gradient for a unit cotangent while the logits are
+# read for the loss, and the backward only scales it (XLA drops the scale when it is 1, as
+# it is at the end of a training step).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _reduced_loss(logits, labels, row_scale, st):
+  loss, _ = _rows(logits, labels, st)
+  return jnp.sum(loss * row_scale)
+
+
+def _reduced_loss_fwd(logits, labels, row_scale, st):
+  if st.implementation == "xla":
+    loss, lse = _rows(logits, labels, st)
+    grad = reference.cross_entropy_grad(logits, labels, labels >= 0, lse, row_scale,
+                                        label_smoothing=st.label_smoothing, z_loss=st.z_loss)
+  else:
+    loss, _, grad = _ce_kernels(st).fused(logits, labels, row_scale)
+  return jnp.sum(loss * row_scale), grad
+
+
+def _reduced_loss_bwd(st, grad, g):
+  return grad * g.astype(grad.dtype), None, None
+
+
+_reduced_loss.defvjp(_reduced_loss_fwd, _reduced_loss_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _per_row_loss(logits, labels, st):
+  return _rows(logits, labels, st)[0]
+
+
+def _per_row_loss_fwd(logits, labels, st):
+  loss, lse = _rows(logits, labels, st)
+  return loss, (logits, labels, lse)
+
+
+def _per_row_loss_bwd(st, residuals, g):
+  logits, labels, lse = residuals
+  g = g.astype(lse.dtype)
+  if st.implementation == "xla":
+    grad = reference.cross_entropy_grad(logits, labels, labels >= 0, lse, g,
+                                        label_smoothing=st.label_smoothing, z_loss=st.z_loss)
+  else:
+    grad = _ce_kernels(st).grad(logits, labels, lse, g)
+  return grad, None
+
+
+_per_row_loss.defvjp(_per_row_loss_fwd, _per_row_loss_bwd)
+
+
+def _rows(logits, labels, st):
+  if st.implementation == "xla":
+    return reference.cross_entropy_rows(logits, labels, labels >= 0,
+                                        label_smoothing=st.label_smoothing, z_loss=st.z_loss)
+  return _ce_kernels(st).loss(logits, labels)
+
+
+class _CrossEntropyKernels:
+  """Kernel path: rows flattened, sharded over the row axes, vmapped by adding rows."""
+
+  def __init__(self, st):
+    self.st = st
+    self.loss = self._wrap("loss")
+    self.fused = self._wrap("fused")
+    self.grad = self._wrap("grad")
+
+  def _wrap(self, mode):
+    st = self.st
+
+    def call(logits, labels, *extra):
+      rows = tuple(f"r{i}" for i in range(labels.ndim))
+      row_extra = [rows] * len(extra)
+
+      def local(logits, labels, *extra):
+        shape = labels.shape
+        flat = [logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)]
+        flat += [e.reshape(-1).astype(jnp.float32) for e in extra]
+        if mode == "grad":
+          kwargs = dict(lse=flat[2], row_scale=flat[3])
+        elif mode == "fused":
+          kwargs = dict(row_scale=flat[2])
+        else:
+          kwargs = {}
+        outs = triton.cross_entropy(flat[0], flat[1], label_smoothing=st.label_smoothing,
+                                    z_loss=st.z_loss, mode=mode, **kwargs)
+        outs = (outs,) if mode == "grad" else tuple(outs)
+        return tuple(o.reshape(logits.shape if o.ndim == 2 else shape) for o in outs)
+
+      out_dims = {"loss": [rows, rows], "fused": [rows, rows, rows + ("v",)],
+                  "grad": [rows + ("v",)]}[mode]
+      outs = parallel_call("softmax_cross_entropy", local, logits, labels, *extra,
+                           in_dims=[rows + ("v",), rows] + row_extra, out_dims=out_dims,
+                           parallel=set(rows))
+      return outs[0] if mode == "grad" else outs
+
+    fn = custom_vmap(call)
+
+    def rule(axis_size, in_batched, *args):
+      args = [a if b else jnp.broadcast_to(a, (axis_size,) + a.shape)
+              for a, b in zip(args, in_batched)]
+      out = fn(*args)
+      return out, jax.tree.map(lambda _: True, out)
+
+    fn.def_vmap(rule)
+    return fn
+
+
+@functools.cache
+def _ce_kernels(st) -> _CrossEntropyKernels:
+  return _CrossEntropyKernels(st)

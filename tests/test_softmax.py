@@ -1,0 +1,360 @@
+"""softmax, log_softmax and softmax_cross_entropy against float64 references.
+
+On the CPU the 'triton' implementation runs the Pallas kernels in the interpreter, which fills
+outputs with NaN first: an element a kernel does not write fails the comparison.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import jaxfuse
+from jaxfuse._core.testing import assert_close, random, x64
+
+IMPLS = ["xla", "triton"]
+FNS = {"softmax": jaxfuse.softmax, "log_softmax": jaxfuse.log_softmax}
+
+
+def reference(name, x, axis=-1, scale=1.0, keep=None, dy=None):
+  """float64 output (NumPy) and, given dy, the gradient from jax.nn on float64 inputs."""
+  with x64():
+    x64_ = jnp.asarray(np.asarray(x, np.float64))
+    fn = jax.nn.log_softmax if name == "log_softmax" else jax.nn.softmax
+    keep_ = None if keep is None else jnp.broadcast_to(jnp.asarray(keep), x64_.shape)
+
+    def f(x):
+      out = fn(x * scale, axis=axis, where=keep_)
+      if keep_ is not None:
+        out = jnp.where(keep_, out, -jnp.inf if name == "log_softmax" else 0.0)
+      return out
+
+    y, vjp = jax.vjp(f, x64_)
+    grad = None
+    if dy is not None:
+      grad = np.asarray(vjp(jnp.asarray(np.asarray(dy, np.float64)))[0])
+      if keep_ is not None:
+        grad = np.where(np.asarray(keep_), grad, 0.0)
+    return np.asarray(y), grad
+
+
+def causal_keep(t, s, offset):
+  return np.arange(s)[None, :] <= np.arange(t)[:, None] + offset
+
+
+def check(y, expected, dtype=None, factor=1.0):
+  y = np.asarray(jnp.asarray(y, jnp.float64) if jnp.asarray(y).dtype == jnp.float64
+                 else jnp.asarray(y, jnp.float32))
+  assert np.array_equal(np.isneginf(y), np.isneginf(expected))
+  finite = np.isfinite(expected)
+  assert_close(y[finite], expected[finite], dtype or jnp.float32, factor=factor)
+
+
+SHAPES = [((1,), -1), ((3,), 0), ((7, 1000), -1), ((2, 3, 4097), -1), ((2, 65537), -1),
+          ((5, 6, 7), 1), ((4, 3, 5), 0), ((2, 9, 4, 3), 1)]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name", FNS)
+@pytest.mark.parametrize("shape,axis", SHAPES, ids=str)
+def test_matches_float64_any_axis(rng, impl, name, shape, axis):
+  x = random(rng, shape, jnp.float32, scale=3.0)
+  dy = random(rng, shape, jnp.float32)
+  y, vjp = jax.vjp(lambda x: FNS[name](x, axis=axis, scale=0.7, implementation=impl), x)
+  expected, grad = reference(name, x, axis, 0.7, dy=dy)
+  check(y, expected)
+  check(vjp(dy)[0], grad, factor=10)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name", FNS)
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64],
+                         ids=lambda d: jnp.dtype(d).name)
+def test_dtypes(rng, impl, name, dtype):
+  with x64():
+    x = random(rng, (6, 300), dtype, scale=2.0)
+    y = FNS[name](x, implementation=impl)
+    assert y.dtype == dtype
+    check(y, reference(name, x)[0], dtype)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name", FNS)
+def test_large_magnitudes_do_not_overflow(rng, impl, name):
+  x = random(rng, (4, 513), jnp.float32, scale=1e4)
+  y = FNS[name](x, implementation=impl)
+  assert np.all(np.isfinite(np.asarray(y)))
+  check(y, reference(name, x)[0])
+
+
+MASKS = [(2, 3, 8, 40), (40,), (8, 1), (2, 1, 1, 40), (3, 8, 40), (1, 1)]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name", FNS)
+@pytest.mark.parametrize("mask_shape", MASKS, ids=str)
+def test_masks_of_any_broadcast_shape(rng, impl, name, mask_shape):
+  x = random(rng, (2, 3, 8, 40), jnp.float32)
+  mask = rng.random(mask_shape) > 0.4
+  dy = random(rng, x.shape, jnp.float32)
+  y, vjp = jax.vjp(lambda x: FNS[name](x, mask=jnp.asarray(mask), implementation=impl), x)
+  keep = np.broadcast_to(mask, x.shape)
+  full = keep.any(axis=-1, keepdims=True)
+  expected, grad = reference(name, x, keep=keep | ~full, dy=dy)
+  expected = np.where(full, expected, -np.inf if name == "log_softmax" else 0.0)
+  expected = np.where(keep, expected, -np.inf if name == "log_softmax" else 0.0)
+  grad = np.where(keep & full, grad, 0.0)
+  check(y, expected)
+  dx = np.asarray(vjp(dy)[0])
+  assert np.all(dx[~np.broadcast_to(full, x.shape)] == 0)
+  check(dx, grad, factor=10)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name", FNS)
+@pytest.mark.parametrize("t,s,offset", [(6, 6, 0), (4, 9, 5), (4, 9, 0), (7, 3, -2), (5, 5, 2)])
+def test_causal_alignments(rng, impl, name, t, s, offset):
+  x = random(rng, (2, t, s), jnp.float32)
+  dy = random(rng, x.shape, jnp.float32)
+  y, vjp = jax.vjp(lambda x: FNS[name](x, is_causal=True, causal_offset=offset,
+                                       implementation=impl), x)
+  keep = np.broadcast_to(causal_keep(t, s, offset), x.shape)
+  full = keep.any(axis=-1, keepdims=True)
+  expected, grad = reference(name, x, keep=keep | ~full, dy=dy)
+  fill = -np.inf if name == "log_softmax" else 0.0
+  expected = np.where(keep & full, expected, fill)
+  check(y, expected)
+  check(vjp(dy)[0], np.where(keep & full, grad, 0.0), factor=10)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_fully_masked_rows_are_zero_with_zero_gradient(rng, impl):
+  x = random(rng, (3, 16), jnp.float32)
+  mask = jnp.asarray(np.array([True, False, True])[:, None] & (rng.random((3, 16)) > 0.5))
+  for name, fill in (("softmax", 0.0), ("log_softmax", -np.inf)):
+    y, vjp = jax.vjp(lambda x: FNS[name](x, mask=mask, implementation=impl), x)
+    assert np.all(np.asarray(y)[1] == fill)
+    dx = np.asarray(vjp(jnp.ones_like(x))[0])
+    assert np.all(np.isfinite(dx)) and np.all(dx[1] == 0)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name", FNS)
+def test_nan_propagates_to_its_row(rng, impl, name):
+  x = np.array(random(rng, (3, 20), jnp.float32))
+  x[1, 4] = np.nan
+  y = np.asarray(FNS[name](jnp.asarray(x), implementation=impl))
+  assert np.all(np.isnan(y[1])) and np.all(np.isfinite(y[[0, 2]]))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_vmap_and_jit(rng, impl):
+  x = random(rng, (4, 5, 30), jnp.float32)
+  mask = jnp.asarray(rng.random((4, 30)) > 0.3)
+  f = lambda x, m: jaxfuse.softmax(x, axis=0, mask=m, implementation=impl)
+  out = jax.jit(jax.vmap(f, in_axes=(1, None), out_axes=1))(x, mask)
+  expected = np.stack([reference("softmax", x[:, i], axis=0, keep=np.asarray(mask))[0]
+                       for i in range(5)], axis=1)
+  check(out, expected)
+  g = jax.vmap(jax.grad(lambda x: jnp.sum(jnp.sin(jaxfuse.log_softmax(x, implementation=impl)))))
+  grads = g(x)
+  for i in range(4):
+    _, ref = reference("log_softmax", x[i], dy=np.cos(reference("log_softmax", x[i])[0]))
+    check(grads[i], ref, factor=10)
+
+
+def _mesh(n, axis_type):
+  if jax.device_count() < n:
+    pytest.skip(f"needs {n} devices")
+  return jax.make_mesh((n,), ("d",), axis_types=(axis_type,), devices=jax.devices()[:n])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=str)
+def test_row_sharding_never_gathers(rng, impl, axis_type):
+  mesh = _mesh(8, axis_type)
+  x = random(rng, (16, 4, 64), jnp.float32)
+  dy = random(rng, x.shape, jnp.float32)
+
+  def step(x):
+    y, vjp = jax.vjp(lambda x: jaxfuse.softmax(x, is_causal=True, implementation=impl), x)
+    return y, vjp(dy)[0]
+
+  single = jax.jit(step)(x)
+  xs = jax.device_put(x, NamedSharding(mesh, P("d")))
+  compiled = jax.jit(step).lower(xs).compile()
+  assert "all-gather" not in compiled.as_text()
+  for a, b in zip(compiled(xs), single):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+def test_sharded_softmax_axis_is_a_clear_error(rng):
+  mesh = _mesh(2, AxisType.Auto)
+  x = jax.device_put(random(rng, (4, 64), jnp.float32), NamedSharding(mesh, P(None, "d")))
+  with pytest.raises(Exception, match="reduced axes"):
+    jax.jit(lambda x: jaxfuse.softmax(x, implementation="triton")).lower(x).compile()
+  # The XLA implementation reduces across the shards itself.
+  np.testing.assert_allclose(jax.jit(lambda x: jaxfuse.softmax(x, implementation="xla"))(x),
+                             jax.nn.softmax(np.asarray(x)), rtol=1e-6)
+
+
+@pytest.mark.parametrize("args,error,match", [
+    (dict(x=jnp.ones((2, 3), jnp.int32)), TypeError, "x.*int32"),
+    (dict(axis=2), ValueError, "axis"),
+    (dict(axis=1.0), TypeError, "axis"),
+    (dict(mask=jnp.ones((2, 3))), TypeError, "mask.*boolean"),
+    (dict(mask=jnp.ones((4, 3), bool)), ValueError, r"mask bool\[4,3\]"),
+    (dict(scale=float("nan")), ValueError, "scale"),
+    (dict(x=jnp.ones((3,)), is_causal=True), ValueError, "is_causal"),
+    (dict(implementation="cudnn"), NotImplementedError, "cudnn"),
+    (dict(implementation="nope"), ValueError, "implementation"),
+], ids=str)
+def test_softmax_bad_input(args, error, match):
+  kwargs = dict(x=jnp.ones((2, 3)))
+  kwargs.update(args)
+  x = kwargs.pop("x")
+  with pytest.raises(error, match=match):
+    jaxfuse.softmax(x, **kwargs)
+
+
+# --------------------------------------------------------------------------- cross-entropy
+
+
+def ce_reference(logits, labels, valid, smoothing=0.0, z_loss=0.0):
+  """Per-row float64 losses and their gradient (for a unit cotangent per row)."""
+  with x64():
+    x = jnp.asarray(np.asarray(logits, np.float64))
+    v = x.shape[-1]
+    target = (1 - smoothing) * jax.nn.one_hot(np.where(valid, labels, 0), v) + smoothing / v
+
+    def rows(x):
+      lse = jax.nn.logsumexp(x, axis=-1)
+      loss = -jnp.sum(target * jax.nn.log_softmax(x, axis=-1), axis=-1) + z_loss * lse ** 2
+      return jnp.where(valid, loss, 0.0)
+
+    loss, vjp = jax.vjp(rows, x)
+    return np.asarray(loss), np.asarray(vjp(jnp.ones_like(loss))[0])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("shape", [(1, 3), (7, 1000), (2, 3, 40000)], ids=str)
+@pytest.mark.parametrize("smoothing,z_loss", [(0.0, 0.0), (0.1, 1e-3)])
+def test_cross_entropy_matches_float64(rng, impl, shape, smoothing, z_loss):
+  logits = random(rng, shape, jnp.float32, scale=3.0)
+  labels = jnp.asarray(rng.integers(0, shape[-1], shape[:-1]), jnp.int32)
+  valid = np.ones(shape[:-1], bool)
+  loss_ref, grad_ref = ce_reference(logits, labels, valid, smoothing, z_loss)
+  kw = dict(label_smoothing=smoothing, z_loss=z_loss, implementation=impl)
+  per_row = jaxfuse.softmax_cross_entropy(logits, labels, reduction="none", **kw)
+  assert per_row.shape == shape[:-1] and per_row.dtype == jnp.float32
+  assert_close(per_row, loss_ref)
+  for reduction, factor in (("mean", 1.0 / valid.sum()), ("sum", 1.0)):
+    loss, grad = jax.value_and_grad(
+        lambda l: jaxfuse.softmax_cross_entropy(l, labels, reduction=reduction, **kw))(logits)
+    assert_close(loss, np.sum(loss_ref) * factor)
+    assert_close(grad, grad_ref * factor, factor=10)
+  g = random(rng, shape[:-1], jnp.float32)
+  _, vjp = jax.vjp(lambda l: jaxfuse.softmax_cross_entropy(l, labels, reduction="none", **kw),
+                   logits)
+  assert_close(vjp(g)[0], grad_ref * np.asarray(g)[..., None], factor=10)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_cross_entropy_equals_optax(rng, impl):
+  optax = pytest.importorskip("optax")
+  logits = random(rng, (33, 517), jnp.float32, scale=4.0)
+  labels = jnp.asarray(rng.integers(0, 517, (33,)), jnp.int32)
+  ours = jaxfuse.softmax_cross_entropy(logits, labels, reduction="none", implementation=impl)
+  np.testing.assert_allclose(ours, optax.softmax_cross_entropy_with_integer_labels(logits, labels),
+                             rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_cross_entropy_ignored_and_out_of_range_labels(rng, impl):
+  logits = random(rng, (10, 50), jnp.float32)
+  labels = np.asarray(rng.integers(0, 50, (10,)), np.int32)
+  labels[[1, 4]] = -100
+  labels[7] = 50  # out of range: treated as ignored, never read
+  labels[8] = -3
+  valid = (labels >= 0) & (labels < 50)
+  loss_ref, grad_ref = ce_reference(logits, labels, valid)
+  loss, grad = jax.value_and_grad(lambda l: jaxfuse.softmax_cross_entropy(
+      l, jnp.asarray(labels), ignore_index=-100, implementation=impl))(logits)
+  assert_close(loss, loss_ref.sum() / valid.sum())
+  assert np.all(np.asarray(grad)[~valid] == 0)
+  assert_close(grad, grad_ref / valid.sum(), factor=10)
+  # Nothing counted: a zero loss and zero gradient, not NaN.
+  none = jnp.full((10,), -100, jnp.int32)
+  loss, grad = jax.value_and_grad(lambda l: jaxfuse.softmax_cross_entropy(
+      l, none, ignore_index=-100, implementation=impl))(logits)
+  assert float(loss) == 0.0 and np.all(np.asarray(grad) == 0)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_cross_entropy_vmap_is_per_example_mean(rng, impl):
+  logits = random(rng, (3, 5, 20), jnp.float32)
+  labels = jnp.asarray(rng.integers(0, 20, (3, 5)), jnp.int32)
+  f = lambda l, y: jaxfuse.softmax_cross_entropy(l, y, implementation=impl)
+  losses, grads = jax.vmap(jax.value_and_grad(f))(logits, labels)
+  for i in range(3):
+    loss_ref, grad_ref = ce_reference(logits[i], labels[i], np.ones(5, bool))
+    assert_close(losses[i], loss_ref.mean())
+    assert_close(grads[i], grad_ref / 5, factor=10)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_cross_entropy_row_sharding_never_gathers(rng, impl):
+  mesh = _mesh(8, AxisType.Auto)
+  logits = random(rng, (16, 4, 96), jnp.float32)
+  labels = jnp.asarray(rng.integers(0, 96, (16, 4)), jnp.int32)
+  step = jax.value_and_grad(lambda l, y: jaxfuse.softmax_cross_entropy(l, y, implementation=impl))
+  single = jax.jit(step)(logits, labels)
+  args = (jax.device_put(logits, NamedSharding(mesh, P("d"))),
+          jax.device_put(labels, NamedSharding(mesh, P("d"))))
+  compiled = jax.jit(step).lower(*args).compile()
+  assert "all-gather" not in compiled.as_text()
+  for a, b in zip(jax.tree.leaves(compiled(*args)), jax.tree.leaves(single)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("args,error,match", [
+    (dict(labels=jnp.zeros((3,), jnp.float32)), TypeError, "labels"),
+    (dict(labels=jnp.zeros((4,), jnp.int32)), ValueError, r"labels.*int32\[4\]"),
+    (dict(logits=jnp.zeros((3, 5), jnp.int32)), TypeError, "logits"),
+    (dict(label_smoothing=1.0), ValueError, "label_smoothing"),
+    (dict(z_loss=-1.0), ValueError, "z_loss"),
+    (dict(reduction="avg"), ValueError, "reduction"),
+    (dict(ignore_index=1.5), TypeError, "ignore_index"),
+], ids=str)
+def test_cross_entropy_bad_input(args, error, match):
+  kwargs = dict(logits=jnp.zeros((3, 5)), labels=jnp.zeros((3,), jnp.int32))
+  kwargs.update(args)
+  with pytest.raises(error, match=match):
+    jaxfuse.softmax_cross_entropy(kwargs.pop("logits"), kwargs.pop("labels"), **kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", FNS)
+@pytest.mark.parametrize("n", [1, 3, 1000, 4097, 65537, 262144])
+def test_gpu_softmax_kernels(rng, name, n):
+  from jaxfuse._core.testing import poison_device_memory
+  rows = max(1, min(2048, (1 << 23) // n))
+  x = random(rng, (rows, n), jnp.bfloat16, scale=3.0)
+  dy = random(rng, x.shape, jnp.bfloat16)
+  poison_device_memory(8 * rows * n)
+  y, vjp = jax.vjp(lambda x: FNS[name](x, implementation="triton"), x)
+  expected, grad = reference(name, x, dy=dy)
+  check(y, expected, jnp.bfloat16)
+  check(vjp(dy)[0], grad, jnp.bfloat16, factor=4)
+
+
+@pytest.mark.gpu
+def test_gpu_cross_entropy_large_vocab(rng):
+  logits = random(rng, (64, 131072), jnp.bfloat16, scale=2.0)
+  labels = jnp.asarray(rng.integers(0, 131072, (64,)), jnp.int32)
+  loss_ref, grad_ref = ce_reference(logits, labels, np.ones(64, bool))
+  loss, grad = jax.value_and_grad(lambda l: jaxfuse.softmax_cross_entropy(
+      l, labels, implementation="triton"))(logits)
+  assert_close(loss, loss_ref.mean())
+  assert_close(grad, grad_ref / 64, jnp.bfloat16, factor=4)
