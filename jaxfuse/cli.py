@@ -11,6 +11,7 @@ from jaxfuse._core import bench, registry
 # Op families with a bench spec module exposing ``cases(quick) -> list[Case]``.
 FAMILIES = {
     "norm": "jaxfuse.ops.norm.bench",
+    "softmax": "jaxfuse.ops.softmax.bench",
 }
 
 
@@ -18,13 +19,11 @@ def _cases(names, quick):
   cases = []
   for family, module in FAMILIES.items():
     family_cases = importlib.import_module(module).cases(quick)
-    ops = {c.op for c in family_cases}
     if not names or family in names:
       cases += family_cases
     else:
       cases += [c for c in family_cases if c.op in names]
-  known = set(FAMILIES) | {c.op for c in cases}
-  unknown = [n for n in names if n not in known and not any(c.op == n for c in cases)]
+  unknown = [n for n in names if n not in FAMILIES and not any(c.op == n for c in cases)]
   return cases, unknown
 
 
@@ -38,11 +37,15 @@ def main(argv=None) -> int:
   b.add_argument("--plot", metavar="PATH", help="save a PNG of rate against size")
   b.add_argument("--quick", action="store_true", help="a few sizes only")
   b.add_argument("--impl", help="comma-separated implementations to run (default: all)")
+  b.add_argument("--sizes", help="comma-separated problem sizes (the plots' x values) to keep")
   args = parser.parse_args(argv)
 
   cases, unknown = _cases(args.ops, args.quick)
   if unknown:
     parser.error(f"unknown op or family: {', '.join(unknown)}")
+  if args.sizes:
+    keep = {int(v) for v in args.sizes.split(",")}
+    cases = [c for c in cases if c.size in keep]
   on_gpu = registry.platform() == "gpu"
   env = bench.environment()
   print(f"jaxfuse bench on {env['device']} (jax {env['jax_version']}, {env['date']})")
@@ -50,10 +53,10 @@ def main(argv=None) -> int:
     print("No GPU here: XLA is timed, the Pallas kernels are only checked in the interpreter. "
           "Kernel timings need a GPU.")
   impls = args.impl.split(",") if args.impl else None
-  rows, ceilings = bench.run(cases, implementations=impls)
+  save = (lambda rows, ceilings: bench.save_json(args.json, rows, ceilings)) if args.json else None
+  rows, ceilings = bench.run(cases, implementations=impls, on_case=save)
   print(bench.table(rows, ceilings))
   if args.json:
-    bench.save_json(args.json, rows, ceilings)
     print(f"saved {args.json}")
   if args.plot:
     bench.save_plot(args.plot, rows, ceilings)

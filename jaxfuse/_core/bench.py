@@ -160,8 +160,11 @@ class _Progress:
 
 
 def run(cases: Sequence[Case], *, implementations: Sequence[str] | None = None,
-        time_it: bool = True) -> tuple[list[Row], dict]:
-  """Checks and times ``cases``; returns the rows and the ceilings measured."""
+        time_it: bool = True, on_case: Callable | None = None) -> tuple[list[Row], dict]:
+  """Checks and times ``cases``; returns the rows and the ceilings measured.
+
+  ``on_case(rows, ceilings)`` is called after each case, so a long sweep saves as it goes.
+  """
   ceilings = {}
   units = {c.unit for c in cases}
   if time_it and "GB/s" in units:
@@ -176,6 +179,8 @@ def run(cases: Sequence[Case], *, implementations: Sequence[str] | None = None,
     impls = [i for c, i in todo if c is case]
     if impls:
       rows += _run_case(case, impls, ceilings, time_it, progress)
+      if on_case:
+        on_case(rows, ceilings)
   progress.close()
   return rows, ceilings
 
@@ -192,9 +197,12 @@ def _run_case(case, impls, ceilings, time_it, progress):
     progress.step(f"{case.op} {case.label} {impl}")
     row = Row(case.op, case.label, case.size, impl, case.unit)
     try:
-      row.forward_error = _error(case.forward(impl)(*inputs), ref_fwd)
+      row.forward_error = _error(jax.jit(case.forward(impl))(*inputs), ref_fwd)
       if case.train:
-        row.train_error = _error(case.train(impl)(*inputs), ref_train)
+        train = jax.jit(case.train(impl)).lower(*inputs).compile()
+        row.train_error = _error(train(*inputs), ref_train)
+        mem = train.memory_analysis()
+        row.train_temp_mib = getattr(mem, "temp_size_in_bytes", 0) / 2 ** 20 if mem else None
     except NotImplementedError as e:
       row.note = str(e)
     except Exception as e:  # noqa: BLE001  (a broken kernel is reported, the sweep goes on)
@@ -220,11 +228,8 @@ def _run_case(case, impls, ceilings, time_it, progress):
     row.forward_ms = time_ms(case.forward(impl), sets)
     row.forward_rate = _rate(case.forward_work, row.forward_ms, case.unit)
     if case.train:
-      train = case.train(impl)
-      row.train_ms = time_ms(train, sets)
+      row.train_ms = time_ms(case.train(impl), sets)
       row.train_rate = _rate(case.train_work, row.train_ms, case.unit)
-      mem = jax.jit(train).lower(*inputs).compile().memory_analysis()
-      row.train_temp_mib = getattr(mem, "temp_size_in_bytes", 0) / 2 ** 20 if mem else None
     ceiling = ceilings.get(ceiling_name)
     if ceiling:
       row.forward_pct = 100 * row.forward_rate / ceiling
