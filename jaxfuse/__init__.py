@@ -5,11 +5,12 @@ Triton; interpreted on the CPU), and ``None`` for the fastest available on this 
 """
 
 from jaxfuse._core.registry import IMPLEMENTATIONS
+from jaxfuse.ops.attention.api import attention
 from jaxfuse.ops.norm.api import layer_norm, rms_norm
 from jaxfuse.ops.softmax.api import log_softmax, softmax, softmax_cross_entropy
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "IMPLEMENTATIONS", "layer_norm", "log_softmax", "rms_norm", "softmax", "softmax_cross_entropy",
+    "IMPLEMENTATIONS", "attention", "layer_norm", "log_softmax", "rms_norm", "softmax", "softmax_cross_entropy",
 ]

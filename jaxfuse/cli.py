@@ -12,6 +12,7 @@ from jaxfuse._core import bench, registry
 FAMILIES = {
     "norm": "jaxfuse.ops.norm.bench",
     "softmax": "jaxfuse.ops.softmax.bench",
+    "attention": "jaxfuse.ops.attention.bench",
 }
 
 

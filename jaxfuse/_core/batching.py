@@ -1,0 +1,30 @@
+"""vmap for kernel calls whose every operand and result has a leading batch axis.
+
+Pallas calls wrapped for sharding (``custom_partitioning``) have no batching rule of their own.
+For an op that is independent across its leading axis, a mapped axis is just more batch: the
+rule folds it into the leading axis, calls the op once, and unfolds the results.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.custom_batching import custom_vmap
+
+
+def fold_into_batch(fn):
+  """``fn(*operands)`` with a batching rule that merges the mapped axis into axis 0."""
+  wrapped = custom_vmap(fn)
+
+  def rule(axis_size, in_batched, *args):
+    def merge(a, batched):
+      if not batched:
+        a = jnp.broadcast_to(a, (axis_size,) + a.shape)
+      return a.reshape((axis_size * a.shape[1],) + a.shape[2:])
+
+    outs = wrapped(*jax.tree.map(merge, list(args), list(in_batched)))
+    outs = jax.tree.map(lambda o: o.reshape((axis_size, -1) + o.shape[1:]), outs)
+    return outs, jax.tree.map(lambda _: True, outs)
+
+  wrapped.def_vmap(rule)
+  return wrapped

@@ -1,0 +1,343 @@
+"""``jaxfuse.attention``: validation, dispatch, custom VJP and sharding."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxfuse._core import registry
+from jaxfuse._core.batching import fold_into_batch
+from jaxfuse._core.sharding import parallel_call
+from jaxfuse._core.validation import check_array, describe
+from jaxfuse.ops.attention import reference, triton
+from jaxfuse.ops.attention.reference import MaskSpec
+
+OP = "attention"
+
+
+def _cudnn_unavailable():
+  if registry.cuda_compute_capability() is None:
+    return "the 'cudnn' implementation needs an NVIDIA GPU"
+  return None
+
+
+_BACKENDS = {"xla": registry.xla_available, "cudnn": _cudnn_unavailable,
+             "triton": registry.triton_unavailable}
+
+
+def attention(query, key, value, bias=None, mask=None, *, scale: float | None = None,
+              is_causal: bool = False, causal_offset: int = 0, segment_ids=None,
+              query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
+              logits_soft_cap: float | None = None, return_lse: bool = False, precision=None,
+              implementation: str | None = None):
+  """Scaled dot-product attention in the layout of ``jax.nn.dot_product_attention``.
+
+  Args:
+    query: ``(B, T, N, H)`` (or ``(T, N, H)``), float16, bfloat16 or float32.
+    key: ``(B, S, K, H)`` with K dividing N (grouped-query / multi-query attention).
+    value: ``(B, S, K, Hv)``; Hv may differ from H.
+    bias: optional, broadcastable to ``(B, N, T, S)``, added to the scaled scores.
+    mask: optional boolean, broadcastable to ``(B, N, T, S)``; True keeps a score.
+    scale: multiplies ``q . k``; default ``1 / sqrt(H)``.
+    is_causal: keep key j for query i only when ``j <= i + causal_offset`` (offset 0 is
+      ``jax.nn``'s alignment; ``S - T`` aligns the queries with the last T keys).
+    segment_ids: int ``(B, T)`` when T == S, or a pair ``(query_ids (B, T), kv_ids (B, S))``:
+      tokens attend only within their segment (packed sequences).
+    query_seq_lengths, key_value_seq_lengths: int ``(B,)``; positions past them are masked.
+    local_window_size: int w (same as ``(w, w)``) or ``(left, right)``: key j is kept for
+      query i when ``i + causal_offset - left <= j <= i + causal_offset + right``.
+    logits_soft_cap: c > 0 replaces each score s by ``c * tanh(s / c)`` (before masking).
+    return_lse: also return the float32 log-sum-exp of each query row, ``(B, N, T)``.
+    precision: ``jax.lax.Precision`` for the two matrix products (float32 inputs: DEFAULT may
+      use TF32, HIGHEST does not), or a ``jax.lax.DotAlgorithmPreset`` (XLA only).
+    implementation: ``'xla'`` (exact reference; chunked over queries when the scores would be
+      large, so memory stays linear in S), ``'cudnn'``, ``'triton'`` (our FlashAttention) or
+      ``None`` for the fastest that supports the arguments here.
+
+  Returns:
+    ``(B, T, N, Hv)`` like ``query`` (and the lse if asked). A query row with no allowed key
+    gives 0 and zero gradients.
+  """
+  q, k, v = (check_array(OP, n, a) for n, a in (("query", query), ("key", key),
+                                               ("value", value)))
+  batched = q.ndim == 4
+  if q.ndim == 3 and k.ndim == 3 and v.ndim == 3:
+    q, k, v = q[None], k[None], v[None]
+  if not (q.ndim == k.ndim == v.ndim == 4):
+    raise ValueError(f"{OP}: query, key and value must all be (B, T, N, H) or (T, N, H); got "
+                     f"query {describe(query)}, key {describe(key)}, value {describe(value)}")
+  if not q.dtype == k.dtype == v.dtype:
+    raise TypeError(f"{OP}: query, key and value must share a dtype; got {q.dtype}, {k.dtype}, "
+                    f"{v.dtype}")
+  b, t, n, h = q.shape
+  _, s, kh, hk = k.shape
+  if k.shape[0] != b or v.shape[:3] != k.shape[:3] or hk != h:
+    raise ValueError(f"{OP}: key must be (B, S, K, H) and value (B, S, K, Hv) for query "
+                     f"(B, T, N, H); got query {describe(q)}, key {describe(k)}, "
+                     f"value {describe(v)}")
+  if kh == 0 or n % kh:
+    raise ValueError(f"{OP}: the key/value heads ({kh}) must divide the query heads ({n})")
+  scale = 1.0 / math.sqrt(h) if scale is None else _float("scale", scale)
+  causal_offset = _int("causal_offset", causal_offset)
+  window = _window(local_window_size)
+  if logits_soft_cap is not None:
+    logits_soft_cap = _float("logits_soft_cap", logits_soft_cap)
+    if logits_soft_cap <= 0:
+      raise ValueError(f"{OP}: logits_soft_cap must be > 0, got {logits_soft_cap}")
+  q_seg, kv_seg = _segments(segment_ids, b, t, s)
+  q_len = _lengths("query_seq_lengths", query_seq_lengths, b)
+  kv_len = _lengths("key_value_seq_lengths", key_value_seq_lengths, b)
+  bias = None if bias is None else _broadcastable("bias", bias, (b, n, t, s), floating=True)
+  mask = None if mask is None else _broadcastable("mask", mask, (b, n, t, s), floating=False)
+  spec = MaskSpec(bool(is_causal), causal_offset, window, logits_soft_cap)
+  call = _Call(spec, scale, precision, bias is not None, mask is not None, q_seg is not None,
+               q_len is not None, kv_len is not None, return_lse, q.dtype)
+  impl = _resolve(implementation, call)
+  out, lse = _attention_jit(q, k, v, bias, mask, q_seg, kv_seg, q_len, kv_len, impl, call)
+  if not batched:
+    out, lse = out[0], None if lse is None else lse[0]
+  return (out, lse) if return_lse else out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+  spec: MaskSpec
+  scale: float
+  precision: object
+  has_bias: bool
+  has_mask: bool
+  has_segments: bool
+  has_q_len: bool
+  has_kv_len: bool
+  return_lse: bool
+  dtype: object
+
+
+def _float(name, value):
+  if isinstance(value, jax.core.Tracer):
+    raise TypeError(f"{OP}: {name} must be a Python float known at trace time")
+  try:
+    value = float(value)
+  except (TypeError, ValueError):
+    raise TypeError(f"{OP}: {name} must be a float, got {value!r}") from None
+  if not math.isfinite(value):
+    raise ValueError(f"{OP}: {name} must be finite, got {value}")
+  return value
+
+
+def _int(name, value):
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+    raise TypeError(f"{OP}: {name} must be an int, got {value!r}")
+  return int(value)
+
+
+def _window(window):
+  if window is None:
+    return None
+  pair = (window, window) if isinstance(window, (int, np.integer)) else tuple(window)
+  if len(pair) != 2:
+    raise ValueError(f"{OP}: local_window_size must be an int or (left, right), got {window!r}")
+  left, right = (_int("local_window_size", w) for w in pair)
+  if left < 0 or right < 0:
+    raise ValueError(f"{OP}: local_window_size must be >= 0, got {window!r}")
+  return left, right
+
+
+def _int_array(name, a, shape):
+  a = check_array(OP, name, a, floating=False)
+  if not jnp.issubdtype(a.dtype, jnp.integer):
+    raise TypeError(f"{OP}: {name} must be integers, got {describe(a)}")
+  if a.shape != shape:
+    raise ValueError(f"{OP}: {name} must have shape {shape}, got {describe(a)}")
+  return a.astype(jnp.int32)
+
+
+def _segments(segment_ids, b, t, s):
+  if segment_ids is None:
+    return None, None
+  if isinstance(segment_ids, (tuple, list)):
+    if len(segment_ids) != 2:
+      raise ValueError(f"{OP}: segment_ids must be an array or a (query_ids, kv_ids) pair")
+    return (_int_array("segment_ids[0]", segment_ids[0], (b, t)),
+            _int_array("segment_ids[1]", segment_ids[1], (b, s)))
+  if t != s:
+    raise ValueError(f"{OP}: one segment_ids array needs T == S (got T={t}, S={s}); pass "
+                     f"(query_ids, kv_ids)")
+  ids = _int_array("segment_ids", segment_ids, (b, t))
+  return ids, ids
+
+
+def _lengths(name, a, b):
+  return None if a is None else _int_array(name, a, (b,))
+
+
+def _broadcastable(name, a, shape, floating):
+  a = check_array(OP, name, a, floating=floating)
+  if not floating and a.dtype != jnp.bool_:
+    raise TypeError(f"{OP}: {name} must be boolean (True = keep), got {describe(a)}")
+  try:
+    ok = a.ndim <= 4 and np.broadcast_shapes(a.shape, shape) == shape
+  except ValueError:
+    ok = False
+  if not ok:
+    raise ValueError(f"{OP}: {name} {describe(a)} does not broadcast to (B, N, T, S) = {shape}")
+  return a.reshape((1,) * (4 - a.ndim) + a.shape)
+
+
+def _triton_unsupported(call):
+  if call.has_bias or call.has_mask:
+    return "bias and mask arrays are not supported; use 'xla' or 'cudnn'"
+  if call.dtype not in (jnp.float16, jnp.bfloat16, jnp.float32):
+    return f"dtype {call.dtype} is not supported (float16, bfloat16, float32)"
+  if call.precision is not None and _tf32(call.precision) is _UNSUPPORTED:
+    return f"precision {call.precision!r} is not supported (DEFAULT, HIGH, HIGHEST)"
+  return None
+
+
+def _cudnn_unsupported(call):
+  spec = call.spec
+  for present, name in ((spec.causal_offset != 0, "causal_offset"),
+                        (call.has_segments, "segment_ids"),
+                        (spec.soft_cap is not None, "logits_soft_cap"),
+                        (call.return_lse, "return_lse"),
+                        (call.precision is not None, "precision")):
+    if present:
+      return f"jax.nn.dot_product_attention(implementation='cudnn') has no {name}"
+  if call.dtype not in (jnp.float16, jnp.bfloat16):
+    return f"cuDNN attention needs float16 or bfloat16, got {call.dtype}"
+  return None
+
+
+_UNSUPPORTED = object()
+
+
+def _tf32(precision):
+  """allow_tf32 for the kernel's float32 products (None: the default, which may use TF32)."""
+  if precision is None:
+    return None
+  names = {jax.lax.Precision.DEFAULT: None, jax.lax.Precision.HIGH: None,
+           jax.lax.Precision.HIGHEST: False}
+  if isinstance(precision, str):
+    try:
+      precision = jax.lax.Precision(precision)
+    except (ValueError, KeyError):
+      return _UNSUPPORTED
+  return names.get(precision, _UNSUPPORTED)
+
+
+def _resolve(implementation, call):
+  checks = {"triton": _triton_unsupported, "cudnn": _cudnn_unsupported}
+
+  def available(name):
+    def check():
+      reason = _BACKENDS[name]()
+      return reason if reason is not None or name not in checks else checks[name](call)
+    return check
+
+  backends = {name: available(name) for name in _BACKENDS}
+  # cuDNN is the fastest where it applies (docs: benchmarks/results), then our kernel.
+  preference = ("xla",) if registry.platform() == "cpu" else ("cudnn", "triton", "xla")
+  return registry.resolve(OP, implementation, backends, preference)
+
+
+@functools.partial(jax.jit, static_argnums=(9, 10))
+def _attention_jit(q, k, v, bias, mask, q_seg, kv_seg, q_len, kv_len, impl, call):
+  if impl == "xla":
+    return reference.attention(q, k, v, bias, mask, (q_seg, kv_seg), (q_len, kv_len),
+                               scale=call.scale, spec=call.spec, precision=call.precision)
+  if impl == "cudnn":
+    window = call.spec.window
+    out = jax.nn.dot_product_attention(
+        q, k, v, bias=bias, mask=mask, scale=call.scale, is_causal=call.spec.is_causal,
+        query_seq_lengths=q_len, key_value_seq_lengths=kv_len,
+        local_window_size=window, implementation="cudnn")
+    return out, None
+  return _flash(q, k, v, (q_seg, kv_seg, q_len, kv_len), call)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _flash(q, k, v, extras, call):
+  return _flash_fwd(q, k, v, extras, call)[0]
+
+
+def _flash_fwd(q, k, v, extras, call):
+  out, lse = _kernels(call)[0](q, k, v, extras)
+  return (out, lse), (q, k, v, extras, out, lse)
+
+
+def _flash_bwd(call, residuals, cotangents):
+  q, k, v, extras, out, lse = residuals
+  do, dlse = cotangents
+  delta = jnp.einsum("btnh,btnh->bnt", do.astype(jnp.float32), out.astype(jnp.float32))
+  if dlse is not None:
+    delta = delta - dlse
+  dq, dk, dv = _kernels(call)[1](q, k, v, extras, do, lse, delta)
+  return dq, dk, dv, jax.tree.map(lambda _: None, extras)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+@functools.cache
+def _kernels(call):
+  """Forward and backward kernel calls for one static configuration, vmappable."""
+  return (fold_into_batch(functools.partial(_sharded, call, "forward")),
+          fold_into_batch(functools.partial(_sharded, call, "backward")))
+
+
+def _sharded(call, direction, q, k, v, extras, *grads):
+  """The kernels under any sharding of batch and heads (T, S and head dims stay whole)."""
+  present = [e for e in extras if e is not None]
+  kind = ["qs", "ks", "len", "len"]
+  b, t, n, _ = q.shape
+  kv_heads = k.shape[2]
+  g = n // kv_heads
+  # Query heads are (K, G): a head sharding then splits key/value heads consistently.
+  dims = {"q": ("b", "t", "k", "g", "h"), "kv": ("b", "s", "k", "hk"),
+          "v": ("b", "s", "k", "hv"), "qs": ("b", "t"), "ks": ("b", "s"), "len": ("b",),
+          "do": ("b", "t", "k", "g", "hv"), "stat": ("b", "k", "g", "t")}
+  extra_dims = [dims[kd] for kd, e in zip(kind, extras) if e is not None]
+
+  def split(a, kv_heads=kv_heads):
+    return a.reshape(a.shape[:2] + (kv_heads, -1) + a.shape[3:])
+
+  def split_stat(a):
+    return a.reshape(b, kv_heads, g, t)
+
+  def unsplit(a):
+    return a.reshape(a.shape[:2] + (a.shape[2] * a.shape[3],) + a.shape[4:])
+
+  def rebuild(rest):
+    rest = list(rest)
+    return tuple(rest.pop(0) if e is not None else None for e in extras)
+
+  tf32 = _tf32(call.precision)
+  kw = dict(spec=call.spec, scale=call.scale, allow_tf32=tf32)
+  if direction == "forward":
+    def local(q, k, v, *rest):
+      out, lse = triton.forward(unsplit(q), k, v, rebuild(rest), **kw)
+      return split(out, k.shape[2]), lse.reshape(lse.shape[0], k.shape[2], -1, lse.shape[-1])
+
+    out, lse = parallel_call(OP, local, split(q), k, v, *present,
+                             in_dims=[dims["q"], dims["kv"], dims["v"]] + extra_dims,
+                             out_dims=[dims["do"], dims["stat"]], parallel={"b", "k", "g"})
+    return unsplit(out), lse.reshape(b, n, t)
+
+  do, lse, delta = grads
+
+  def local(q, k, v, do, lse, delta, *rest):
+    merge = lambda a: a.reshape(a.shape[0], -1, a.shape[-1])
+    dq, dk, dv = triton.backward(unsplit(q), k, v, unsplit(do), merge(lse), merge(delta),
+                                 rebuild(rest), **kw)
+    return split(dq, k.shape[2]), dk, dv
+
+  dq, dk, dv = parallel_call(
+      OP, local, split(q), k, v, split(do), split_stat(lse), split_stat(delta), *present,
+      in_dims=[dims["q"], dims["kv"], dims["v"], dims["do"], dims["stat"], dims["stat"]]
+      + extra_dims, out_dims=[dims["q"], dims["kv"], dims["v"]], parallel={"b", "k", "g"})
+  return unsplit(dq), dk, dv

@@ -1,0 +1,145 @@
+"""XLA attention: the exact reference, and a query-chunked form whose memory is linear in S.
+
+Layouts follow ``jax.nn.dot_product_attention``: ``q (B, T, N, H)``, ``k (B, S, K, H)``,
+``v (B, S, K, Hv)`` with K dividing N (grouped-query attention). Scores and softmax are float32.
+A query row with no allowed key gets output 0, log-sum-exp -inf, and zero gradients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskSpec:
+  """The structured masks, all computed from positions (never materialized as (T, S))."""
+  is_causal: bool = False
+  causal_offset: int = 0
+  window: tuple[int, int] | None = None  # (left, right) around the aligned diagonal
+  soft_cap: float | None = None
+
+
+def allowed(spec: MaskSpec, q_pos, k_pos, q_seg=None, kv_seg=None, q_len=None, kv_len=None):
+  """Boolean ``(B or 1, T', S)`` (or None): which (query, key) pairs may attend.
+
+  ``q_pos (T',)`` and ``k_pos (S,)`` are absolute positions; segments are ``(B, T')`` and
+  ``(B, S)``; lengths ``(B,)``.
+  """
+  ok = None
+
+  def both(a, b):
+    return b if a is None else a & b
+
+  diag = q_pos[:, None] + spec.causal_offset
+  if spec.is_causal:
+    ok = both(ok, (k_pos[None, :] <= diag)[None])
+  if spec.window is not None:
+    left, right = spec.window
+    ok = both(ok, ((k_pos[None, :] >= diag - left) & (k_pos[None, :] <= diag + right))[None])
+  if q_seg is not None:
+    ok = both(ok, q_seg[:, :, None] == kv_seg[:, None, :])
+  if q_len is not None:
+    ok = both(ok, (q_pos[None, :] < q_len[:, None])[:, :, None])
+  if kv_len is not None:
+    ok = both(ok, (k_pos[None, :] < kv_len[:, None])[:, None, :])
+  return ok
+
+
+def _scores(q, k, scale, spec, precision):
+  b, t, n, h = q.shape
+  kh = k.shape[2]
+  qg = q.reshape(b, t, kh, n // kh, h)
+  s = jnp.einsum("btkgh,bskh->bkgts", qg, k, precision=precision,
+                 preferred_element_type=jnp.float32) * scale
+  if spec.soft_cap is not None:
+    s = spec.soft_cap * jnp.tanh(s / spec.soft_cap)
+  return s  # (B, K, G, T, S)
+
+
+def _group(a, kh):
+  """(B, N, T, S)-broadcastable array -> (B, K, G, T, S)-broadcastable."""
+  a = a.reshape((1,) * (4 - a.ndim) + a.shape)
+  if a.shape[1] == 1:
+    return a[:, :, None]
+  return a.reshape(a.shape[0], kh, a.shape[1] // kh, *a.shape[2:])
+
+
+def attention_block(q, k, v, bias, mask, q_pos, segs, lens, *, scale, spec, precision):
+  """Exact attention of the queries at positions ``q_pos`` against all keys."""
+  b, t, n, _ = q.shape
+  s_len, kh = k.shape[1], k.shape[2]
+  s = _scores(q, k, scale, spec, precision)
+  if bias is not None:
+    s = s + _group(bias, kh).astype(jnp.float32)
+  ok = allowed(spec, q_pos, jnp.arange(s_len), *segs, *lens)
+  ok = None if ok is None else ok[:, None, None]
+  if mask is not None:
+    m = _group(mask, kh)
+    ok = m if ok is None else ok & m
+  if ok is not None:
+    s = jnp.where(ok, s, -jnp.inf)
+  m = lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+  m = jnp.where(m == -jnp.inf, 0.0, m)
+  p = jnp.exp(s - m)
+  l = jnp.sum(p, axis=-1, keepdims=True)
+  l_safe = jnp.where(l > 0, l, 1.0)
+  o = jnp.einsum("bkgts,bskh->btkgh", p.astype(v.dtype), v, precision=precision,
+                 preferred_element_type=jnp.float32) / jnp.moveaxis(l_safe, 3, 1)
+  lse = jnp.where(l > 0, m + jnp.log(l_safe), -jnp.inf)[..., 0]  # (B, K, G, T)
+  return o.reshape(b, t, n, v.shape[-1]).astype(q.dtype), lse.reshape(b, n, t)
+
+
+# Score bytes above which 'xla' walks the queries in chunks, keeping memory linear in S.
+CHUNK_BYTES = 1 << 28
+
+
+def attention(q, k, v, bias, mask, segs, lens, *, scale, spec, precision, chunk=None):
+  """Returns ``(out (B, T, N, Hv), lse (B, N, T))``.
+
+  ``segs`` is ``(q_seg, kv_seg)`` or ``(None, None)``; ``lens`` is ``(q_len, kv_len)``.
+  """
+  b, t, n, _ = q.shape
+  s_len = k.shape[1]
+  if chunk is None:
+    per_query = b * n * s_len * 4
+    if per_query * t <= CHUNK_BYTES:
+      return attention_block(q, k, v, bias, mask, jnp.arange(t), segs, lens, scale=scale,
+                             spec=spec, precision=precision)
+    chunk = max(16, min(t, CHUNK_BYTES // per_query))
+  n_chunks = -(-t // chunk)
+  pad = n_chunks * chunk - t
+
+  def pad_t(a, axis):
+    if a is None or a.shape[axis] == 1:
+      return a
+    widths = [(0, 0)] * a.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(a, widths)
+
+  def bias_like(a):
+    return None if a is None else pad_t(a.reshape((1,) * (4 - a.ndim) + a.shape), 2)
+
+  qp, q_seg = pad_t(q, 1), pad_t(segs[0], 1)
+  bias_p, mask_p = bias_like(bias), bias_like(mask)
+
+  def take(a, i, axis):
+    if a is None or a.shape[axis] == 1:
+      return a
+    return lax.dynamic_slice_in_dim(a, i * chunk, chunk, axis)
+
+  # Each chunk's scores are recomputed in the backward pass instead of being stored.
+  @jax.checkpoint
+  def one(i):
+    q_pos = i * chunk + jnp.arange(chunk)
+    return attention_block(take(qp, i, 1), k, v, take(bias_p, i, 2), take(mask_p, i, 2), q_pos,
+                           (take(q_seg, i, 1), segs[1]), lens, scale=scale, spec=spec,
+                           precision=precision)
+
+  outs, lses = lax.map(one, jnp.arange(n_chunks))
+  out = jnp.moveaxis(outs, 0, 1).reshape(b, n_chunks * chunk, n, v.shape[-1])[:, :t]
+  lse = jnp.moveaxis(lses, 0, 2).reshape(b, n, n_chunks * chunk)[..., :t]
+  return out, lse

@@ -1,0 +1,288 @@
+"""jaxfuse.attention against a float64 reference over a grid of features.
+
+The reference here is written independently of the library: dense (T, S) scores in float64 with
+the masks built in NumPy. The 'triton' kernels run in the Pallas interpreter on the CPU (which
+fills outputs with NaN first, so unwritten elements fail).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import jaxfuse
+from jaxfuse._core.testing import assert_close, random, x64
+
+IMPLS = ["xla", "triton"]
+
+
+def dense_reference(q, k, v, *, scale=None, causal=False, offset=0, window=None, q_seg=None,
+                    kv_seg=None, q_len=None, kv_len=None, cap=None, bias=None, mask=None, do=None):
+  """float64 (out, lse) and, given do, (dq, dk, dv) by JAX autodiff of the dense formula."""
+  q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+  b, t, n, h = q.shape
+  s, kh = k.shape[1], k.shape[2]
+  scale = 1 / np.sqrt(h) if scale is None else scale
+  i, j = np.arange(t)[:, None], np.arange(s)[None, :]
+  keep = np.ones((b, n, t, s), bool)
+  if causal:
+    keep &= j <= i + offset
+  if window is not None:
+    keep &= (j >= i + offset - window[0]) & (j <= i + offset + window[1])
+  if q_seg is not None:
+    keep &= (np.asarray(q_seg)[:, :, None] == np.asarray(kv_seg)[:, None, :])[:, None]
+  if q_len is not None:
+    keep &= (np.arange(t)[None, :] < np.asarray(q_len)[:, None])[:, None, :, None]
+  if kv_len is not None:
+    keep &= (np.arange(s)[None, :] < np.asarray(kv_len)[:, None])[:, None, None, :]
+  if mask is not None:
+    keep &= np.asarray(mask)
+  with x64():
+    def f(q, k, v):
+      kk = jnp.repeat(k, n // kh, axis=2)
+      vv = jnp.repeat(v, n // kh, axis=2)
+      sc = jnp.einsum("btnh,bsnh->bnts", q, kk) * scale
+      if cap is not None:
+        sc = cap * jnp.tanh(sc / cap)
+      if bias is not None:
+        sc = sc + jnp.asarray(np.asarray(bias, np.float64))
+      sc = jnp.where(keep, sc, -jnp.inf)
+      m = jnp.max(sc, -1, keepdims=True)
+      m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+      p = jnp.exp(sc - m)
+      l = jnp.sum(p, -1, keepdims=True)
+      p = p / jnp.where(l > 0, l, 1.0)
+      lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)[..., 0]
+      return jnp.einsum("bnts,bsnh->btnh", p, vv), lse
+    (out, lse), vjp = jax.vjp(f, *(jnp.asarray(a) for a in (q, k, v)))
+    grads = None
+    if do is not None:
+      cotangents = (jnp.asarray(np.asarray(do, np.float64)), jnp.zeros_like(lse))
+      grads = tuple(np.asarray(g) for g in vjp(cotangents))
+    return np.asarray(out), np.asarray(lse), grads
+
+
+def inputs(rng, b, t, s, n, kh, h, hv=None, dtype=jnp.float32):
+  return (random(rng, (b, t, n, h), dtype), random(rng, (b, s, kh, h), dtype),
+          random(rng, (b, s, kh, hv or h), dtype), random(rng, (b, t, n, hv or h), dtype))
+
+
+def run(impl, q, k, v, do, **kw):
+  (out, lse), vjp = jax.vjp(lambda q, k, v: jaxfuse.attention(
+      q, k, v, return_lse=True, implementation=impl, **kw), q, k, v)
+  return out, lse, vjp((do, jnp.zeros_like(lse)))
+
+
+def compare(got, ref, factor=10, dtype=None):
+  out, lse, grads = got
+  r_out, r_lse, r_grads = ref
+  assert_close(out, r_out, dtype, name="out")
+  finite = np.isfinite(r_lse)
+  assert np.array_equal(np.isfinite(np.asarray(lse)), finite)
+  assert_close(np.asarray(lse)[finite], r_lse[finite], jnp.float32, name="lse")
+  for name, g, r in zip(("dq", "dk", "dv"), grads, r_grads):
+    assert_close(g, r, dtype, factor=factor, name=name)
+
+
+# (B, T, S, N, K, H, Hv): odd lengths, T != S, GQA and MQA, head dims 32..256 incl. 80, 96, 192.
+SHAPES = [(1, 1, 1, 1, 1, 32, None), (2, 37, 45, 4, 2, 24, 40), (1, 70, 33, 3, 1, 80, None),
+          (1, 20, 20, 2, 2, 96, 64), (1, 9, 17, 2, 1, 192, None), (1, 16, 24, 1, 1, 256, 128)]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_shapes_and_head_dims(rng, impl, shape):
+  b, t, s, n, kh, h, hv = shape
+  q, k, v, do = inputs(rng, b, t, s, n, kh, h, hv)
+  compare(run(impl, q, k, v, do), dense_reference(q, k, v, do=do))
+
+
+FEATURES = [
+    dict(causal=True),
+    dict(causal=True, offset=8),  # bottom-right: queries are the last T of S keys
+    dict(causal=True, offset=-5),  # first rows fully masked
+    dict(window=(4, 4)),
+    dict(window=(6, 0), causal=True, offset=8),
+    dict(cap=2.5),
+    dict(segments=True),
+    dict(segments=True, causal=True, window=(10, 3), offset=8),
+    dict(lengths=True),
+    dict(lengths=True, segments=True, causal=True, offset=8, cap=4.0),
+]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("feature", FEATURES, ids=str)
+def test_features_and_combinations(rng, impl, feature):
+  b, t, s, n, kh, h = 2, 25, 33, 4, 2, 32
+  q, k, v, do = inputs(rng, b, t, s, n, kh, h)
+  kw, ref_kw = {}, {}
+  if feature.get("causal"):
+    kw.update(is_causal=True, causal_offset=feature.get("offset", 0))
+    ref_kw.update(causal=True, offset=feature.get("offset", 0))
+  if "window" in feature:
+    kw.update(local_window_size=feature["window"], causal_offset=feature.get("offset", 0))
+    ref_kw.update(window=feature["window"], offset=feature.get("offset", 0))
+  if "cap" in feature:
+    kw["logits_soft_cap"] = ref_kw["cap"] = feature["cap"]
+  if feature.get("segments"):
+    q_seg = jnp.asarray(np.sort(rng.integers(0, 3, (b, t)), axis=1), jnp.int32)
+    kv_seg = jnp.asarray(np.sort(rng.integers(0, 3, (b, s)), axis=1), jnp.int32)
+    kw["segment_ids"] = (q_seg, kv_seg)
+    ref_kw.update(q_seg=q_seg, kv_seg=kv_seg)
+  if feature.get("lengths"):
+    kw.update(query_seq_lengths=jnp.array([t, 19]), key_value_seq_lengths=jnp.array([11, s]))
+    ref_kw.update(q_len=[t, 19], kv_len=[11, s])
+  compare(run(impl, q, k, v, do, **kw), dense_reference(q, k, v, do=do, **ref_kw))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_fully_masked_rows_give_zero_and_zero_gradient(rng, impl):
+  q, k, v, do = inputs(rng, 1, 6, 6, 2, 2, 32)
+  out, lse, (dq, dk, dv) = run(impl, q, k, v, do, is_causal=True, causal_offset=-3)
+  assert np.all(np.asarray(out)[:, :3] == 0) and np.all(np.asarray(dq)[:, :3] == 0)
+  assert np.all(np.isneginf(np.asarray(lse)[:, :, :3]))
+  for g in (dq, dk, dv):
+    assert np.all(np.isfinite(np.asarray(g)))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_bfloat16_and_float16(rng, impl):
+  for dtype in (jnp.bfloat16, jnp.float16):
+    q, k, v, do = inputs(rng, 1, 40, 40, 2, 1, 64, dtype=dtype)
+    compare(run(impl, q, k, v, do, is_causal=True), dense_reference(q, k, v, causal=True, do=do),
+            factor=4, dtype=dtype)
+
+
+@pytest.mark.parametrize("impl", ["xla"])
+def test_bias_and_mask(rng, impl):
+  q, k, v, do = inputs(rng, 2, 12, 15, 4, 2, 32)
+  bias = random(rng, (1, 4, 12, 15), jnp.float32)
+  mask = jnp.asarray(rng.random((2, 1, 12, 15)) > 0.3)
+  got = run(impl, q, k, v, do, bias=bias, mask=mask)
+  compare(got, dense_reference(q, k, v, bias=bias, mask=np.asarray(mask), do=do))
+  dbias = jax.grad(lambda b: jnp.sum(jaxfuse.attention(q, k, v, bias=b, implementation=impl)
+                                     * do))(bias)
+  assert dbias.shape == bias.shape and np.all(np.isfinite(np.asarray(dbias)))
+
+
+def test_triton_refuses_bias_clearly(rng):
+  q, k, v, _ = inputs(rng, 1, 8, 8, 1, 1, 32)
+  with pytest.raises(NotImplementedError, match="bias"):
+    jaxfuse.attention(q, k, v, bias=jnp.zeros((8, 8)), implementation="triton")
+
+
+def test_chunked_xla_matches_and_is_linear_in_memory(rng, monkeypatch):
+  from jaxfuse.ops.attention import api, reference
+  q, k, v, do = inputs(rng, 1, 50, 64, 2, 1, 32)
+  ref = dense_reference(q, k, v, causal=True, window=(20, 0), do=do)
+  monkeypatch.setattr(reference, "CHUNK_BYTES", 2 * 64 * 4 * 16)
+  api._attention_jit.clear_cache()  # the threshold is read when tracing
+  compare(run("xla", q, k, v, do, is_causal=True, local_window_size=(20, 0)), ref)
+  # Long keys, short heads: one (T, S) float32 score array is 1 MiB and dominates the dense step.
+  q, k, v, _ = inputs(rng, 1, 512, 512, 1, 1, 16)
+
+  def temp(chunk_bytes):
+    monkeypatch.setattr(reference, "CHUNK_BYTES", chunk_bytes)
+    api._attention_jit.clear_cache()
+    step = jax.jit(jax.grad(lambda q: jnp.sum(jaxfuse.attention(q, k, v, implementation="xla"))))
+    return step.lower(q).compile().memory_analysis().temp_size_in_bytes
+
+  dense, chunked = temp(1 << 40), temp(64 * 512 * 4)
+  assert chunked < 512 * 512 * 4 < dense
+  api._attention_jit.clear_cache()
+
+
+def test_triton_step_keeps_no_score_matrix(rng):
+  q, k, v, _ = inputs(rng, 1, 256, 256, 1, 1, 32)
+  step = jax.jit(jax.grad(lambda q, k, v: jnp.sum(jaxfuse.attention(
+      q, k, v, implementation="triton")), argnums=(0, 1, 2)))
+  hlo = step.lower(q, k, v).as_text()
+  assert "256x256" not in hlo.replace(" ", "") and "f32[1,1,256,256]" not in hlo
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_vmap_jit_checkpoint(rng, impl):
+  q, k, v, do = inputs(rng, 3, 10, 12, 2, 1, 32)
+  f = lambda q, k, v: jaxfuse.attention(q, k, v, is_causal=True, causal_offset=2,
+                                        implementation=impl)
+  batched = jax.jit(jax.vmap(f, in_axes=(0, 0, 0)))(q[:, None], k[:, None], v[:, None])[:, 0]
+  ref = dense_reference(q, k, v, causal=True, offset=2)[0]
+  assert_close(batched, ref)
+  loss = lambda q: jnp.sum(f(q, k, v) * do)
+  np.testing.assert_allclose(jax.grad(jax.checkpoint(loss))(q), jax.grad(loss)(q), rtol=1e-5,
+                             atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_unbatched_inputs(rng, impl):
+  q, k, v, _ = inputs(rng, 1, 7, 9, 2, 2, 32)
+  out = jaxfuse.attention(q[0], k[0], v[0], implementation=impl)
+  assert out.shape == (7, 2, 32)
+  assert_close(out, dense_reference(q, k, v)[0][0])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_deterministic_backward(rng, impl):
+  q, k, v, do = inputs(rng, 1, 64, 64, 4, 1, 32)
+  step = jax.jit(lambda q, k, v: run(impl, q, k, v, do)[2])
+  for a, b in zip(step(q, k, v), step(q, k, v)):
+    assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("spec", [P("d"), P(None, None, "d"), P("a", None, "b")], ids=str)
+def test_batch_and_head_sharding_never_gathers(rng, impl, spec):
+  if jax.device_count() < 8:
+    pytest.skip("needs 8 devices")
+  names = ("a", "b") if "a" in str(spec) else ("d",)
+  shape = (2, 4) if len(names) == 2 else (8,)
+  mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names))
+  q, k, v, do = inputs(rng, 8, 16, 16, 8, 8 if "b" in names or spec == P(None, None, "d") else 4,
+                       32)
+  step = jax.jit(lambda q, k, v: run(impl, q, k, v, do, is_causal=True)[::2])
+  single = step(q, k, v)
+  put = lambda a: jax.device_put(a, NamedSharding(mesh, spec))
+  compiled = step.lower(put(q), put(k), put(v)).compile()
+  assert "all-gather" not in compiled.as_text()
+  for a, b in zip(jax.tree.leaves(compiled(put(q), put(k), put(v))), jax.tree.leaves(single)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(q=(2, 8, 3, 32)), ValueError, "heads"),
+    (dict(q=(2, 8, 4)), ValueError, "query"),
+    (dict(k=(2, 8, 2, 16)), ValueError, "key"),
+    (dict(q_dtype=jnp.bfloat16), TypeError, "dtype"),
+    (dict(segment_ids=jnp.zeros((2, 9), jnp.int32)), ValueError, "segment_ids"),
+    (dict(segment_ids=jnp.zeros((2, 8))), TypeError, "segment_ids"),
+    (dict(local_window_size=(-1, 2)), ValueError, "local_window_size"),
+    (dict(logits_soft_cap=0.0), ValueError, "logits_soft_cap"),
+    (dict(bias=jnp.zeros((3, 8, 8))), ValueError, "bias"),
+    (dict(mask=jnp.zeros((8, 8))), TypeError, "mask"),
+    (dict(implementation="mosaic"), NotImplementedError, "mosaic"),
+    (dict(implementation="cudnn", cpu_only=True), NotImplementedError, "cudnn"),
+    (dict(query_seq_lengths=jnp.zeros((3,), jnp.int32)), ValueError, "query_seq_lengths"),
+], ids=str)
+def test_bad_input(kwargs, error, match):
+  kwargs = dict(kwargs)
+  if kwargs.pop("cpu_only", False) and jax.default_backend() != "cpu":
+    pytest.skip("cudnn runs on a GPU")
+  q = jnp.zeros(kwargs.pop("q", (2, 8, 4, 32)), kwargs.pop("q_dtype", jnp.float32))
+  k = jnp.zeros(kwargs.pop("k", (2, 8, 2, 32)))
+  with pytest.raises(error, match=match):
+    jaxfuse.attention(q, k, jnp.zeros((2, 8, 2, 32)), **kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [(2, 1000, 1000, 4, 2, 128), (1, 257, 2049, 2, 2, 64),
+                                   (1, 512, 512, 2, 1, 256)], ids=str)
+def test_gpu_flash_attention(rng, causal, shape):
+  b, t, s, n, kh, h = shape
+  q, k, v, do = inputs(rng, b, t, s, n, kh, h, dtype=jnp.bfloat16)
+  offset = s - t if causal else 0
+  compare(run("triton", q, k, v, do, is_causal=causal, causal_offset=offset),
+          dense_reference(q, k, v, causal=causal, offset=offset, do=do), factor=4,
+          dtype=jnp.bfloat16)
