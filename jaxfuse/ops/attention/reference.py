@@ -54,7 +54,7 @@ def _scores(q, k, scale, spec, precision):
   kh = k.shape[2]
   qg = q.reshape(b, t, kh, n // kh, h)
   s = jnp.einsum("btkgh,bskh->bkgts", qg, k, precision=precision,
-                 preferred_element_type=jnp.float32) * scale
+                 preferred_element_type=jnp.promote_types(q.dtype, jnp.float32)) * scale
   if spec.soft_cap is not None:
     s = spec.soft_cap * jnp.tanh(s / spec.soft_cap)
   return s  # (B, K, G, T, S)
@@ -74,7 +74,7 @@ def attention_block(q, k, v, bias, mask, q_pos, segs, lens, *, scale, spec, prec
   s_len, kh = k.shape[1], k.shape[2]
   s = _scores(q, k, scale, spec, precision)
   if bias is not None:
-    s = s + _group(bias, kh).astype(jnp.float32)
+    s = s + _group(bias, kh).astype(s.dtype)
   ok = allowed(spec, q_pos, jnp.arange(s_len), *segs, *lens)
   ok = None if ok is None else ok[:, None, None]
   if mask is not None:
@@ -88,7 +88,7 @@ def attention_block(q, k, v, bias, mask, q_pos, segs, lens, *, scale, spec, prec
   l = jnp.sum(p, axis=-1, keepdims=True)
   l_safe = jnp.where(l > 0, l, 1.0)
   o = jnp.einsum("bkgts,bskh->btkgh", p.astype(v.dtype), v, precision=precision,
-                 preferred_element_type=jnp.float32) / jnp.moveaxis(l_safe, 3, 1)
+                 preferred_element_type=s.dtype) / jnp.moveaxis(l_safe, 3, 1)
   lse = jnp.where(l > 0, m + jnp.log(l_safe), -jnp.inf)[..., 0]  # (B, K, G, T)
   return o.reshape(b, t, n, v.shape[-1]).astype(q.dtype), lse.reshape(b, n, t)
 
@@ -105,7 +105,7 @@ def attention(q, k, v, bias, mask, segs, lens, *, scale, spec, precision, chunk=
   b, t, n, _ = q.shape
   s_len = k.shape[1]
   if chunk is None:
-    per_query = b * n * s_len * 4
+    per_query = b * n * s_len * jnp.dtype(jnp.promote_types(q.dtype, jnp.float32)).itemsize
     if per_query * t <= CHUNK_BYTES:
       return attention_block(q, k, v, bias, mask, jnp.arange(t), segs, lens, scale=scale,
                              spec=spec, precision=precision)
