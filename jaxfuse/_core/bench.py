@@ -23,7 +23,6 @@ from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxfuse._core import registry
 from jaxfuse._core.testing import relative_error, x64

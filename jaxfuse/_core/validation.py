@@ -29,17 +29,32 @@ def check_array(op: str, name: str, x, *, floating: bool = True):
   return x
 
 
-def check_positive_float(op: str, name: str, value) -> float:
-  """A static, finite, strictly positive Python float (``eps`` and the like)."""
+def static_float(op: str, name: str, value) -> float:
+  """A finite Python float known at trace time (a scale, a coefficient)."""
   if isinstance(value, jax.core.Tracer) or hasattr(value, "aval"):
     raise TypeError(f"{op}: {name} must be a Python float known at trace time, got a traced value")
   try:
     value = float(value)
   except (TypeError, ValueError):
     raise TypeError(f"{op}: {name} must be a float, got {type(value).__name__} {value!r}") from None
-  if not math.isfinite(value) or value <= 0:
+  if not math.isfinite(value):
+    raise ValueError(f"{op}: {name} must be finite, got {value!r}")
+  return value
+
+
+def check_positive_float(op: str, name: str, value) -> float:
+  """A static, finite, strictly positive Python float (``eps`` and the like)."""
+  value = static_float(op, name, value)
+  if value <= 0:
     raise ValueError(f"{op}: {name} must be finite and > 0, got {value!r}")
   return value
+
+
+def static_int(op: str, name: str, value) -> int:
+  """A Python int (not a bool) known at trace time."""
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+    raise TypeError(f"{op}: {name} must be an int, got {value!r}")
+  return int(value)
 
 
 def check_choice(op: str, name: str, value, choices: Sequence):

@@ -13,7 +13,7 @@ import numpy as np
 from jaxfuse._core import registry
 from jaxfuse._core.batching import fold_into_batch
 from jaxfuse._core.sharding import parallel_call
-from jaxfuse._core.validation import check_array, describe
+from jaxfuse._core.validation import check_array, describe, static_float, static_int
 from jaxfuse.ops.attention import reference, triton
 from jaxfuse.ops.attention.reference import MaskSpec
 
@@ -119,21 +119,11 @@ class _Call:
 
 
 def _float(name, value):
-  if isinstance(value, jax.core.Tracer):
-    raise TypeError(f"{OP}: {name} must be a Python float known at trace time")
-  try:
-    value = float(value)
-  except (TypeError, ValueError):
-    raise TypeError(f"{OP}: {name} must be a float, got {value!r}") from None
-  if not math.isfinite(value):
-    raise ValueError(f"{OP}: {name} must be finite, got {value}")
-  return value
+  return static_float(OP, name, value)
 
 
 def _int(name, value):
-  if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-    raise TypeError(f"{OP}: {name} must be an int, got {value!r}")
-  return int(value)
+  return static_int(OP, name, value)
 
 
 def _window(window):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -12,8 +11,10 @@ import numpy as np
 from jax.custom_batching import custom_vmap
 
 from jaxfuse._core import registry
+from jaxfuse._core.batching import fold_into_batch
 from jaxfuse._core.sharding import parallel_call
-from jaxfuse._core.validation import check_array, check_choice, describe
+from jaxfuse._core.validation import (check_array, check_choice, describe, static_float,
+                                      static_int)
 from jaxfuse.ops.softmax import reference, triton
 
 _BACKENDS = {"xla": registry.xla_available, "triton": registry.triton_unavailable}
@@ -65,34 +66,16 @@ class _SoftmaxStatic:
   implementation: str
 
 
-def _static_float(op, name, value):
-  if isinstance(value, jax.core.Tracer):
-    raise TypeError(f"{op}: {name} must be a Python float known at trace time")
-  try:
-    value = float(value)
-  except (TypeError, ValueError):
-    raise TypeError(f"{op}: {name} must be a float, got {value!r}") from None
-  if not math.isfinite(value):
-    raise ValueError(f"{op}: {name} must be finite, got {value}")
-  return value
-
-
-def _static_int(op, name, value):
-  if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-    raise TypeError(f"{op}: {name} must be an int, got {value!r}")
-  return int(value)
-
-
 def _softmax_entry(op, log, x, axis, scale, mask, is_causal, causal_offset, implementation):
   x = check_array(op, "x", x)
   if x.ndim == 0:
     raise ValueError(f"{op}: x must have at least one axis, got {describe(x)}")
-  axis = _static_int(op, "axis", axis)
+  axis = static_int(op, "axis", axis)
   if not -x.ndim <= axis < x.ndim:
     raise ValueError(f"{op}: axis {axis} is out of range for x {describe(x)}")
   axis %= x.ndim
-  scale = _static_float(op, "scale", scale)
-  causal_offset = _static_int(op, "causal_offset", causal_offset)
+  scale = static_float(op, "scale", scale)
+  causal_offset = static_int(op, "causal_offset", causal_offset)
   if not isinstance(is_causal, (bool, np.bool_)):
     raise TypeError(f"{op}: is_causal must be a bool, got {is_causal!r}")
   if is_causal and x.ndim < 2:
@@ -268,15 +251,15 @@ def softmax_cross_entropy(logits, labels, *, ignore_index: int | None = None,
                      f"{describe(logits)} and labels {describe(labels)}")
   if logits.shape[-1] == 0:
     raise ValueError(f"{op}: logits have no classes ({describe(logits)})")
-  label_smoothing = _static_float(op, "label_smoothing", label_smoothing)
+  label_smoothing = static_float(op, "label_smoothing", label_smoothing)
   if not 0.0 <= label_smoothing < 1.0:
     raise ValueError(f"{op}: label_smoothing must be in [0, 1), got {label_smoothing}")
-  z_loss = _static_float(op, "z_loss", z_loss)
+  z_loss = static_float(op, "z_loss", z_loss)
   if z_loss < 0:
     raise ValueError(f"{op}: z_loss must be >= 0, got {z_loss}")
   check_choice(op, "reduction", reduction, ("mean", "sum", "none"))
   if ignore_index is not None:
-    ignore_index = _static_int(op, "ignore_index", ignore_index)
+    ignore_index = static_int(op, "ignore_index", ignore_index)
   impl = registry.resolve(op, implementation, _BACKENDS, _preference())
   st = _CrossEntropyStatic(label_smoothing, z_loss, reduction, impl)
   return _cross_entropy_jit(logits, labels, ignore_index, st)
@@ -404,16 +387,7 @@ class _CrossEntropyKernels:
                            parallel=set(rows))
       return outs[0] if mode == "grad" else outs
 
-    fn = custom_vmap(call)
-
-    def rule(axis_size, in_batched, *args):
-      args = [a if b else jnp.broadcast_to(a, (axis_size,) + a.shape)
-              for a, b in zip(args, in_batched)]
-      out = fn(*args)
-      return out, jax.tree.map(lambda _: True, out)
-
-    fn.def_vmap(rule)
-    return fn
+    return fold_into_batch(call)
 
 
 @functools.cache
