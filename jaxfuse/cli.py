@@ -62,8 +62,8 @@ def main(argv=None) -> int:
   if args.plot:
     bench.save_plot(args.plot, rows, ceilings)
     print(f"saved {args.plot}")
-  failed = [r for r in rows if r.note]
-  return 1 if failed and impls else 0
+  # A kernel that broke fails the job; an implementation this machine lacks does not.
+  return 1 if any(r.note.startswith("FAILED") for r in rows) else 0
 
 
 if __name__ == "__main__":

@@ -372,7 +372,7 @@ def cross_entropy(logits, labels, *, label_smoothing, z_loss, row_scale=None, ls
       [row_scale] if mode != "loss" else [])
   kernel = functools.partial(_cross_entropy_kernel, n_rows=n_rows, vocab=vocab, blocks=blocks,
                              label_smoothing=label_smoothing, z_loss=z_loss, mode=mode)
-  target = max(1, min(pl.cdiv(n_rows, blocks.block_rows), blocks.programs or 132))
+  target = max(1, min(pl.cdiv(n_rows, blocks.block_rows), blocks.programs or registry.num_multiprocessors()))
   return pl.pallas_call(
       kernel, out_shape=out_shape, grid=(target,), compiler_params=_params(blocks),
       interpret=registry.interpret_mode(), name=f"jaxfuse_cross_entropy_{mode}",
