@@ -137,6 +137,31 @@ def test_features_and_combinations(rng, impl, feature):
   compare(run(impl, q, k, v, do, **kw), dense_reference(q, k, v, do=do, **ref_kw))
 
 
+@pytest.mark.parametrize("feature", [f for f in FEATURES if not f.keys() & {"segments", "lengths"}]
+                         + [{}], ids=str)
+def test_unmasked_interior_blocks(rng, monkeypatch, feature):
+  """Small tiles on long sequences: most blocks lie wholly inside the band and skip the mask;
+  the edges of the band (causal diagonal, window sides, key tail) are masked."""
+  from jaxfuse.ops.attention import triton as kernels
+  small = kernels.AttentionBlocks(kernels.KernelBlocks(16, 8, 4, 1),
+                                  kernels.KernelBlocks(8, 16, 4, 1),
+                                  kernels.KernelBlocks(16, 8, 4, 1))
+  monkeypatch.setattr(kernels, "default_blocks", lambda head_dim: small)
+  b, t, s, n, kh, h = 1, 45, 61, 2, 1, 16
+  q, k, v, do = inputs(rng, b, t, s, n, kh, h)
+  kw, ref_kw = {}, {}
+  offset = feature.get("offset", 0)
+  if feature.get("causal"):
+    kw.update(is_causal=True, causal_offset=offset)
+    ref_kw.update(causal=True, offset=offset)
+  if "window" in feature:
+    kw.update(local_window_size=feature["window"], causal_offset=offset)
+    ref_kw.update(window=feature["window"], offset=offset)
+  if "cap" in feature:
+    kw["logits_soft_cap"] = ref_kw["cap"] = feature["cap"]
+  compare(run("triton", q, k, v, do, **kw), dense_reference(q, k, v, do=do, **ref_kw))
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_fully_masked_rows_give_zero_and_zero_gradient(rng, impl):
   q, k, v, do = inputs(rng, 1, 6, 6, 2, 2, 32)

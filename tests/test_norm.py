@@ -119,7 +119,9 @@ def test_out_dtype_follows_request(rng, impl, kind):
 GRAD_CASES = [
     ((7,), (7,), jnp.float32),
     ((5, 1000), (1000,), jnp.float32),
-    ((3, 17000), (17000,), jnp.float32),  # longer than one backward tile: the looped kernel
+    ((3, 17000), (17000,), jnp.float32),  # longer than one backward tile: unrolled chunks
+    ((2, 40000), (40000,), jnp.float32),  # too long for register accumulators: split kernels
+    ((3, 20000), None, jnp.float32),
     ((2, 3, 4, 5), (4, 5), jnp.float32),
     ((40, 130), None, jnp.float32),
     ((33, 515), (515,), jnp.bfloat16),

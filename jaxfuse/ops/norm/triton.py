@@ -12,8 +12,12 @@ second walk hits L2, where the first left the row (``evict_last``).
 Backward: dx needs two per-row sums over the features (of ``x_hat * w * dy``, and for LayerNorm
 of ``w * dy``), and the weight/bias gradients are sums over rows. The grid is persistent: a few
 programs per SM, each walking a fixed strided set of row blocks, computes dx for its rows and
-keeps its share of ``dweight``/``dbias`` in float32. Stage two sums the per-program partials in a
-fixed order in a second small kernel. No atomics: the same inputs give the same bits.
+keeps its share of ``dweight``/``dbias`` in float32 registers, one accumulator per column. A row
+longer than one tile is walked twice in an unrolled chunk loop (the second walk from L2), so
+each chunk keeps accumulators of its own. Rows too long for that ('split') get dx from a row
+kernel and the weight gradients from a column-parallel kernel over row ranges. Stage two sums
+the per-program partials in a fixed order in a small kernel. No atomics: the same inputs give
+the same bits.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxfuse._core import registry
+from jaxfuse._core.pipelining import pipelined_loop
 from jaxfuse._core.validation import compute_dtype
 
 
@@ -35,39 +40,61 @@ from jaxfuse._core.validation import compute_dtype
 class NormBlocks:
   """Tiling of one kernel: a (block_rows, block_cols) register tile per step.
 
-  Both kernels run a persistent grid of ``programs`` programs per weight group (None: a
-  multiple of the SM count), each walking a fixed, strided set of row blocks.
+  ``programs`` per weight group walk fixed, strided sets of row blocks (a persistent grid);
+  None gives every row block a program of its own.
   """
   block_rows: int
   block_cols: int
   num_warps: int
   programs: int | None = None
+  # Backward only: 'chunks' or 'split' (see _backward_strategy); None chooses by size.
+  strategy: str | None = None
 
 
-# Defaults measured on an H100 (benchmarks/tune_norm.py, bf16, 16384 rows): the forward wants
-# ~16 elements per thread and a few thousand programs in flight; the backward, which also keeps
-# the weight-gradient accumulators in registers, wants smaller tiles and two programs per SM.
-# Rows longer than the column caps are walked in chunks, twice, the second walk from L2.
+# Defaults measured on an H100 (benchmarks/tune.py, bf16, 16384 rows; results in
+# benchmarks/results/*-tune*.json). The forward wants ~16 elements per thread and thousands of
+# programs in flight; short rows do best with a program per row block, and LayerNorm, whose
+# two dependent row reductions leave the memory pipe idle longer, with small tiles. The
+# backward, which also keeps the weight-gradient accumulators in registers, wants one or two
+# programs per SM. Rows longer than one tile are walked in chunks, twice, the second walk
+# from L2.
 _FWD_MAX_COLS = 32768
-_BWD_MAX_COLS = 16384
+_BWD_MAX_COLS = 8192
+# The unrolled backward walk ('chunks') keeps one float32 accumulator per column and weight
+# gradient in registers: at most this many per thread, over at most this many chunks.
+_MAX_ACCUMULATORS_PER_THREAD = 64
+_MAX_UNROLLED_CHUNKS = 8
 
 
-def forward_blocks(n_rows: int, n_cols: int) -> NormBlocks:
+def forward_blocks(n_rows: int, n_cols: int, kind: str = "rms") -> NormBlocks:
+  sms = registry.num_multiprocessors()
   block_cols = min(pl.next_power_of_2(n_cols), _FWD_MAX_COLS)
-  tile = 1024 if block_cols < 1024 else 8192
-  block_rows = max(1, min(tile // block_cols, pl.next_power_of_2(n_rows)))
-  num_warps = 8 if block_cols < 1024 else 16 if block_cols < 8192 else block_cols // 1024
-  return NormBlocks(block_rows, block_cols, num_warps, 8 * registry.num_multiprocessors())
+  rows = pl.next_power_of_2(n_rows)
+  if block_cols <= 512:
+    return NormBlocks(min(16, rows), block_cols, 8)
+  if kind == "layer" and block_cols <= 2048:
+    return NormBlocks(min(2, rows), block_cols, 4)
+  if kind == "layer" and block_cols == 8192:
+    return NormBlocks(min(2, rows), block_cols, 16, 4 * sms)
+  if n_cols > _FWD_MAX_COLS:
+    # Walked twice: two programs per SM keep the rows in flight (~34 MB at 64K bf16) in L2.
+    return NormBlocks(1, 16384, 16, 2 * sms)
+  block_rows = max(1, min((1024 if block_cols < 1024 else 8192) // block_cols, rows))
+  num_warps = 16 if block_cols < 8192 else block_cols // 1024
+  return NormBlocks(block_rows, block_cols, num_warps, 8 * sms)
 
 
 def backward_blocks(n_rows: int, n_cols: int, kind: str = "rms") -> NormBlocks:
-  # LayerNorm keeps two accumulator rows (dweight, dbias): past 8192 columns they spill.
-  max_cols = _BWD_MAX_COLS if kind == "rms" else _BWD_MAX_COLS // 2
-  block_cols = min(pl.next_power_of_2(n_cols), max_cols)
   sms = registry.num_multiprocessors()
-  if n_cols > max_cols:
-    return (NormBlocks(1, 8192, 16, 2 * sms) if n_cols <= 2 * max_cols
-            else NormBlocks(2, 2048, 4, 4 * sms))
+  block_cols = min(pl.next_power_of_2(n_cols), _BWD_MAX_COLS)
+  if n_cols > block_cols:
+    accumulators = 1 if kind == "rms" else 2
+    chunks = NormBlocks(1, 8192 // accumulators, 16, sms)
+    if _backward_strategy(chunks, n_cols, accumulators) == "chunks":
+      return chunks
+    return NormBlocks(1, 8192, 16, 2 * sms)
+  if block_cols <= 256:
+    return NormBlocks(min(16, pl.next_power_of_2(n_rows)), block_cols, 4, 2 * sms)
   block_rows = max(1, min(4096 // block_cols, 16, pl.next_power_of_2(n_rows)))
   num_warps = max(8, min(16, block_rows * block_cols // 512))
   return NormBlocks(block_rows, block_cols, num_warps, (1 if block_cols >= 8192 else 2) * sms)
@@ -76,8 +103,9 @@ def backward_blocks(n_rows: int, n_cols: int, kind: str = "rms") -> NormBlocks:
 def _programs(blocks, n_rows, n_groups):
   """Programs per group for a persistent grid, evened out so no program gets an extra step."""
   n_row_blocks = pl.cdiv(n_rows, blocks.block_rows)
-  target = blocks.programs or 2 * registry.num_multiprocessors()
-  target = max(1, min(n_row_blocks, target // n_groups))
+  if blocks.programs is None:
+    return n_row_blocks
+  target = max(1, min(n_row_blocks, blocks.programs // n_groups))
   return pl.cdiv(n_row_blocks, pl.cdiv(n_row_blocks, target))
 
 
@@ -110,19 +138,11 @@ class _RowBlocks:
     return rows, rows < self.n_rows
 
   def loop(self, load, body, init):
-    """``body(step, loaded, carry)`` over this program's steps, loading a step ahead.
-
-    The next block's loads are issued before this block's reductions, so a program keeps memory
-    requests in flight while it computes: the register-level equivalent of double buffering.
-    """
+    """``body(step, loaded, carry)`` over this program's steps, loading a step ahead when the
+    tiles are small enough to hold two."""
     if not self.prefetch:
       return lax.fori_loop(0, self.n_steps, lambda i, c: body(i, load(i), c), init)
-
-    def step(i, state):
-      carry, loaded = state
-      ahead = load(i + 1)
-      return body(i, loaded, carry), ahead
-    return lax.fori_loop(0, self.n_steps, step, (init, load(0)))[0]
+    return pipelined_loop(self.n_steps, load, body, init)
 
 
 def _forward_kernel(*refs, kind, has_weight, has_bias, eps, n_rows, n_cols, blocks, cdt):
@@ -185,14 +205,16 @@ def _forward_kernel(*refs, kind, has_weight, has_bias, eps, n_rows, n_cols, bloc
     blk.loop(lambda i: load_tile(*blk.rows(i), 0), body, ())
     return
 
+  # Long rows: both walks keep the next chunk's loads in flight while a chunk is reduced.
   @pl.loop(0, blk.n_steps)
   def _(i):
     rows, row_ok = blk.rows(i)
     zeros = jnp.zeros((blocks.block_rows,), cdt)
+    first_chunks = lambda j: load_tile(rows, row_ok, j, "evict_last")
     if kind == "layer":
-      def stats(j, carry):
+      def stats(j, loaded, carry):
         count, mean, m2 = carry
-        x_raw, mask = load_tile(rows, row_ok, j, "evict_last")
+        x_raw, mask = loaded
         x = x_raw.astype(cdt)
         chunk_count = jnp.minimum(bc, n_cols - j * bc).astype(cdt)
         chunk_mean = jnp.sum(x, axis=1) / chunk_count
@@ -201,27 +223,31 @@ def _forward_kernel(*refs, kind, has_weight, has_bias, eps, n_rows, n_cols, bloc
         delta = chunk_mean - mean
         return (total, mean + delta * (chunk_count / total),
                 m2 + jnp.sum(d * d, axis=1) + delta * delta * (count * chunk_count / total))
-      _, mean, m2 = lax.fori_loop(0, n_chunks, stats, (jnp.zeros((), cdt), zeros, zeros))
+      _, mean, m2 = pipelined_loop(n_chunks, first_chunks, stats,
+                                    (jnp.zeros((), cdt), zeros, zeros))
       var = m2 / n_cols
     else:
-      def stats(j, sum_sq):
-        x = load_tile(rows, row_ok, j, "evict_last")[0].astype(cdt)
-        return sum_sq + jnp.sum(x * x, axis=1)
-      mean, var = None, lax.fori_loop(0, n_chunks, stats, zeros) / n_cols
+      # Squares are summed elementwise and reduced across the row once, at the end.
+      def stats(j, loaded, sum_sq):
+        x = loaded[0].astype(cdt)
+        return sum_sq + x * x
+      sum_sq = pipelined_loop(n_chunks, first_chunks, stats,
+                               jnp.zeros((blocks.block_rows, bc), cdt))
+      mean, var = None, jnp.sum(sum_sq, axis=1) / n_cols
     rstd = lax.rsqrt(var + eps)
 
-    @pl.loop(0, n_chunks)
-    def _(j):
-      x = load_tile(rows, row_ok, j, "evict_first")[0].astype(cdt)
-      write(rows, row_ok, j, x, mean, rstd, *params(j))
+    def output(j, loaded, carry):
+      write(rows, row_ok, j, loaded[0].astype(cdt), mean, rstd, *params(j))
+      return carry
 
+    pipelined_loop(n_chunks, lambda j: load_tile(rows, row_ok, j, "evict_first"), output, ())
     write_stats(rows, row_ok, mean, rstd)
 
 
 def forward(x, weight, bias, *, kind, eps, out_dtype, blocks: NormBlocks | None = None):
   """``x (G, R, N)``, ``weight``/``bias`` ``(G, N)`` or None -> ``(y, mean | None, rstd)``."""
   n_groups, n_rows, n_cols = x.shape
-  blocks = blocks or forward_blocks(n_rows, n_cols)
+  blocks = blocks or forward_blocks(n_rows, n_cols, kind)
   cdt = compute_dtype(x.dtype, None if weight is None else weight.dtype)
   stat = jax.ShapeDtypeStruct((n_groups, n_rows), cdt)
   out_shape = [jax.ShapeDtypeStruct(x.shape, out_dtype)] + [stat] * (2 if kind == "layer" else 1)
@@ -237,107 +263,176 @@ def forward(x, weight, bias, *, kind, eps, out_dtype, blocks: NormBlocks | None 
   return (outs[0], outs[1], outs[2]) if kind == "layer" else (outs[0], None, outs[1])
 
 
-def _backward_kernel(*refs, kind, has_weight, has_bias, n_rows, n_cols, blocks, cdt):
-  dy_ref, x_ref, *refs = refs
-  w_ref = refs.pop(0) if has_weight else None
-  mean_ref = refs.pop(0) if kind == "layer" else None
-  rstd_ref, dx_ref, *partial_refs = refs
-  dw_ref = partial_refs.pop(0) if has_weight else None
-  db_ref = partial_refs.pop(0) if has_bias else None
-  # The backward also holds the weight-gradient accumulators: prefetch only small shares.
-  blk = _RowBlocks(n_rows, blocks, prefetch_limit=16)
-  g, p, bc = blk.g, blk.p, blocks.block_cols
-  n_chunks = pl.cdiv(n_cols, bc)
+def _backward_strategy(blocks: NormBlocks, n_cols: int, n_accumulators: int) -> str:
+  """How the backward walks a row: 'tile' (one register tile), 'chunks' (a statically unrolled
+  walk whose weight-gradient accumulators, one per chunk, stay in registers) or 'split' (dx
+  from a row kernel, the weight gradients from a column-parallel kernel)."""
+  n_chunks = pl.cdiv(n_cols, blocks.block_cols)
+  if n_chunks == 1:
+    return "tile"
+  if blocks.strategy is not None:
+    return blocks.strategy
+  per_thread = n_accumulators * n_chunks * blocks.block_cols // (32 * blocks.num_warps)
+  if n_chunks <= _MAX_UNROLLED_CHUNKS and per_thread <= _MAX_ACCUMULATORS_PER_THREAD:
+    return "chunks"
+  return "split"
 
-  def columns(j):
-    cols = j * bc + jnp.arange(bc, dtype=jnp.int32)
-    return cols, cols < n_cols
 
-  def load_rows(i, j, evict=None):
-    """Raw x and dy tiles of step i, chunk j, and the rows' statistics."""
-    rows, row_ok = blk.rows(i)
-    cols, col_ok = columns(j)
+class _BackwardTiles:
+  """Loads and per-tile math shared by the backward kernels."""
+
+  def __init__(self, kind, refs, g, n_cols, block_cols, cdt):
+    self.kind, self.g, self.n_cols, self.bc, self.cdt = kind, g, n_cols, block_cols, cdt
+    self.dy_ref, self.x_ref, self.w_ref, self.mean_ref, self.rstd_ref = refs
+
+  def columns(self, j):
+    cols = j * self.bc + jnp.arange(self.bc, dtype=jnp.int32)
+    return cols, cols < self.n_cols
+
+  def load(self, rows, row_ok, j, evict=None):
+    """Raw x and dy tiles of chunk j of ``rows``, the rows' statistics and the tile mask."""
+    cols, col_ok = self.columns(j)
     mask = row_ok[:, None] & col_ok[None, :]
-    index = (g, rows[:, None], cols[None, :])
-    rstd = _load(rstd_ref, (g, rows), row_ok, cdt)
-    mean = _load(mean_ref, (g, rows), row_ok, cdt) if kind == "layer" else None
-    return (_load(x_ref, index, mask, evict=evict), _load(dy_ref, index, mask, evict=evict),
-            mean, rstd, mask)
+    index = (self.g, rows[:, None], cols[None, :])
+    rstd = _load(self.rstd_ref, (self.g, rows), row_ok, self.cdt)
+    mean = (_load(self.mean_ref, (self.g, rows), row_ok, self.cdt)
+            if self.kind == "layer" else None)
+    return (_load(self.x_ref, index, mask, evict=evict),
+            _load(self.dy_ref, index, mask, evict=evict), mean, rstd, mask)
 
-  def math(loaded, w):
+  def weight(self, j):
+    if self.w_ref is None:
+      return None
+    cols, col_ok = self.columns(j)
+    return _load(self.w_ref, (self.g, cols), col_ok, self.cdt)
+
+  def math(self, loaded, w):
     """x_hat, dy and w * dy of a tile, zero outside the array."""
     x_raw, dy_raw, mean, rstd, mask = loaded
-    dy = dy_raw.astype(cdt)
-    x_hat = x_raw.astype(cdt)
+    dy = dy_raw.astype(self.cdt)
+    x_hat = x_raw.astype(self.cdt)
     if mean is not None:
       x_hat = jnp.where(mask, x_hat - mean[:, None], 0.0)
     x_hat = x_hat * rstd[:, None]
     return x_hat, dy, (dy * w[None, :] if w is not None else dy)
 
-  def weight(j):
-    cols, col_ok = columns(j)
-    return _load(w_ref, (g, cols), col_ok, cdt) if has_weight else None
+  def row_terms(self, x_hat, wdy):
+    """Elementwise terms of dx's row sums: sum(x_hat * w * dy) and, for LayerNorm, sum(w * dy)."""
+    return (x_hat * wdy,) + ((wdy,) if self.kind == "layer" else ())
 
-  def store_dx(i, j, x_hat, wdy, rstd, c1, c2):
-    rows, row_ok = blk.rows(i)
-    cols, col_ok = columns(j)
+
+def _backward_kernel(*refs, kind, has_weight, has_bias, n_rows, n_cols, blocks, strategy,
+                     cdt):
+  dy_ref, x_ref, *refs = refs
+  w_ref = refs.pop(0) if has_weight else None
+  mean_ref = refs.pop(0) if kind == "layer" else None
+  rstd_ref, dx_ref, *partial_refs = refs
+  # The backward also holds the weight-gradient accumulators: prefetch only small shares.
+  blk = _RowBlocks(n_rows, blocks, prefetch_limit=16)
+  g, p, bc = blk.g, blk.p, blocks.block_cols
+  tiles = _BackwardTiles(kind, (dy_ref, x_ref, w_ref, mean_ref, rstd_ref), g, n_cols, bc, cdt)
+  n_chunks = pl.cdiv(n_cols, bc)
+  grads = ([lambda x_hat, dy: x_hat * dy] if has_weight else []) + (
+      [lambda x_hat, dy: dy] if has_bias else [])
+  partials = list(zip(partial_refs, grads))  # empty for 'split'
+
+  def store_dx(rows, row_ok, j, x_hat, wdy, rstd, c1, c2):
+    cols, col_ok = tiles.columns(j)
     dx = wdy - x_hat * c1[:, None]
     if c2 is not None:
       dx = dx - c2[:, None]
     plgpu.store(dx_ref.at[g, rows[:, None], cols[None, :]],
                 (dx * rstd[:, None]).astype(dx_ref.dtype), mask=row_ok[:, None] & col_ok[None, :])
 
-  def row_sums(x_hat, wdy):
-    return jnp.sum(x_hat * wdy, axis=1), (jnp.sum(wdy, axis=1) if kind == "layer" else None)
+  def means(sums):
+    c1 = jnp.sum(sums[0], axis=1) / n_cols
+    return c1, (jnp.sum(sums[1], axis=1) / n_cols if kind == "layer" else None)
 
-  param_partials = [(r, f) for r, f in ((dw_ref, lambda x_hat, dy: x_hat * dy),
-                                        (db_ref, lambda x_hat, dy: dy)) if r is not None]
+  if strategy == "split":
+    # Rows too long for register accumulators: walk each row twice, the second walk from L2
+    # (evict_last on the first); the weight gradients come from _param_grads_kernel.
+    @pl.loop(0, blk.n_steps)
+    def _(i):
+      rows, row_ok = blk.rows(i)
 
-  if n_chunks == 1:
-    w = weight(0)
+      def first_walk(j, loaded, sums):
+        x_hat, _, wdy = tiles.math(loaded, tiles.weight(j))
+        return tuple(s + t for s, t in zip(sums, tiles.row_terms(x_hat, wdy)))
 
-    def body(i, loaded, acc):
-      x_hat, dy, wdy = math(loaded, w)
-      c1, c2 = row_sums(x_hat, wdy)
-      store_dx(i, 0, x_hat, wdy, loaded[3], c1 / n_cols, None if c2 is None else c2 / n_cols)
-      return tuple(a + jnp.sum(f(x_hat, dy), axis=0) for a, (_, f) in zip(acc, param_partials))
+      zeros = jnp.zeros((blocks.block_rows, bc), cdt)
+      sums = pipelined_loop(n_chunks, lambda j: tiles.load(rows, row_ok, j, "evict_last"),
+                             first_walk, (zeros,) * (2 if kind == "layer" else 1))
+      c1, c2 = means(sums)
 
-    acc = blk.loop(lambda i: load_rows(i, 0), body,
-                   tuple(jnp.zeros((bc,), cdt) for _ in param_partials))
-    cols, col_ok = columns(0)
-    for a, (ref, _) in zip(acc, param_partials):
-      plgpu.store(ref.at[g, p, cols], a, mask=col_ok)
+      def second_walk(j, loaded, carry):
+        x_hat, _, wdy = tiles.math(loaded, tiles.weight(j))
+        store_dx(rows, row_ok, j, x_hat, wdy, loaded[3], c1, c2)
+        return carry
+
+      pipelined_loop(n_chunks, lambda j: tiles.load(rows, row_ok, j, "evict_first"),
+                      second_walk, ())
     return
 
-  # Long rows: two walks over the row per row block. The first accumulates the row sums and adds
-  # this block's share of dweight/dbias into the program's own partial row (L2 resident); the
-  # second computes dx from the same chunks, which the first walk left in L2.
-  @pl.loop(0, blk.n_steps)
-  def _(i):
-    def first_walk(j, sums):
-      loaded = load_rows(i, j, "evict_last")
-      x_hat, dy, wdy = math(loaded, weight(j))
-      cols, col_ok = columns(j)
-      for ref, f in param_partials:
-        index = (g, p, cols)
-        previous = plgpu.load(ref.at[index], mask=col_ok & (i > 0), other=0.0)
-        plgpu.store(ref.at[index], previous + jnp.sum(f(x_hat, dy), axis=0), mask=col_ok)
-      c1, c2 = row_sums(x_hat, wdy)
-      return (sums[0] + c1,) + (() if c2 is None else (sums[1] + c2,))
+  # 'tile' and 'chunks': the chunk loop is unrolled, so each chunk's weight-gradient
+  # accumulators are registers of their own. One chunk is kept in registers between the walks;
+  # more are read again from L2.
+  weights = [tiles.weight(0)] if n_chunks == 1 else None
 
-    zeros = jnp.zeros((blocks.block_rows,), cdt)
-    sums = lax.fori_loop(0, n_chunks, first_walk, (zeros,) * (2 if kind == "layer" else 1))
-    # The next block's first walk reads partials that other threads of this program stored.
-    if not registry.interpret_mode():
-      plgpu.debug_barrier()
-    c1 = sums[0] / n_cols
-    c2 = sums[1] / n_cols if kind == "layer" else None
+  def body(i, first_chunk, acc):
+    rows, row_ok = blk.rows(i)
+    acc, sums, kept = list(acc), None, None
+    for j in range(n_chunks):
+      loaded = first_chunk if j == 0 else tiles.load(rows, row_ok, j, "evict_last")
+      x_hat, dy, wdy = tiles.math(loaded, weights[0] if weights else tiles.weight(j))
+      terms = tiles.row_terms(x_hat, wdy)
+      sums = terms if sums is None else tuple(s + t for s, t in zip(sums, terms))
+      acc[j] = tuple(a + jnp.sum(f(x_hat, dy), axis=0) for a, (_, f) in zip(acc[j], partials))
+      if n_chunks == 1:
+        kept = x_hat, wdy, loaded[3]
+    c1, c2 = means(sums)
+    for j in range(n_chunks):
+      if kept is None:
+        loaded = tiles.load(rows, row_ok, j, "evict_first")
+        x_hat, _, wdy = tiles.math(loaded, tiles.weight(j))
+        store_dx(rows, row_ok, j, x_hat, wdy, loaded[3], c1, c2)
+      else:
+        store_dx(rows, row_ok, j, *kept, c1, c2)
+    return tuple(acc)
 
-    @pl.loop(0, n_chunks)
-    def _(j):
-      loaded = load_rows(i, j, "evict_first")
-      x_hat, _, wdy = math(loaded, weight(j))
-      store_dx(i, j, x_hat, wdy, loaded[3], c1, c2)
+  first_evict = None if n_chunks == 1 else "evict_last"
+  init = tuple(tuple(jnp.zeros((bc,), cdt) for _ in partials) for _ in range(n_chunks))
+  acc = blk.loop(lambda i: tiles.load(*blk.rows(i), 0, first_evict), body, init)
+  for j in range(n_chunks):
+    cols, col_ok = tiles.columns(j)
+    for a, (ref, _) in zip(acc[j], partials):
+      plgpu.store(ref.at[g, p, cols], a, mask=col_ok)
+
+
+def _param_grads_kernel(*refs, kind, has_weight, has_bias, n_rows, n_cols, blocks, cdt):
+  """dweight/dbias partials of a contiguous range of rows, for one chunk of columns."""
+  dy_ref, x_ref, *refs = refs
+  mean_ref = refs.pop(0) if kind == "layer" else None
+  rstd_ref, *out_refs = refs
+  g, r, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  br, bc = blocks.block_rows, blocks.block_cols
+  tiles = _BackwardTiles(kind, (dy_ref, x_ref, None, mean_ref, rstd_ref), g, n_cols, bc, cdt)
+  steps = pl.cdiv(pl.cdiv(n_rows, br), pl.num_programs(1))
+  first_row = r * steps * br
+
+  def load(i):
+    rows = first_row + i * br + jnp.arange(br, dtype=jnp.int32)
+    return tiles.load(rows, rows < jnp.minimum(n_rows, first_row + steps * br), c)
+
+  def body(i, loaded, acc):
+    x_hat, dy, _ = tiles.math(loaded, None)
+    terms = ([jnp.sum(x_hat * dy, axis=0)] if has_weight else []) + (
+        [jnp.sum(dy, axis=0)] if has_bias else [])
+    return tuple(a + t for a, t in zip(acc, terms))
+
+  acc = pipelined_loop(steps, load, body, tuple(jnp.zeros((bc,), cdt) for _ in out_refs))
+  cols, col_ok = tiles.columns(c)
+  for ref, a in zip(out_refs, acc):
+    plgpu.store(ref.at[g, r, cols], a, mask=col_ok)
 
 
 def _sum_partials_kernel(partial_ref, out_ref, *, n_partials, n_cols, block_partials, block_cols):
@@ -371,24 +466,47 @@ def _sum_partials(partials, dtype):
   )(partials)
 
 
+def _param_grads_blocks(n_rows: int, n_cols: int) -> NormBlocks:
+  """Column chunks of 512 and row ranges, ~4 programs per SM, 16 elements per thread."""
+  block_cols = min(pl.next_power_of_2(n_cols), 512)
+  block_rows = min(8, pl.next_power_of_2(n_rows))
+  col_chunks = pl.cdiv(n_cols, block_cols)
+  row_groups = max(1, min(pl.cdiv(n_rows, block_rows),
+                          pl.cdiv(4 * registry.num_multiprocessors(), col_chunks)))
+  return NormBlocks(block_rows, block_cols, max(1, block_rows * block_cols // 512), row_groups)
+
+
 def backward(dy, x, weight, mean, rstd, *, kind, has_bias, bias_dtype=None,
              blocks: NormBlocks | None = None):
   """Returns ``(dx, dweight | None, dbias | None)`` for ``(G, R, N)`` inputs."""
   n_groups, n_rows, n_cols = x.shape
   blocks = blocks or backward_blocks(n_rows, n_cols, kind)
-  programs = _programs(blocks, n_rows, n_groups)
   has_weight = weight is not None
+  strategy = _backward_strategy(blocks, n_cols, has_weight + has_bias)
+  programs = _programs(blocks, n_rows, n_groups)
+  stats = [a for a in (mean,) if a is not None] + [rstd]
+  n_partial = 0 if strategy == "split" else has_weight + has_bias
   partial = jax.ShapeDtypeStruct((n_groups, programs, n_cols), rstd.dtype)
-  out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype)] + [partial] * (has_weight + has_bias)
   kernel = functools.partial(
       _backward_kernel, kind=kind, has_weight=has_weight, has_bias=has_bias, n_rows=n_rows,
-      n_cols=n_cols, blocks=blocks, cdt=rstd.dtype)
-  inputs = [dy, x] + [a for a in (weight, mean) if a is not None] + [rstd]
+      n_cols=n_cols, blocks=blocks, strategy=strategy, cdt=rstd.dtype)
   dx, *partials = pl.pallas_call(
-      kernel, out_shape=out_shape, grid=(n_groups, programs),
-      compiler_params=_compiler_params(blocks), interpret=registry.interpret_mode(),
-      name=f"jaxfuse_{kind}_norm_bwd",
-  )(*inputs)
+      kernel, out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype)] + [partial] * n_partial,
+      grid=(n_groups, programs), compiler_params=_compiler_params(blocks),
+      interpret=registry.interpret_mode(), name=f"jaxfuse_{kind}_norm_bwd",
+  )(dy, x, *([weight] if has_weight else []), *stats)
+  if strategy == "split" and has_weight + has_bias:
+    pb = _param_grads_blocks(n_rows, n_cols)
+    partial = jax.ShapeDtypeStruct((n_groups, pb.programs, n_cols), rstd.dtype)
+    partials = list(pl.pallas_call(
+        functools.partial(_param_grads_kernel, kind=kind, has_weight=has_weight,
+                          has_bias=has_bias, n_rows=n_rows, n_cols=n_cols, blocks=pb,
+                          cdt=rstd.dtype),
+        out_shape=[partial] * (has_weight + has_bias),
+        grid=(n_groups, pb.programs, pl.cdiv(n_cols, pb.block_cols)),
+        compiler_params=_compiler_params(pb), interpret=registry.interpret_mode(),
+        name=f"jaxfuse_{kind}_norm_param_grads",
+    )(dy, x, *stats))
   dweight = _sum_partials(partials.pop(0), weight.dtype) if has_weight else None
   dbias = _sum_partials(partials.pop(0), bias_dtype) if has_bias else None
   return dx, dweight, dbias

@@ -5,7 +5,9 @@ Softmax: ``x`` is viewed as ``(pre, n, post)`` with the softmax over ``n``. For 
 ``(block_cols, block_rows)``: one ``pre`` index, columns along ``n`` and rows along ``post``,
 so loads stay contiguous along ``post`` and the axis is never transposed in memory. A row that
 fits one tile is read once and written once; a longer row is walked twice in chunks, an online
-max/sum first and the normalized output second, the second walk from L2.
+max/sum first and the normalized output second, the second walk from L2. The online max/sum is
+kept per element and reduced across threads once per row, so the walk itself never waits on a
+cross-warp reduction, and each walk loads the next chunk before it computes on the current one.
 
 Masks are read through their own (broadcast) strides, and the causal mask is computed from the
 indices, so neither is ever expanded to the shape of ``x``.
@@ -24,11 +26,11 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxfuse._core import registry
+from jaxfuse._core.pipelining import pipelined_loop
 from jaxfuse._core.validation import compute_dtype
 
 _NEG_INF = float("-inf")
@@ -66,20 +68,26 @@ class Layout:
 
 
 # Register tiles of ~16 elements per thread with a few thousand programs in flight (the norm
-# kernels' measurements on an H100, which share the access pattern); rows longer than the
-# column cap are walked twice.
+# kernels' measurements on an H100, which share the access pattern). A row longer than one tile
+# is walked twice in chunks, the second walk from L2: then one or two programs per SM, so the
+# rows in flight (a few hundred of up to ~256 KB) stay within the H100's 50 MB L2.
 _MAX_COLS = 32768
+_CHUNK_COLS = 8192
 
 
 def default_blocks(layout: Layout) -> Blocks:
   rows = layout.pre if layout.post == 1 else layout.post
+  sms = registry.num_multiprocessors()
+  if layout.n > _MAX_COLS:
+    return Blocks(1 if layout.post == 1 else 16, _CHUNK_COLS if layout.post == 1 else 512, 16,
+                  sms)
   block_cols = min(pl.next_power_of_2(layout.n), _MAX_COLS)
   tile = 1024 if block_cols < 1024 else 8192
   block_rows = max(1, min(tile // block_cols, pl.next_power_of_2(rows), 64))
   if layout.post > 1:
     block_rows = max(block_rows, min(16, pl.next_power_of_2(layout.post)))
   num_warps = 8 if block_cols < 1024 else 16 if block_cols < 8192 else block_cols // 1024
-  return Blocks(block_rows, block_cols, num_warps, 8 * registry.num_multiprocessors())
+  return Blocks(block_rows, block_cols, num_warps, 8 * sms)
 
 
 def _params(blocks):
@@ -100,6 +108,8 @@ class _Tiles:
     self.n_steps = (n_tiles - p + n_programs - 1) // n_programs
     self._p, self._n_programs = p, n_programs
     self.n_chunks = pl.cdiv(layout.n, blocks.block_cols)
+    br, bc = blocks.block_rows, blocks.block_cols
+    self.tile_shape = (br, bc) if self.trailing else (bc, br)
 
   def rows(self, step):
     """The tile's independent-row indices and mask, and its ``pre`` index (inner axis)."""
@@ -150,13 +160,30 @@ class _Tiles:
     return keep
 
 
-def _online(m, s, z, red):
-  """Merges a chunk of logits ``z`` into a running max ``m`` and sum of exponentials ``s``."""
-  m_new = jnp.maximum(m, jnp.max(z, axis=red))
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+
+
+def _load(ref, index, mask, other, evict=None):
+  kwargs = {} if evict is None else {"eviction_policy": evict}
+  return plgpu.load(ref.at[index], mask=mask, other=other, **kwargs)
+
+
+# The kernels work in base 2: logits are scaled by log2(e) as they are loaded, so every
+# exponential is one exp2 (a single MUFU instruction) instead of expf's longer sequence.
+def _merge_lanes(m, s, z):
+  """Folds a tile of base-2 logits into per-element running maxima ``m`` and sums ``s``
+  (relative to ``m``): no reduction across threads inside the loop."""
+  m_new = jnp.maximum(m, z)
   m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)
-  s = s * jnp.exp(jnp.where(m == _NEG_INF, _NEG_INF, m - m_safe)) + jnp.sum(
-      jnp.exp(z - jnp.expand_dims(m_safe, red)), axis=red)
-  return m_new, s
+  return m_new, s * jnp.exp2(m - m_safe) + jnp.exp2(z - m_safe)
+
+
+def _reduce_lanes(m, s, red):
+  """Row maximum and sum of exponentials relative to it, from :func:`_merge_lanes` state."""
+  row_max = jnp.max(m, axis=red)
+  safe = jnp.where(row_max == _NEG_INF, 0.0, row_max)
+  return row_max, jnp.sum(s * jnp.exp2(m - jnp.expand_dims(safe, red)), axis=red)
 
 
 def _softmax_forward_kernel(*refs, layout, blocks, scale, log, has_mask, cdt):
@@ -166,40 +193,43 @@ def _softmax_forward_kernel(*refs, layout, blocks, scale, log, has_mask, cdt):
   tiles = _Tiles(layout, blocks)
   red = tiles.red
 
-  def logits(rows, j, evict=None):
-    index, in_bounds, where = tiles.at(rows, j)
-    kwargs = {} if evict is None else {"eviction_policy": evict}
-    x = plgpu.load(x_ref.at[index], mask=in_bounds, other=0.0, **kwargs)
-    keep = tiles.keep(in_bounds, where, mask_ref)
-    return jnp.where(keep, x.astype(cdt) * scale, _NEG_INF), keep, index, in_bounds
+  def load(rows, j, evict=None):
+    index, in_bounds, _ = tiles.at(rows, j)
+    return _load(x_ref, index, in_bounds, 0.0, evict)
 
-  def write(z, keep, index, in_bounds, m, s):
+  def logits(rows, j, x):
+    """Base-2 logits of a loaded tile (-inf where masked out) and the keep mask."""
+    _, in_bounds, where = tiles.at(rows, j)
+    keep = tiles.keep(in_bounds, where, mask_ref)
+    return jnp.where(keep, x.astype(cdt) * (scale * _LOG2E), _NEG_INF), keep
+
+  def write(rows, j, z, keep, m, s):
+    index, in_bounds, _ = tiles.at(rows, j)
     m_safe = tiles.expand(jnp.where(m == _NEG_INF, 0.0, m))
     s = tiles.expand(s)
     if log:
-      y = jnp.where(keep, z - m_safe - jnp.log(s), _NEG_INF)
+      y = jnp.where(keep, (z - m_safe) * _LN2 - jnp.log(s), _NEG_INF)
     else:
-      y = jnp.where(s == 0, 0.0, jnp.exp(z - m_safe) / s)
+      y = jnp.where(s == 0, 0.0, jnp.exp2(z - m_safe) / s)
     plgpu.store(y_ref.at[index], y.astype(y_ref.dtype), mask=in_bounds)
 
   @pl.loop(0, tiles.n_steps)
   def _(i):
     rows = tiles.rows(i)
     if tiles.n_chunks == 1:
-      z, keep, index, in_bounds = logits(rows, 0)
+      z, keep = logits(rows, 0, load(rows, 0))
       m = jnp.max(z, axis=red)
       m_safe = jnp.where(m == _NEG_INF, 0.0, m)
-      s = jnp.sum(jnp.exp(z - tiles.expand(m_safe)), axis=red)
-      write(z, keep, index, in_bounds, m, s)
+      s = jnp.sum(jnp.exp2(z - tiles.expand(m_safe)), axis=red)
+      write(rows, 0, z, keep, m, s)
       return
-    shape = (blocks.block_rows,)
-    init = (jnp.full(shape, _NEG_INF, cdt), jnp.zeros(shape, cdt))
-    m, s = lax.fori_loop(0, tiles.n_chunks,
-                         lambda j, c: _online(*c, logits(rows, j, "evict_last")[0], red), init)
-
-    @pl.loop(0, tiles.n_chunks)
-    def _(j):
-      write(*logits(rows, j, "evict_first"), m, s)
+    shape = tiles.tile_shape
+    m, s = pipelined_loop(tiles.n_chunks, lambda j: load(rows, j, "evict_last"),
+                          lambda j, x, c: _merge_lanes(*c, logits(rows, j, x)[0]),
+                          (jnp.full(shape, _NEG_INF, cdt), jnp.zeros(shape, cdt)))
+    m, s = _reduce_lanes(m, s, red)
+    pipelined_loop(tiles.n_chunks, lambda j: load(rows, j, "evict_first"),
+                   lambda j, x, c: write(rows, j, *logits(rows, j, x), m, s), None)
 
 
 def _softmax_backward_kernel(y_ref, dy_ref, dx_ref, *, layout, blocks, scale, log, cdt):
@@ -208,36 +238,33 @@ def _softmax_backward_kernel(y_ref, dy_ref, dx_ref, *, layout, blocks, scale, lo
 
   def load(rows, j, evict=None):
     index, in_bounds, _ = tiles.at(rows, j)
-    kwargs = {} if evict is None else {"eviction_policy": evict}
-    y = plgpu.load(y_ref.at[index], mask=in_bounds, other=_NEG_INF if log else 0.0,
-                   **kwargs).astype(cdt)
-    dy = plgpu.load(dy_ref.at[index], mask=in_bounds, other=0.0, **kwargs).astype(cdt)
-    return y, dy, index, in_bounds
+    return (_load(y_ref, index, in_bounds, _NEG_INF if log else 0.0, evict).astype(cdt),
+            _load(dy_ref, index, in_bounds, 0.0, evict).astype(cdt))
 
   # softmax: dx = y * (dy - sum(dy * y)); log-softmax: dx = dy - exp(y) * sum(dy), with masked
   # entries (y = -inf) taking no part and getting zero.
-  def row_sum(y, dy):
-    return jnp.sum(jnp.where(y > _NEG_INF, dy, 0.0) if log else dy * y, axis=red)
+  def row_terms(y, dy):
+    return jnp.where(y > _NEG_INF, dy, 0.0) if log else dy * y
 
-  def write(y, dy, index, in_bounds, c):
+  def write(rows, j, y, dy, c):
+    index, in_bounds, _ = tiles.at(rows, j)
     c = tiles.expand(c)
-    dx = jnp.where(y > _NEG_INF, dy - jnp.exp(y) * c, 0.0) if log else y * (dy - c)
+    dx = jnp.where(y > _NEG_INF, dy - jnp.exp2(y * _LOG2E) * c, 0.0) if log else y * (dy - c)
     plgpu.store(dx_ref.at[index], (dx * scale).astype(dx_ref.dtype), mask=in_bounds)
 
   @pl.loop(0, tiles.n_steps)
   def _(i):
     rows = tiles.rows(i)
     if tiles.n_chunks == 1:
-      y, dy, index, in_bounds = load(rows, 0)
-      write(y, dy, index, in_bounds, row_sum(y, dy))
+      y, dy = load(rows, 0)
+      write(rows, 0, y, dy, jnp.sum(row_terms(y, dy), axis=red))
       return
-    c = lax.fori_loop(0, tiles.n_chunks,
-                      lambda j, c: c + row_sum(*load(rows, j, "evict_last")[:2]),
-                      jnp.zeros((blocks.block_rows,), cdt))
-
-    @pl.loop(0, tiles.n_chunks)
-    def _(j):
-      write(*load(rows, j, "evict_first"), c)
+    terms = pipelined_loop(tiles.n_chunks, lambda j: load(rows, j, "evict_last"),
+                           lambda j, loaded, c: c + row_terms(*loaded),
+                           jnp.zeros(tiles.tile_shape, cdt))
+    c = jnp.sum(terms, axis=red)
+    pipelined_loop(tiles.n_chunks, lambda j: load(rows, j, "evict_first"),
+                   lambda j, loaded, carry: write(rows, j, *loaded, c), None)
 
 
 def _grid(layout, blocks):
@@ -277,14 +304,23 @@ def softmax_backward(y, dy, layout: Layout, *, scale, log, blocks: Blocks | None
 # --------------------------------------------------------------------------- cross-entropy
 
 
-def cross_entropy_blocks(n_rows: int, vocab: int) -> Blocks:
-  """One row per step for long vocabularies, with a row's two walks kept within L2: one
-  program per SM holds ~132 rows of 256 KB (bf16, 131072 entries) in flight."""
-  block_cols = min(pl.next_power_of_2(vocab), 16384)
+_CE_MAX_COLS = 16384
+
+
+def cross_entropy_blocks(n_rows: int, vocab: int, mode: str = "fused") -> Blocks:
+  """Rows longer than one tile are walked in chunks; when the gradient is written in a second
+  walk, one program per SM keeps the rows in flight (256 KB each for bf16 x 131072) in L2."""
+  sms = registry.num_multiprocessors()
+  if vocab > _CE_MAX_COLS and mode == "loss":
+    return Blocks(1, _CHUNK_COLS, 16, 4 * sms)
+  if vocab > _CE_MAX_COLS:
+    # Measured on an H100 (benchmarks/tune.py): wide chunks for long rows, two rows per step
+    # for shorter ones.
+    return Blocks(1, 16384, 32, sms) if vocab >= 65536 else Blocks(2, _CHUNK_COLS, 16, sms)
+  block_cols = pl.next_power_of_2(vocab)
   block_rows = max(1, min(8192 // block_cols, pl.next_power_of_2(n_rows), 64))
   num_warps = 16 if block_cols * block_rows >= 8192 else 8
-  programs = registry.num_multiprocessors() * (1 if vocab > block_cols else 8)
-  return Blocks(block_rows, block_cols, num_warps, programs)
+  return Blocks(block_rows, block_cols, num_warps, 8 * sms)
 
 
 def _cross_entropy_kernel(*refs, n_rows, vocab, blocks, label_smoothing, z_loss, mode):
@@ -304,12 +340,11 @@ def _cross_entropy_kernel(*refs, n_rows, vocab, blocks, label_smoothing, z_loss,
   n_chunks = pl.cdiv(vocab, bc)
 
   def tile(rows, row_ok, j, evict=None):
+    """Base-2 logits of a chunk (-inf outside the array), its columns and its mask."""
     cols = j * bc + jnp.arange(bc, dtype=jnp.int32)
     mask = row_ok[:, None] & (cols < vocab)[None, :]
-    kwargs = {} if evict is None else {"eviction_policy": evict}
-    x = plgpu.load(logits_ref.at[rows[:, None], cols[None, :]], mask=mask, other=_NEG_INF,
-                   **kwargs).astype(jnp.float32)
-    return x, cols, mask
+    x = _load(logits_ref, (rows[:, None], cols[None, :]), mask, _NEG_INF, evict)
+    return x.astype(jnp.float32) * _LOG2E, cols, mask
 
   @pl.loop(0, n_steps)
   def _(i):
@@ -319,24 +354,33 @@ def _cross_entropy_kernel(*refs, n_rows, vocab, blocks, label_smoothing, z_loss,
     valid = (labels >= 0) & (labels < vocab)
     if mode == "grad":
       lse = plgpu.load(lse_in_ref.at[rows], mask=row_ok, other=0.0)
+    elif n_chunks == 1:
+      x, _, mask = tile(rows, row_ok, 0)
+      m = jnp.max(x, axis=1)
+      s = jnp.sum(jnp.exp2(x - jnp.where(m == _NEG_INF, 0.0, m)[:, None]), axis=1)
+      total = [jnp.where(mask, x, 0.0)] if label_smoothing else []
     else:
-      shape = (br,)
-      init = (jnp.full(shape, _NEG_INF, jnp.float32), jnp.zeros(shape, jnp.float32),
-              jnp.zeros(shape, jnp.float32))
+      # Per-element running max and sum (and the logits' sum for smoothing): the row is
+      # reduced across threads once, after the walk.
+      def first_walk(j, loaded, carry):
+        x, _, mask = loaded
+        m, s = _merge_lanes(carry[0], carry[1], x)
+        return (m, s) + tuple(t + jnp.where(mask, x, 0.0) for t in carry[2:])
 
-      def first_walk(j, carry):
-        m, s, total = carry
-        x, _, mask = tile(rows, row_ok, j, "evict_last" if grad_ref is not None else None)
-        m, s = _online(m, s, x, 1)
-        return m, s, total + jnp.sum(jnp.where(mask, x, 0.0), axis=1)
-
-      m, s, total = lax.fori_loop(0, n_chunks, first_walk, init)
-      lse = jnp.where(m == _NEG_INF, 0.0, m) + jnp.log(s)
+      shape = (br, bc)
+      init = (jnp.full(shape, _NEG_INF, jnp.float32), jnp.zeros(shape, jnp.float32)) + (
+          (jnp.zeros(shape, jnp.float32),) if label_smoothing else ())
+      evict = "evict_last" if grad_ref is not None else None
+      m, s, *total = pipelined_loop(n_chunks, lambda j: tile(rows, row_ok, j, evict),
+                                    first_walk, init)
+      m, s = _reduce_lanes(m, s, 1)
+    if mode != "grad":
+      lse = jnp.where(m == _NEG_INF, 0.0, m) * _LN2 + jnp.log(s)
       picked = plgpu.load(logits_ref.at[rows, jnp.where(valid, labels, 0)],
                           mask=row_ok & valid, other=0.0).astype(jnp.float32)
       loss = lse - (1.0 - label_smoothing) * picked
       if label_smoothing:
-        loss = loss - (label_smoothing / vocab) * total
+        loss = loss - (label_smoothing * _LN2 / vocab) * jnp.sum(total[0], axis=1)
       if z_loss:
         loss = loss + z_loss * lse * lse
       plgpu.store(loss_ref.at[rows], jnp.where(valid, loss, 0.0), mask=row_ok)
@@ -346,15 +390,17 @@ def _cross_entropy_kernel(*refs, n_rows, vocab, blocks, label_smoothing, z_loss,
     row_scale = jnp.where(valid, plgpu.load(scale_ref.at[rows], mask=row_ok, other=0.0), 0.0)
     prob_scale = row_scale * (1.0 + 2.0 * z_loss * lse) if z_loss else row_scale
 
-    @pl.loop(0, n_chunks)
-    def _(j):
-      x, cols, mask = tile(rows, row_ok, j, "evict_first")
-      d = jnp.exp(x - lse[:, None]) * prob_scale[:, None]
+    def second_walk(j, loaded, carry):
+      x, cols, mask = loaded
+      d = jnp.exp2(x - (lse * _LOG2E)[:, None]) * prob_scale[:, None]
       target = jnp.where(cols[None, :] == labels[:, None], 1.0 - label_smoothing, 0.0)
       if label_smoothing:
         target = target + label_smoothing / vocab
       d = d - target * row_scale[:, None]
       plgpu.store(grad_ref.at[rows[:, None], cols[None, :]], d.astype(grad_ref.dtype), mask=mask)
+      return carry
+
+    pipelined_loop(n_chunks, lambda j: tile(rows, row_ok, j, "evict_first"), second_walk, None)
 
 
 def cross_entropy(logits, labels, *, label_smoothing, z_loss, row_scale=None, lse=None,
@@ -364,7 +410,7 @@ def cross_entropy(logits, labels, *, label_smoothing, z_loss, row_scale=None, ls
   Returns ``(loss, lse)``, ``(loss, lse, grad)`` or ``grad``.
   """
   n_rows, vocab = logits.shape
-  blocks = blocks or cross_entropy_blocks(n_rows, vocab)
+  blocks = blocks or cross_entropy_blocks(n_rows, vocab, mode)
   row = jax.ShapeDtypeStruct((n_rows,), jnp.float32)
   grad = jax.ShapeDtypeStruct(logits.shape, logits.dtype)
   out_shape = {"loss": [row, row], "fused": [row, row, grad], "grad": grad}[mode]
@@ -372,7 +418,8 @@ def cross_entropy(logits, labels, *, label_smoothing, z_loss, row_scale=None, ls
       [row_scale] if mode != "loss" else [])
   kernel = functools.partial(_cross_entropy_kernel, n_rows=n_rows, vocab=vocab, blocks=blocks,
                              label_smoothing=label_smoothing, z_loss=z_loss, mode=mode)
-  target = max(1, min(pl.cdiv(n_rows, blocks.block_rows), blocks.programs or registry.num_multiprocessors()))
+  target = max(1, min(pl.cdiv(n_rows, blocks.block_rows),
+                      blocks.programs or registry.num_multiprocessors()))
   return pl.pallas_call(
       kernel, out_shape=out_shape, grid=(target,), compiler_params=_params(blocks),
       interpret=registry.interpret_mode(), name=f"jaxfuse_cross_entropy_{mode}",

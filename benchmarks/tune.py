@@ -1,0 +1,315 @@
+"""Times kernel tilings on this GPU, to choose the defaults in the ops' triton.py files.
+
+    PYTHONPATH=. python benchmarks/tune.py [norm softmax cross_entropy attention] [--json PATH]
+
+Each problem times its default tiling first and then the candidates, calling the kernels
+directly (no custom VJP, no XLA around them). Memory-bound rates count the passes over the
+array (norm forward 2: x read, y written; norm backward 3: x and dy read, dx written; softmax
+the same; cross-entropy 2: logits read, gradient written) against the copy measured in the same
+run; attention counts matrix-product FLOPs against the bf16 matmul measured in the same run.
+Every candidate's output is compared with the default's, so a broken tiling shows as an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from jaxfuse._core import bench, registry
+from jaxfuse._core.testing import relative_error
+
+
+def _time(fn, sets):
+  return bench.time_ms(fn, sets, min_seconds=0.15, groups=5)
+
+
+def _sets(make, bytes_per_call):
+  n = max(2, min(8, bench.copies_for(bytes_per_call)))
+  return [make(jax.random.key(i)) for i in range(n)]
+
+
+class Sweep:
+  """Runs candidates of one problem and records one JSON line each."""
+
+  def __init__(self, ceilings, out, only):
+    self.ceilings, self.out, self.only, self.results = ceilings, out, only, []
+
+  def wanted(self, label):
+    return not self.only or any(o in label for o in self.only)
+
+  def problem(self, family, label, fn, variants, sets, work, unit="GB/s"):
+    if not self.wanted(label):
+      return
+    reference = None
+    for i, blocks in enumerate(variants):
+      line = dict(family=family, problem=label, blocks=str(blocks), default=i == 0)
+      try:
+        result = jax.block_until_ready(fn(blocks, *sets[0]))
+        if reference is None:
+          reference = result
+        line["error_vs_default"] = max(
+            relative_error(a, b) for a, b in zip(jax.tree.leaves(result),
+                                                 jax.tree.leaves(reference)))
+        ms = _time(functools.partial(fn, blocks), sets)
+        rate = work / (ms * 1e-3) / (1e9 if unit == "GB/s" else 1e12)
+        ceiling = self.ceilings["copy GB/s" if unit == "GB/s" else "matmul TFLOP/s"]
+        line.update(ms=ms, rate=rate, unit=unit, pct=100 * rate / ceiling)
+      except Exception as e:  # noqa: BLE001  (a tiling that fails to compile is a result too)
+        line["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+      self.results.append(line)
+      print(json.dumps(line), flush=True)
+      if self.out:
+        self.save()
+
+  def save(self):
+    with open(self.out, "w") as f:
+      json.dump(dict(bench.environment("benchmarks/tune.py"), ceilings=self.ceilings, results=self.results), f,
+                indent=1)
+
+  def summary(self):
+    print("\nbest per problem:")
+    for label in dict.fromkeys(r["problem"] for r in self.results):
+      rows = [r for r in self.results if r["problem"] == label and "ms" in r]
+      if not rows:
+        continue
+      best = min(rows, key=lambda r: r["ms"])
+      default = next((r for r in rows if r["default"]), None)
+      print(f"{label:<36} best {best['pct']:5.1f}% {best['blocks']}"
+            + (f" | default {default['pct']:5.1f}%" if default else ""))
+
+
+# --------------------------------------------------------------------------- norm
+
+def _norm(sweep):
+  from jaxfuse.ops.norm import triton
+  from jaxfuse.ops.norm.triton import NormBlocks as B
+  sms = registry.num_multiprocessors()
+  rows = 16384
+
+  def make(n, key):
+    kx, kd, kw = jax.random.split(key, 3)
+    return (jax.random.normal(kx, (1, rows, n), jnp.bfloat16),
+            jax.random.normal(kd, (1, rows, n), jnp.bfloat16),
+            1 + 0.1 * jax.random.normal(kw, (1, n), jnp.bfloat16))
+
+  def fwd(kind, blocks, x, dy, w):
+    return triton.forward(x, w, w if kind == "layer" else None, kind=kind, eps=1e-5,
+                          out_dtype=x.dtype, blocks=blocks)[0]
+
+  def bwd(kind, blocks, x, dy, w, mean, rstd):
+    return triton.backward(dy, x, w, mean, rstd, kind=kind, has_bias=kind == "layer",
+                           bias_dtype=w.dtype, blocks=blocks)
+
+  def grid(rows_, warps, programs, n):
+    return [B(r, n, w, p) for r in rows_ for w in warps for p in programs]
+
+  plans = {
+      ("rms", 256, "fwd"): grid((8, 16, 32), (2, 4, 8), (8 * sms, 1 << 20), 256),
+      ("layer", 256, "fwd"): grid((8, 16, 32), (2, 4, 8), (8 * sms, 1 << 20), 256),
+      ("rms", 256, "bwd"): grid((8, 16, 32), (4, 8), (2 * sms, 4 * sms), 256),
+      ("layer", 256, "bwd"): grid((8, 16, 32), (4, 8), (2 * sms, 4 * sms), 256),
+      ("layer", 1024, "fwd"): grid((2, 4, 8, 16), (4, 8, 16), (8 * sms, 1 << 20), 1024),
+      ("layer", 1024, "bwd"): grid((2, 4, 8), (4, 8, 16), (2 * sms, 4 * sms), 1024),
+      ("layer", 2048, "fwd"): grid((1, 2, 4), (4, 8, 16), (8 * sms, 1 << 20), 2048),
+      ("layer", 8192, "fwd"): grid((1, 2), (8, 16, 32), (4 * sms, 8 * sms), 8192),
+      ("rms", 16384, "bwd"): [
+          B(1, 16384, 16, sms), B(1, 16384, 32, sms), B(1, 4096, 16, sms),
+          B(1, 4096, 16, 2 * sms), B(1, 2048, 16, sms), B(1, 8192, 16, sms),
+          B(1, 4096, 32, sms), B(1, 8192, 16, 2 * sms, "split"),
+          B(1, 8192, 16, sms, "split"), B(1, 4096, 8, 4 * sms, "split")],
+      ("layer", 16384, "bwd"): [
+          B(1, 2048, 16, sms, "chunks"), B(1, 4096, 16, sms, "chunks"),
+          B(1, 8192, 16, sms, "chunks"), B(1, 2048, 32, 2 * sms),
+          B(1, 4096, 32, sms), B(1, 2048, 32, sms), B(1, 8192, 32, sms),
+          B(1, 4096, 32, 2 * sms), B(1, 8192, 16, sms, "split"),
+          B(1, 8192, 16, 2 * sms, "split"), B(1, 4096, 16, 2 * sms, "split"),
+          B(1, 4096, 8, 4 * sms, "split")],
+  }
+  for kind in ("rms", "layer"):
+    plans[(kind, 65536, "bwd")] = [
+        B(1, 8192, 16, 2 * sms), B(1, 8192, 16, sms), B(1, 4096, 16, 2 * sms),
+        B(1, 16384, 32, sms), B(1, 4096, 8, 4 * sms), B(2, 4096, 16, sms)]
+    plans[(kind, 65536, "fwd")] = [
+        B(1, 32768, 32, 8 * sms), B(1, 32768, 32, 2 * sms), B(1, 32768, 32, sms),
+        B(1, 16384, 16, sms), B(1, 16384, 16, 2 * sms), B(1, 16384, 32, sms),
+        B(1, 8192, 16, sms), B(1, 8192, 16, 2 * sms), B(1, 8192, 8, 4 * sms)]
+  label = lambda kind, n, direction: f"{kind} {rows}x{n} {direction}"
+  plans = {key: v for key, v in plans.items() if sweep.wanted(label(*key))}
+  for n in sorted({n for _, n, _ in plans}):
+    pass_bytes = rows * n * 2
+    sets = _sets(functools.partial(make, n), 3 * pass_bytes)
+    for (kind, n_, direction), variants in plans.items():
+      if n_ != n:
+        continue
+      default = (triton.forward_blocks(rows, n, kind) if direction == "fwd"
+                 else triton.backward_blocks(rows, n, kind))
+      variants = list(dict.fromkeys([default] + variants))
+      if direction == "fwd":
+        fn, data, passes = functools.partial(fwd, kind), sets, 2
+      else:
+        data = []
+        for x, dy, w in sets:
+          _, mean, rstd = triton.forward(x, w, None, kind=kind, eps=1e-5, out_dtype=x.dtype)
+          data.append((x, dy, w, mean, rstd))
+        fn, passes = functools.partial(bwd, kind), 3
+      sweep.problem("norm", label(kind, n, direction), fn, variants, data,
+                    passes * pass_bytes)
+
+
+# --------------------------------------------------------------------------- softmax
+
+def _softmax(sweep):
+  from jaxfuse.ops.softmax import triton
+  from jaxfuse.ops.softmax.triton import Blocks as B
+  sms = registry.num_multiprocessors()
+  problems = [(16384, 32768), (4096, 131072), (4096, 262144)]
+  for rows, n in problems:
+    layout = triton.Layout((rows, n), 1)
+
+    def make(key, rows=rows, n=n):
+      kx, kd = jax.random.split(key)
+      return (jax.random.normal(kx, (rows, n), jnp.bfloat16),
+              jax.random.normal(kd, (rows, n), jnp.bfloat16))
+
+    variants = [B(1, 8192, 16, sms), B(1, 8192, 16, 2 * sms), B(1, 16384, 16, sms),
+                B(1, 16384, 16, 2 * sms)]
+    if n <= 32768:
+      variants.append(B(1, 32768, 32, 8 * sms))
+    variants = list(dict.fromkeys([triton.default_blocks(layout)] + variants))
+    pass_bytes = rows * n * 2
+    sets = _sets(make, 3 * pass_bytes)
+    sweep.problem("softmax", f"softmax {rows}x{n} fwd",
+                  lambda blocks, x, dy, layout=layout: triton.softmax_forward(
+                      x, None, layout, scale=1.0, log=False, blocks=blocks),
+                  variants, sets, 2 * pass_bytes)
+    sweep.problem("softmax", f"softmax {rows}x{n} bwd",
+                  lambda blocks, y, dy, layout=layout: triton.softmax_backward(
+                      y, dy, layout, scale=1.0, log=False, blocks=blocks),
+                  variants, sets, 3 * pass_bytes)
+
+
+def _cross_entropy(sweep):
+  import optax
+  from jaxfuse.ops.softmax import triton
+  from jaxfuse.ops.softmax.triton import Blocks as B
+  sms = registry.num_multiprocessors()
+  for rows, vocab in ((8192, 131072), (16384, 32768)):
+    def make(key, rows=rows, vocab=vocab):
+      kx, kl = jax.random.split(key)
+      return (jax.random.normal(kx, (rows, vocab), jnp.bfloat16),
+              jax.random.randint(kl, (rows,), 0, vocab, jnp.int32))
+
+    pass_bytes = rows * vocab * 2
+    sets = _sets(make, 2 * pass_bytes)
+    scale = jnp.full((rows,), 1.0 / rows, jnp.float32)
+    fused = [B(1, 8192, 16, sms), B(1, 16384, 16, sms), B(1, 8192, 8, 2 * sms),
+             B(1, 16384, 32, sms), B(2, 8192, 16, sms)]
+    fused = list(dict.fromkeys([triton.cross_entropy_blocks(rows, vocab, "fused")] + fused))
+    sweep.problem("cross_entropy", f"cross_entropy {rows}x{vocab} fused", lambda blocks, x, l: (
+        triton.cross_entropy(x, l, label_smoothing=0.0, z_loss=0.0, row_scale=scale,
+                             mode="fused", blocks=blocks)), fused, sets, 2 * pass_bytes)
+
+    def optax_step(blocks, x, labels):
+      loss = lambda x: optax.softmax_cross_entropy_with_integer_labels(
+          x.astype(jnp.float32), labels).mean()
+      return jax.value_and_grad(loss)(x)
+    sweep.problem("cross_entropy", f"optax {rows}x{vocab} step", optax_step, ["optax"], sets,
+                  2 * pass_bytes)
+    loss_only = [B(1, 8192, 16, 8 * sms), B(1, 16384, 16, 4 * sms)]
+    loss_only = list(dict.fromkeys([triton.cross_entropy_blocks(rows, vocab, "loss")]
+                                   + loss_only))
+    sweep.problem("cross_entropy", f"cross_entropy {rows}x{vocab} loss", lambda blocks, x, l: (
+        triton.cross_entropy(x, l, label_smoothing=0.0, z_loss=0.0, mode="loss",
+                             blocks=blocks)), loss_only, sets, pass_bytes)
+
+
+# --------------------------------------------------------------------------- attention
+
+def _attention(sweep):
+  from jaxfuse.ops.attention import triton
+  from jaxfuse.ops.attention.reference import MaskSpec
+  from jaxfuse.ops.attention.triton import KernelBlocks as K
+
+  candidates = {
+      128: dict(
+          forward=[K(128, 128, 8, 3), K(128, 64, 4, 3), K(128, 128, 8, 2), K(128, 64, 8, 4),
+                   K(128, 32, 4, 4), K(64, 64, 4, 3), K(128, 128, 4, 3)],
+          dkdv=[K(64, 128, 8, 2), K(64, 128, 8, 4), K(32, 128, 4, 3), K(64, 64, 4, 3),
+                K(32, 64, 4, 3), K(128, 128, 8, 3), K(128, 64, 8, 3)],
+          dq=[K(128, 64, 8, 2), K(128, 64, 8, 4), K(128, 32, 4, 3), K(64, 64, 4, 3),
+              K(128, 128, 8, 3), K(64, 32, 4, 3)]),
+      64: dict(
+          forward=[K(128, 128, 4, 3), K(128, 64, 8, 3), K(128, 64, 4, 3), K(128, 32, 4, 4)],
+          dkdv=[K(64, 128, 4, 3), K(32, 64, 4, 3), K(64, 64, 4, 2), K(32, 128, 4, 5)],
+          dq=[K(128, 32, 4, 3), K(64, 64, 4, 3), K(128, 64, 4, 4)]),
+  }
+  for b, t, n, h in ((4, 4096, 16, 128), (8, 2048, 16, 64)):
+    default = triton.default_blocks(h)
+
+    def make(key, b=b, t=t, n=n, h=h):
+      keys = jax.random.split(key, 4)
+      return tuple(jax.random.normal(k_, (b, t, n, h), jnp.bfloat16) for k_ in keys)
+
+    sets = _sets(make, 8 * b * t * n * h * 2)
+    for causal in (False, True):
+      spec = MaskSpec(is_causal=causal)
+      flops = 4 * b * t * t * n * h / (2 if causal else 1)
+      kw = dict(spec=spec, scale=h ** -0.5)
+      extras = (None,) * 4
+      label = f"attention {b}x{t}x{n}x{h} {'causal' if causal else 'full'}"
+
+      def fwd(blocks, q, k, v, do):
+        return triton.forward(q, k, v, extras, blocks=blocks, **kw)
+
+      bwd_sets = []
+      for q, k, v, do in sets:
+        out, lse = triton.forward(q, k, v, extras, **kw)
+        delta = jnp.einsum("btnh,btnh->bnt", out.astype(jnp.float32), do.astype(jnp.float32))
+        bwd_sets.append((q, k, v, do, lse, delta))
+
+      def bwd(blocks, q, k, v, do, lse, delta):
+        return triton.backward(q, k, v, do, lse, delta, extras, blocks=blocks, **kw)
+
+      c = candidates[h]
+      sweep.problem("attention", f"{label} fwd", fwd,
+                    [default] + [dataclasses.replace(default, forward=f) for f in c["forward"]],
+                    sets, flops, unit="TFLOP/s")
+      sweep.problem("attention", f"{label} bwd dkdv", bwd,
+                    [default] + [dataclasses.replace(default, dkdv=d) for d in c["dkdv"]],
+                    bwd_sets, 2.5 * flops, unit="TFLOP/s")
+      sweep.problem("attention", f"{label} bwd dq", bwd,
+                    [default] + [dataclasses.replace(default, dq=d) for d in c["dq"]],
+                    bwd_sets, 2.5 * flops, unit="TFLOP/s")
+
+
+FAMILIES = {"norm": _norm, "softmax": _softmax, "cross_entropy": _cross_entropy,
+            "attention": _attention}
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("families", nargs="*", default=list(FAMILIES))
+  parser.add_argument("--json")
+  parser.add_argument("--only", action="append", help="time only problems whose label has this")
+  args = parser.parse_args()
+  unknown = set(args.families) - set(FAMILIES)
+  if unknown:
+    sys.exit(f"unknown families {sorted(unknown)}; expected some of {list(FAMILIES)}")
+  ceilings = {"copy GB/s": bench.copy_bandwidth()}
+  if "attention" in args.families:
+    ceilings["matmul TFLOP/s"] = bench.matmul_rate()
+  print(f"{jax.devices()[0].device_kind}: {ceilings}", flush=True)
+  sweep = Sweep(ceilings, args.json, args.only)
+  for family in args.families:
+    FAMILIES[family](sweep)
+  sweep.summary()
+
+
+if __name__ == "__main__":
+  main()
