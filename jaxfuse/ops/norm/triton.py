@@ -321,20 +321,22 @@ class _BackwardTiles:
     return (x_hat * wdy,) + ((wdy,) if self.kind == "layer" else ())
 
 
+def _param_terms(x_hat, dy, has_weight, has_bias):
+  """Elementwise terms of the weight and bias gradients, summed over rows."""
+  return ((x_hat * dy,) if has_weight else ()) + ((dy,) if has_bias else ())
+
+
 def _backward_kernel(*refs, kind, has_weight, has_bias, n_rows, n_cols, blocks, strategy,
                      cdt):
   dy_ref, x_ref, *refs = refs
   w_ref = refs.pop(0) if has_weight else None
   mean_ref = refs.pop(0) if kind == "layer" else None
-  rstd_ref, dx_ref, *partial_refs = refs
+  rstd_ref, dx_ref, *partial_refs = refs  # dweight/dbias partials; none for 'split'
   # The backward also holds the weight-gradient accumulators: prefetch only small shares.
   blk = _RowBlocks(n_rows, blocks, prefetch_limit=16)
   g, p, bc = blk.g, blk.p, blocks.block_cols
   tiles = _BackwardTiles(kind, (dy_ref, x_ref, w_ref, mean_ref, rstd_ref), g, n_cols, bc, cdt)
   n_chunks = pl.cdiv(n_cols, bc)
-  grads = ([lambda x_hat, dy: x_hat * dy] if has_weight else []) + (
-      [lambda x_hat, dy: dy] if has_bias else [])
-  partials = list(zip(partial_refs, grads))  # empty for 'split'
 
   def store_dx(rows, row_ok, j, x_hat, wdy, rstd, c1, c2):
     cols, col_ok = tiles.columns(j)
@@ -376,17 +378,18 @@ def _backward_kernel(*refs, kind, has_weight, has_bias, n_rows, n_cols, blocks, 
   # 'tile' and 'chunks': the chunk loop is unrolled, so each chunk's weight-gradient
   # accumulators are registers of their own. One chunk is kept in registers between the walks;
   # more are read again from L2.
-  weights = [tiles.weight(0)] if n_chunks == 1 else None
+  tile_weight = tiles.weight(0) if n_chunks == 1 else None
 
   def body(i, first_chunk, acc):
     rows, row_ok = blk.rows(i)
     acc, sums, kept = list(acc), None, None
     for j in range(n_chunks):
       loaded = first_chunk if j == 0 else tiles.load(rows, row_ok, j, "evict_last")
-      x_hat, dy, wdy = tiles.math(loaded, weights[0] if weights else tiles.weight(j))
+      x_hat, dy, wdy = tiles.math(loaded, tile_weight if n_chunks == 1 else tiles.weight(j))
       terms = tiles.row_terms(x_hat, wdy)
       sums = terms if sums is None else tuple(s + t for s, t in zip(sums, terms))
-      acc[j] = tuple(a + jnp.sum(f(x_hat, dy), axis=0) for a, (_, f) in zip(acc[j], partials))
+      acc[j] = tuple(a + jnp.sum(t, axis=0) for a, t in
+                     zip(acc[j], _param_terms(x_hat, dy, has_weight, has_bias)))
       if n_chunks == 1:
         kept = x_hat, wdy, loaded[3]
     c1, c2 = means(sums)
@@ -400,11 +403,11 @@ def _backward_kernel(*refs, kind, has_weight, has_bias, n_rows, n_cols, blocks, 
     return tuple(acc)
 
   first_evict = None if n_chunks == 1 else "evict_last"
-  init = tuple(tuple(jnp.zeros((bc,), cdt) for _ in partials) for _ in range(n_chunks))
+  init = tuple(tuple(jnp.zeros((bc,), cdt) for _ in partial_refs) for _ in range(n_chunks))
   acc = blk.loop(lambda i: tiles.load(*blk.rows(i), 0, first_evict), body, init)
   for j in range(n_chunks):
     cols, col_ok = tiles.columns(j)
-    for a, (ref, _) in zip(acc[j], partials):
+    for a, ref in zip(acc[j], partial_refs):
       plgpu.store(ref.at[g, p, cols], a, mask=col_ok)
 
 
@@ -425,9 +428,8 @@ def _param_grads_kernel(*refs, kind, has_weight, has_bias, n_rows, n_cols, block
 
   def body(i, loaded, acc):
     x_hat, dy, _ = tiles.math(loaded, None)
-    terms = ([jnp.sum(x_hat * dy, axis=0)] if has_weight else []) + (
-        [jnp.sum(dy, axis=0)] if has_bias else [])
-    return tuple(a + t for a, t in zip(acc, terms))
+    return tuple(a + jnp.sum(t, axis=0)
+                 for a, t in zip(acc, _param_terms(x_hat, dy, has_weight, has_bias)))
 
   acc = pipelined_loop(steps, load, body, tuple(jnp.zeros((bc,), cdt) for _ in out_refs))
   cols, col_ok = tiles.columns(c)
