@@ -178,20 +178,21 @@ def _softmax(sweep):
               jax.random.normal(kd, (rows, n), jnp.bfloat16))
 
     variants = [B(1, 8192, 16, sms), B(1, 8192, 16, 2 * sms), B(1, 16384, 16, sms),
-                B(1, 16384, 16, 2 * sms)]
+                B(1, 16384, 32, sms), B(1, 16384, 16, 2 * sms), B(1, 32768, 32, sms)]
     if n <= 32768:
       variants.append(B(1, 32768, 32, 8 * sms))
-    variants = list(dict.fromkeys([triton.default_blocks(layout)] + variants))
     pass_bytes = rows * n * 2
     sets = _sets(make, 3 * pass_bytes)
     sweep.problem("softmax", f"softmax {rows}x{n} fwd",
                   lambda blocks, x, dy, layout=layout: triton.softmax_forward(
                       x, None, layout, scale=1.0, log=False, blocks=blocks),
-                  variants, sets, 2 * pass_bytes)
+                  list(dict.fromkeys([triton.default_blocks(layout)] + variants)), sets,
+                  2 * pass_bytes)
     sweep.problem("softmax", f"softmax {rows}x{n} bwd",
                   lambda blocks, y, dy, layout=layout: triton.softmax_backward(
                       y, dy, layout, scale=1.0, log=False, blocks=blocks),
-                  variants, sets, 3 * pass_bytes)
+                  list(dict.fromkeys([triton.default_blocks(layout, "backward")] + variants)),
+                  sets, 3 * pass_bytes)
 
 
 def _cross_entropy(sweep):

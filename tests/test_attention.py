@@ -300,6 +300,30 @@ def test_bad_input(kwargs, error, match):
     jaxfuse.attention(q, k, jnp.zeros((2, 8, 2, 32)), **kwargs)
 
 
+def test_cudnn_refusal_is_a_reason_not_a_crash(rng, monkeypatch):
+  """jax.nn's cuDNN path refuses some shapes while tracing (sequence lengths, a value head dim
+  unlike the query's): naming 'cudnn' then raises NotImplementedError with its reason, and
+  None (on a GPU) moves on to the next implementation instead of failing."""
+  from jaxfuse.ops.attention import api
+
+  def refusing(*args, implementation=None, **kwargs):
+    assert implementation == "cudnn"
+    raise NotImplementedError("Unsupported sequence length Q 3, KV 7.")
+
+  monkeypatch.setitem(api._BACKENDS, "cudnn", lambda: None)
+  monkeypatch.setattr(jax.nn, "dot_product_attention", refusing)
+  api._cudnn_rejects.cache_clear()
+  q, k, v, _ = inputs(rng, 1, 3, 7, 2, 2, 64, dtype=jnp.bfloat16)
+  try:
+    with pytest.raises(NotImplementedError, match="Unsupported sequence length Q 3, KV 7"):
+      jaxfuse.attention(q, k, v, implementation="cudnn")
+    call = api._Call(api.MaskSpec(False, 0, None, None), 0.125, None, False, False, False,
+                     False, False, False, q.dtype)
+    assert "refuses" in api._cudnn_unsupported(call, (q, k, v, None, None, None, None))
+  finally:
+    api._cudnn_rejects.cache_clear()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", [(2, 1000, 1000, 4, 2, 128), (1, 257, 2049, 2, 2, 64),
@@ -311,3 +335,17 @@ def test_gpu_flash_attention(rng, causal, shape):
   compare(run("triton", q, k, v, do, is_causal=causal, causal_offset=offset),
           dense_reference(q, k, v, causal=causal, offset=offset, do=do), factor=4,
           dtype=jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1, 3, 7, 2, 2, 64, 64), (2, 257, 257, 2, 2, 80, 80),
+                                   (2, 130, 130, 2, 1, 128, 64)], ids=str)
+def test_gpu_default_runs_where_cudnn_refuses(rng, shape):
+  b, t, s, n, kh, h, hv = shape
+  q, k, v, do = inputs(rng, b, t, s, n, kh, h, hv, dtype=jnp.bfloat16)
+  out, vjp = jax.vjp(lambda q, k, v: jaxfuse.attention(q, k, v, is_causal=True,
+                                                       causal_offset=s - t), q, k, v)
+  r_out, _, r_grads = dense_reference(q, k, v, causal=True, offset=s - t, do=do)
+  assert_close(out, r_out, jnp.bfloat16, name="out")
+  for name, g, r in zip(("dq", "dk", "dv"), vjp(do), r_grads):
+    assert_close(g, r, jnp.bfloat16, factor=4, name=name)

@@ -97,7 +97,7 @@ def attention(query, key, value, bias=None, mask=None, *, scale: float | None = 
   spec = MaskSpec(bool(is_causal), causal_offset, window, logits_soft_cap)
   call = _Call(spec, scale, precision, bias is not None, mask is not None, q_seg is not None,
                q_len is not None, kv_len is not None, return_lse, q.dtype)
-  impl = _resolve(implementation, call)
+  impl = _resolve(implementation, call, (q, k, v, bias, mask, q_len, kv_len))
   out, lse = _attention_jit(q, k, v, bias, mask, q_seg, kv_seg, q_len, kv_len, impl, call)
   if not batched:
     out, lse = out[0], None if lse is None else lse[0]
@@ -189,7 +189,7 @@ def _triton_unsupported(call):
   return None
 
 
-def _cudnn_unsupported(call):
+def _cudnn_unsupported(call, arrays):
   spec = call.spec
   for present, name in ((spec.causal_offset != 0, "causal_offset"),
                         (call.has_segments, "segment_ids"),
@@ -200,6 +200,33 @@ def _cudnn_unsupported(call):
       return f"jax.nn.dot_product_attention(implementation='cudnn') has no {name}"
   if call.dtype not in (jnp.float16, jnp.bfloat16):
     return f"cuDNN attention needs float16 or bfloat16, got {call.dtype}"
+  shapes = tuple(None if a is None else (a.shape, jnp.dtype(a.dtype)) for a in arrays)
+  return _cudnn_rejects(call, shapes)
+
+
+def _cudnn_call(q, k, v, bias, mask, q_len, kv_len, call):
+  return jax.nn.dot_product_attention(
+      q, k, v, bias=bias, mask=mask, scale=call.scale, is_causal=call.spec.is_causal,
+      query_seq_lengths=q_len, key_value_seq_lengths=kv_len,
+      local_window_size=call.spec.window, implementation="cudnn")
+
+
+@functools.lru_cache(maxsize=256)
+def _cudnn_rejects(call, shapes):
+  """jax.nn's cuDNN path checks sequence lengths, head dims and layouts as it traces, by rules
+  that change with the cuDNN and JAX versions: trace it (forward for training, and backward)
+  on abstract inputs and report what it refuses."""
+  args = [None if s is None else jax.ShapeDtypeStruct(*s) for s in shapes]
+
+  def step(q, k, v, bias, mask, q_len, kv_len):
+    out, vjp = jax.vjp(lambda q, k, v: _cudnn_call(q, k, v, bias, mask, q_len, kv_len, call),
+                       q, k, v)
+    return vjp(out)
+
+  try:
+    jax.eval_shape(step, *args)
+  except (NotImplementedError, ValueError, TypeError) as e:
+    return f"jax.nn.dot_product_attention(implementation='cudnn') refuses these shapes: {e}"
   return None
 
 
@@ -220,8 +247,9 @@ def _tf32(precision):
   return names.get(precision, _UNSUPPORTED)
 
 
-def _resolve(implementation, call):
-  checks = {"triton": _triton_unsupported, "cudnn": _cudnn_unsupported}
+def _resolve(implementation, call, arrays):
+  checks = {"triton": _triton_unsupported,
+            "cudnn": functools.partial(_cudnn_unsupported, arrays=arrays)}
 
   def available(name):
     def check():
@@ -241,12 +269,7 @@ def _attention_jit(q, k, v, bias, mask, q_seg, kv_seg, q_len, kv_len, impl, call
     return reference.attention(q, k, v, bias, mask, (q_seg, kv_seg), (q_len, kv_len),
                                scale=call.scale, spec=call.spec, precision=call.precision)
   if impl == "cudnn":
-    window = call.spec.window
-    out = jax.nn.dot_product_attention(
-        q, k, v, bias=bias, mask=mask, scale=call.scale, is_causal=call.spec.is_causal,
-        query_seq_lengths=q_len, key_value_seq_lengths=kv_len,
-        local_window_size=window, implementation="cudnn")
-    return out, None
+    return _cudnn_call(q, k, v, bias, mask, q_len, kv_len, call), None
   return _flash(q, k, v, (q_seg, kv_seg, q_len, kv_len), call)
 
 

@@ -5,9 +5,10 @@ Arrays arrive flattened to ``x: (G, R, N)`` (weight groups, rows, features) with
 
 Forward: a program owns ``block_rows`` rows. When a row fits one register tile (``block_cols``
 >= N) it is read once, reduced and written: one read and one write of ``x``'s size. Longer rows
-are walked in column chunks twice, statistics first (LayerNorm merges the chunks' mean and M2
-with Chan's formula, so a large mean does not cancel the variance) and then the output; the
-second walk hits L2, where the first left the row (``evict_last``).
+are walked in column chunks twice, statistics first (LayerNorm keeps a Welford mean and M2 per
+element and merges them with Chan's formula once per row, so a large mean does not cancel the
+variance) and then the output; the second walk hits L2, where the first left the row
+(``evict_last``).
 
 Backward: dx needs two per-row sums over the features (of ``x_hat * w * dy``, and for LayerNorm
 of ``w * dy``), and the weight/bias gradients are sums over rows. The grid is persistent: a few
@@ -209,23 +210,30 @@ def _forward_kernel(*refs, kind, has_weight, has_bias, eps, n_rows, n_cols, bloc
   @pl.loop(0, blk.n_steps)
   def _(i):
     rows, row_ok = blk.rows(i)
-    zeros = jnp.zeros((blocks.block_rows,), cdt)
     first_chunks = lambda j: load_tile(rows, row_ok, j, "evict_last")
     if kind == "layer":
+      # Welford's update per element (each lane sees one column per chunk), then Chan's merge
+      # of the lanes once per row: no reduction across threads inside the walk.
       def stats(j, loaded, carry):
-        count, mean, m2 = carry
+        mean, m2 = carry
         x_raw, mask = loaded
         x = x_raw.astype(cdt)
-        chunk_count = jnp.minimum(bc, n_cols - j * bc).astype(cdt)
-        chunk_mean = jnp.sum(x, axis=1) / chunk_count
-        d = jnp.where(mask, x - chunk_mean[:, None], 0.0)
-        total = count + chunk_count
-        delta = chunk_mean - mean
-        return (total, mean + delta * (chunk_count / total),
-                m2 + jnp.sum(d * d, axis=1) + delta * delta * (count * chunk_count / total))
-      _, mean, m2 = pipelined_loop(n_chunks, first_chunks, stats,
-                                    (jnp.zeros((), cdt), zeros, zeros))
-      var = m2 / n_cols
+        delta = x - mean
+        mean = jnp.where(mask, mean + delta / (j + 1).astype(cdt), mean)
+        return mean, jnp.where(mask, m2 + delta * (x - mean), m2)
+      tile = jnp.zeros((blocks.block_rows, bc), cdt)
+      lane_mean, lane_m2 = pipelined_loop(n_chunks, first_chunks, stats, (tile, tile))
+      last_cols, _ = columns(n_chunks - 1)
+      lane_count = (n_chunks - (last_cols >= n_cols).astype(cdt))[None, :]
+      # For data far from zero the sum of the lane means rounds much coarser than the mean's
+      # own ulp; a second sum, of the lanes' (small) offsets from that first estimate, corrects
+      # it and gives the between-lane part of M2 around the corrected mean.
+      rough = jnp.sum(lane_count * lane_mean, axis=1) / n_cols
+      offset = lane_mean - rough[:, None]
+      correction = jnp.sum(lane_count * offset, axis=1) / n_cols
+      mean = rough + correction
+      m2 = jnp.sum(lane_m2 + lane_count * offset * offset, axis=1)
+      var = (m2 - n_cols * correction * correction) / n_cols
     else:
       # Squares are summed elementwise and reduced across the row once, at the end.
       def stats(j, loaded, sum_sq):

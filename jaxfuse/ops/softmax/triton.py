@@ -69,18 +69,22 @@ class Layout:
 
 # Register tiles of ~16 elements per thread with a few thousand programs in flight (the norm
 # kernels' measurements on an H100, which share the access pattern). A row longer than one tile
-# is walked twice in chunks, the second walk from L2: then one or two programs per SM, so the
-# rows in flight (a few hundred of up to ~256 KB) stay within the H100's 50 MB L2.
+# is walked twice in chunks, the second walk from L2: then one program per SM, so the rows in
+# flight (132 of up to 512 KB) stay as close to the H100's 50 MB L2 as they can. The backward,
+# which holds two tiles (y and dy), walks rows over 16384 in chunks too (benchmarks/tune.py).
 _MAX_COLS = 32768
-_CHUNK_COLS = 8192
+_MAX_BACKWARD_COLS = 16384
+_CHUNK_COLS = 16384
 
 
-def default_blocks(layout: Layout) -> Blocks:
+def default_blocks(layout: Layout, direction: str = "forward") -> Blocks:
   rows = layout.pre if layout.post == 1 else layout.post
   sms = registry.num_multiprocessors()
-  if layout.n > _MAX_COLS:
-    return Blocks(1 if layout.post == 1 else 16, _CHUNK_COLS if layout.post == 1 else 512, 16,
-                  sms)
+  longest = _MAX_COLS if direction == "forward" else _MAX_BACKWARD_COLS
+  if layout.n > longest:
+    if layout.post == 1:
+      return Blocks(1, _CHUNK_COLS, 32, sms)
+    return Blocks(16, 512, 16, sms)
   block_cols = min(pl.next_power_of_2(layout.n), _MAX_COLS)
   tile = 1024 if block_cols < 1024 else 8192
   block_rows = max(1, min(tile // block_cols, pl.next_power_of_2(rows), 64))
@@ -173,10 +177,14 @@ def _load(ref, index, mask, other, evict=None):
 # exponential is one exp2 (a single MUFU instruction) instead of expf's longer sequence.
 def _merge_lanes(m, s, z):
   """Folds a tile of base-2 logits into per-element running maxima ``m`` and sums ``s``
-  (relative to ``m``): no reduction across threads inside the loop."""
-  m_new = jnp.maximum(m, z)
-  m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)
-  return m_new, s * jnp.exp2(m - m_safe) + jnp.exp2(z - m_safe)
+  (relative to ``m``): no reduction across threads inside the loop.
+
+  Rescaled to the new maximum, one of the two terms is always exp2(0) = 1, so an element costs
+  one exponential, exp2(-|z - m|): the long-row walks issue as many exponentials as loads.
+  """
+  d = jnp.where(z == _NEG_INF, _NEG_INF, z - m)  # -inf - -inf would be NaN
+  e = jnp.exp2(-jnp.abs(d))
+  return jnp.maximum(m, z), jnp.where(d > 0, s * e + 1.0, s + e)
 
 
 def _reduce_lanes(m, s, red):
@@ -289,7 +297,7 @@ def softmax_forward(x, mask, layout: Layout, *, scale, log, blocks: Blocks | Non
 
 
 def softmax_backward(y, dy, layout: Layout, *, scale, log, blocks: Blocks | None = None):
-  blocks = blocks or default_blocks(layout)
+  blocks = blocks or default_blocks(layout, "backward")
   shape3 = (layout.pre, layout.n, layout.post)
   kernel = functools.partial(_softmax_backward_kernel, layout=layout, blocks=blocks, scale=scale,
                              log=log, cdt=compute_dtype(y.dtype))
@@ -312,11 +320,11 @@ def cross_entropy_blocks(n_rows: int, vocab: int, mode: str = "fused") -> Blocks
   walk, one program per SM keeps the rows in flight (256 KB each for bf16 x 131072) in L2."""
   sms = registry.num_multiprocessors()
   if vocab > _CE_MAX_COLS and mode == "loss":
-    return Blocks(1, _CHUNK_COLS, 16, 4 * sms)
+    return Blocks(1, 8192, 16, 4 * sms)
   if vocab > _CE_MAX_COLS:
     # Measured on an H100 (benchmarks/tune.py): wide chunks for long rows, two rows per step
     # for shorter ones.
-    return Blocks(1, 16384, 32, sms) if vocab >= 65536 else Blocks(2, _CHUNK_COLS, 16, sms)
+    return Blocks(1, 16384, 32, sms) if vocab >= 65536 else Blocks(2, 8192, 16, sms)
   block_cols = pl.next_power_of_2(vocab)
   block_rows = max(1, min(8192 // block_cols, pl.next_power_of_2(n_rows), 64))
   num_warps = 16 if block_cols * block_rows >= 8192 else 8
