@@ -208,7 +208,7 @@ def _cross_entropy(sweep):
 
     pass_bytes = rows * vocab * 2
     sets = _sets(make, 2 * pass_bytes)
-    scale = jnp.full((rows,), 1.0 / rows, jnp.float32)
+    scale = jnp.full((1,), 1.0 / rows, jnp.float32)
     fused = [B(1, 8192, 16, sms), B(1, 16384, 16, sms), B(1, 8192, 8, 2 * sms),
              B(1, 16384, 32, sms), B(2, 8192, 16, sms)]
     fused = list(dict.fromkeys([triton.cross_entropy_blocks(rows, vocab, "fused")] + fused))

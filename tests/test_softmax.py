@@ -185,8 +185,10 @@ def test_row_sharding_never_gathers(rng, impl, axis_type):
   xs = jax.device_put(x, NamedSharding(mesh, P("d")))
   compiled = jax.jit(step).lower(xs).compile()
   assert "all-gather" not in compiled.as_text()
+  # XLA may fuse the per-shard program differently from the single-device one: the results
+  # agree to float32 rounding, not bit for bit.
   for a, b in zip(compiled(xs), single):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
 def test_sharded_softmax_axis_is_a_clear_error(rng):
@@ -301,6 +303,29 @@ def test_cross_entropy_ignored_and_out_of_range_labels(rng, impl):
   loss, grad = jax.value_and_grad(lambda l: jaxfuse.softmax_cross_entropy(
       l, none, ignore_index=-100, implementation=impl))(logits)
   assert float(loss) == 0.0 and np.all(np.asarray(grad) == 0)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_cross_entropy_ignore_index_may_be_a_class(rng, impl, reduction):
+  logits = random(rng, (2, 9, 30), jnp.float32)
+  labels = np.asarray(rng.integers(0, 30, (2, 9)), np.int32)
+  labels[0, [2, 5]] = 7
+  labels[1, 0] = 7
+  valid = labels != 7
+  loss_ref, grad_ref = ce_reference(logits.reshape(-1, 30), labels.reshape(-1), valid.reshape(-1))
+  f = lambda l: jaxfuse.softmax_cross_entropy(l, jnp.asarray(labels), ignore_index=7,
+                                              reduction=reduction, implementation=impl)
+  if reduction == "mean":
+    loss, grad = jax.value_and_grad(f)(logits)
+    assert_close(loss, loss_ref.sum() / valid.sum())
+    assert_close(grad, grad_ref.reshape(2, 9, 30) / valid.sum(), factor=10)
+  else:
+    loss, vjp = jax.vjp(f, logits)
+    assert_close(loss, loss_ref.reshape(2, 9))
+    (grad,) = vjp(jnp.ones_like(loss))
+    assert_close(grad, grad_ref.reshape(2, 9, 30), factor=10)
+  assert np.all(np.asarray(loss if reduction == "none" else grad)[~valid] == 0)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -261,8 +261,8 @@ def softmax_cross_entropy(logits, labels, *, ignore_index: int | None = None,
   if ignore_index is not None:
     ignore_index = static_int(op, "ignore_index", ignore_index)
   impl = registry.resolve(op, implementation, _BACKENDS, _preference())
-  st = _CrossEntropyStatic(label_smoothing, z_loss, reduction, impl)
-  return _cross_entropy_jit(logits, labels, ignore_index, st)
+  st = _CrossEntropyStatic(label_smoothing, z_loss, reduction, impl, ignore_index)
+  return _cross_entropy_jit(logits, labels, st)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,44 +271,49 @@ class _CrossEntropyStatic:
   z_loss: float
   reduction: str
   implementation: str
+  ignore_index: int | None
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3))
-def _cross_entropy_jit(logits, labels, ignore_index, st):
+@functools.partial(jax.jit, static_argnums=(2,))
+def _cross_entropy_jit(logits, labels, st):
   vocab = logits.shape[-1]
   labels = labels.astype(jnp.int32)
   valid = (labels >= 0) & (labels < vocab)
-  if ignore_index is not None:
-    valid = valid & (labels != ignore_index)
-  labels = jnp.where(valid, labels, -1)
+  if st.ignore_index is not None:
+    valid = valid & (labels != st.ignore_index)
+  if st.implementation == "xla":
+    labels = jnp.where(valid, labels, -1)
+  # The kernels take the labels as they are and apply the same validity rule themselves: a
+  # masked copy of the labels would be one more row-sized buffer in the training step.
   cdt = jnp.promote_types(jnp.float32, logits.dtype)
   if st.reduction == "none":
     return _per_row_loss(logits, labels, st)
   counted = jnp.sum(valid, dtype=jnp.int32)
   if st.reduction == "mean":
-    row_scale = jnp.where(counted > 0, 1.0 / jnp.maximum(counted, 1), 0.0).astype(cdt)
+    scale = jnp.where(counted > 0, 1.0 / jnp.maximum(counted, 1), 0.0).astype(cdt)
   else:
-    row_scale = jnp.ones((), cdt)
-  return _reduced_loss(logits, labels, jnp.broadcast_to(row_scale, labels.shape), st)
+    scale = jnp.ones((), cdt)
+  return _reduced_loss(logits, labels, scale, st)
 
 
 # 'mean' / 'sum': the kernel computes the gradient for a unit cotangent while the logits are
 # read for the loss, and the backward only scales it (XLA drops the scale when it is 1, as
-# it is at the end of a training step).
+# it is at the end of a training step). ``scale`` is the scalar 1/count or 1.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _reduced_loss(logits, labels, row_scale, st):
+def _reduced_loss(logits, labels, scale, st):
   loss, _ = _rows(logits, labels, st)
-  return jnp.sum(loss * row_scale)
+  return jnp.sum(loss) * scale
 
 
-def _reduced_loss_fwd(logits, labels, row_scale, st):
+def _reduced_loss_fwd(logits, labels, scale, st):
   if st.implementation == "xla":
     loss, lse = _rows(logits, labels, st)
-    grad = reference.cross_entropy_grad(logits, labels, labels >= 0, lse, row_scale,
+    grad = reference.cross_entropy_grad(logits, labels, labels >= 0, lse,
+                                        jnp.broadcast_to(scale, labels.shape),
                                         label_smoothing=st.label_smoothing, z_loss=st.z_loss)
   else:
-    loss, _, grad = _ce_kernels(st).fused(logits, labels, row_scale)
-  return jnp.sum(loss * row_scale), grad
+    loss, grad = _ce_kernels(st).fused(logits, labels, scale.reshape(1))
+  return jnp.sum(loss) * scale, grad
 
 
 def _reduced_loss_bwd(st, grad, g):
@@ -364,6 +369,12 @@ class _CrossEntropyKernels:
     def call(logits, labels, *extra):
       rows = tuple(f"r{i}" for i in range(labels.ndim))
       row_extra = [rows] * len(extra)
+      if mode == "fused" and extra[0].size == 1:
+        row_extra = [("one",)]  # one scale for all rows, replicated
+      elif mode == "fused":
+        # vmap folded examples with scales of their own into the rows: a scale per row.
+        scale = extra[0].reshape(-1)
+        extra = (jnp.repeat(scale, labels.size // scale.size).reshape(labels.shape),)
 
       def local(logits, labels, *extra):
         shape = labels.shape
@@ -376,11 +387,12 @@ class _CrossEntropyKernels:
         else:
           kwargs = {}
         outs = triton.cross_entropy(flat[0], flat[1], label_smoothing=st.label_smoothing,
-                                    z_loss=st.z_loss, mode=mode, **kwargs)
+                                    z_loss=st.z_loss, ignore_index=st.ignore_index, mode=mode,
+                                    **kwargs)
         outs = (outs,) if mode == "grad" else tuple(outs)
         return tuple(o.reshape(logits.shape if o.ndim == 2 else shape) for o in outs)
 
-      out_dims = {"loss": [rows, rows], "fused": [rows, rows, rows + ("v",)],
+      out_dims = {"loss": [rows, rows], "fused": [rows, rows + ("v",)],
                   "grad": [rows + ("v",)]}[mode]
       outs = parallel_call("softmax_cross_entropy", local, logits, labels, *extra,
                            in_dims=[rows + ("v",), rows] + row_extra, out_dims=out_dims,

@@ -331,17 +331,16 @@ def cross_entropy_blocks(n_rows: int, vocab: int, mode: str = "fused") -> Blocks
   return Blocks(block_rows, block_cols, num_warps, 8 * sms)
 
 
-def _cross_entropy_kernel(*refs, n_rows, vocab, blocks, label_smoothing, z_loss, mode):
-  """mode 'loss': loss and lse. 'fused': also the gradient, scaled per row. 'grad': only the
-  gradient, from a saved lse."""
+def _cross_entropy_kernel(*refs, n_rows, vocab, blocks, label_smoothing, z_loss, mode,
+                          ignore_index, uniform_scale):
+  """mode 'loss': loss and lse. 'fused': loss and the gradient, scaled per row (one scale for
+  every row when ``uniform_scale``). 'grad': only the gradient, from a saved lse."""
   logits_ref, labels_ref, *refs = refs
   lse_in_ref = refs.pop(0) if mode == "grad" else None
   scale_ref = refs.pop(0) if mode != "loss" else None
-  if mode == "grad":
-    (grad_ref,) = refs
-  else:
-    loss_ref, lse_ref, *grad = refs
-    grad_ref = grad[0] if grad else None
+  loss_ref = refs.pop(0) if mode != "grad" else None
+  lse_ref = refs.pop(0) if mode == "loss" else None
+  grad_ref = refs.pop(0) if mode != "loss" else None
   p, n_programs = pl.program_id(0), pl.num_programs(0)
   br, bc = blocks.block_rows, blocks.block_cols
   n_steps = (pl.cdiv(n_rows, br) - p + n_programs - 1) // n_programs
@@ -360,6 +359,8 @@ def _cross_entropy_kernel(*refs, n_rows, vocab, blocks, label_smoothing, z_loss,
     row_ok = rows < n_rows
     labels = plgpu.load(labels_ref.at[rows], mask=row_ok, other=-1)
     valid = (labels >= 0) & (labels < vocab)
+    if ignore_index is not None:
+      valid = valid & (labels != ignore_index)
     if mode == "grad":
       lse = plgpu.load(lse_in_ref.at[rows], mask=row_ok, other=0.0)
     elif n_chunks == 1:
@@ -392,10 +393,12 @@ def _cross_entropy_kernel(*refs, n_rows, vocab, blocks, label_smoothing, z_loss,
       if z_loss:
         loss = loss + z_loss * lse * lse
       plgpu.store(loss_ref.at[rows], jnp.where(valid, loss, 0.0), mask=row_ok)
-      plgpu.store(lse_ref.at[rows], lse, mask=row_ok)
+      if lse_ref is not None:
+        plgpu.store(lse_ref.at[rows], lse, mask=row_ok)
     if grad_ref is None:
       return
-    row_scale = jnp.where(valid, plgpu.load(scale_ref.at[rows], mask=row_ok, other=0.0), 0.0)
+    scale_at = jnp.zeros_like(rows) if uniform_scale else rows
+    row_scale = jnp.where(valid, plgpu.load(scale_ref.at[scale_at], mask=row_ok, other=0.0), 0.0)
     prob_scale = row_scale * (1.0 + 2.0 * z_loss * lse) if z_loss else row_scale
 
     def second_walk(j, loaded, carry):
@@ -411,21 +414,26 @@ def _cross_entropy_kernel(*refs, n_rows, vocab, blocks, label_smoothing, z_loss,
     pipelined_loop(n_chunks, lambda j: tile(rows, row_ok, j, "evict_first"), second_walk, None)
 
 
-def cross_entropy(logits, labels, *, label_smoothing, z_loss, row_scale=None, lse=None,
-                  mode, blocks: Blocks | None = None):
+def cross_entropy(logits, labels, *, label_smoothing, z_loss, ignore_index=None,
+                  row_scale=None, lse=None, mode, blocks: Blocks | None = None):
   """``logits (R, V)``, int32 ``labels (R,)``; see :func:`_cross_entropy_kernel` for ``mode``.
 
-  Returns ``(loss, lse)``, ``(loss, lse, grad)`` or ``grad``.
+  Labels outside ``[0, V)`` or equal to ``ignore_index`` give a zero loss and gradient.
+  ``row_scale`` is ``(R,)``, or ``(1,)`` for one scale for all rows. Returns ``(loss, lse)``,
+  ``(loss, grad)`` or ``grad``. The fused mode writes no lse: its callers need none, and a
+  training step then holds no row-sized buffer but the loss.
   """
   n_rows, vocab = logits.shape
   blocks = blocks or cross_entropy_blocks(n_rows, vocab, mode)
   row = jax.ShapeDtypeStruct((n_rows,), jnp.float32)
   grad = jax.ShapeDtypeStruct(logits.shape, logits.dtype)
-  out_shape = {"loss": [row, row], "fused": [row, row, grad], "grad": grad}[mode]
+  out_shape = {"loss": [row, row], "fused": [row, grad], "grad": grad}[mode]
   inputs = [logits, labels] + ([lse] if mode == "grad" else []) + (
       [row_scale] if mode != "loss" else [])
   kernel = functools.partial(_cross_entropy_kernel, n_rows=n_rows, vocab=vocab, blocks=blocks,
-                             label_smoothing=label_smoothing, z_loss=z_loss, mode=mode)
+                             label_smoothing=label_smoothing, z_loss=z_loss, mode=mode,
+                             ignore_index=ignore_index,
+                             uniform_scale=row_scale is not None and row_scale.shape[0] == 1)
   target = max(1, min(pl.cdiv(n_rows, blocks.block_rows),
                       blocks.programs or registry.num_multiprocessors()))
   return pl.pallas_call(
