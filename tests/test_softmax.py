@@ -363,6 +363,7 @@ def test_cross_entropy_row_sharding_never_gathers(rng, impl):
     (dict(z_loss=-1.0), ValueError, "z_loss"),
     (dict(reduction="avg"), ValueError, "reduction"),
     (dict(ignore_index=1.5), TypeError, "ignore_index"),
+    (dict(ignore_index=2 ** 40), ValueError, "ignore_index"),
 ], ids=str)
 def test_cross_entropy_bad_input(args, error, match):
   kwargs = dict(logits=jnp.zeros((3, 5)), labels=jnp.zeros((3,), jnp.int32))

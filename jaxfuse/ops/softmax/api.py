@@ -260,6 +260,10 @@ def softmax_cross_entropy(logits, labels, *, ignore_index: int | None = None,
   check_choice(op, "reduction", reduction, ("mean", "sum", "none"))
   if ignore_index is not None:
     ignore_index = static_int(op, "ignore_index", ignore_index)
+    info = np.iinfo(np.int32)
+    if not info.min <= ignore_index <= info.max:
+      raise ValueError(f"{op}: ignore_index must fit int32 (labels are compared as int32), "
+                       f"got {ignore_index}")
   impl = registry.resolve(op, implementation, _BACKENDS, _preference())
   st = _CrossEntropyStatic(label_smoothing, z_loss, reduction, impl, ignore_index)
   return _cross_entropy_jit(logits, labels, st)

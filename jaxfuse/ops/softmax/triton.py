@@ -360,7 +360,7 @@ def _cross_entropy_kernel(*refs, n_rows, vocab, blocks, label_smoothing, z_loss,
     labels = plgpu.load(labels_ref.at[rows], mask=row_ok, other=-1)
     valid = (labels >= 0) & (labels < vocab)
     if ignore_index is not None:
-      valid = valid & (labels != ignore_index)
+      valid = valid & (labels != jnp.int32(ignore_index))
     if mode == "grad":
       lse = plgpu.load(lse_in_ref.at[rows], mask=row_ok, other=0.0)
     elif n_chunks == 1:
