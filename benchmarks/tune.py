@@ -1,6 +1,7 @@
-"""Times kernel tilings on this GPU, to choose the defaults in the ops' triton.py files.
+"""Times kernel tilings on this GPU, to choose the defaults in the ops' triton.py and cuda/ files.
 
-    PYTHONPATH=. python benchmarks/tune.py [norm softmax cross_entropy attention] [--json PATH]
+    PYTHONPATH=. python benchmarks/tune.py [norm norm_cuda softmax cross_entropy attention]
+        [--only SUBSTR] [--json PATH]
 
 Each problem times its default tiling first and then the candidates, calling the kernels
 directly (no custom VJP, no XLA around them). Memory-bound rates count the passes over the
@@ -162,6 +163,52 @@ def _norm(sweep):
                     passes * pass_bytes)
 
 
+def _norm_cuda(sweep):
+  """Cluster shapes of the 'cuda' kernels: (CTAs per row, threads per CTA, units per thread)."""
+  from jaxfuse.ops.norm import cuda
+  from jaxfuse.ops.norm.cuda import Tiling as T
+  rows = 16384
+
+  def make(n, key):
+    kx, kd, kw = jax.random.split(key, 3)
+    return (jax.random.normal(kx, (1, rows, n), jnp.bfloat16),
+            jax.random.normal(kd, (1, rows, n), jnp.bfloat16),
+            1 + 0.1 * jax.random.normal(kw, (1, n), jnp.bfloat16))
+
+  def fwd(kind, tiling, x, dy, w):
+    return cuda.forward(x, w, w if kind == "layer" else None, kind=kind, eps=1e-5,
+                        out_dtype=x.dtype, tiling=tiling)[0]
+
+  def bwd(kind, tiling, x, dy, w, mean, rstd):
+    return cuda.backward(dy, x, w, mean, rstd, kind=kind, has_bias=kind == "layer",
+                         bias_dtype=w.dtype, tiling=tiling)
+
+  plans = {32768: ([T(4, 256, 4), T(4, 512, 2)], [T(8, 256, 2), T(8, 512, 1)]),
+           65536: ([T(8, 256, 4), T(8, 512, 2), T(16, 128, 4)],
+                   [T(16, 256, 2), T(16, 512, 1)])}
+  for n, (forward_variants, backward_variants) in plans.items():
+    pass_bytes = rows * n * 2
+    sets = None
+    for kind in ("rms", "layer"):
+      for direction in ("fwd", "bwd"):
+        label = f"cuda {kind} {rows}x{n} {direction}"
+        if not sweep.wanted(label):
+          continue
+        sets = sets or _sets(functools.partial(make, n), 3 * pass_bytes)
+        if direction == "fwd":
+          fn, data, passes = functools.partial(fwd, kind), sets, 2
+          variants = [cuda.forward_tiling(n, jnp.bfloat16)] + forward_variants
+        else:
+          data = []
+          for x, dy, w in sets:
+            _, mean, rstd = cuda.forward(x, w, None, kind=kind, eps=1e-5, out_dtype=x.dtype)
+            data.append((x, dy, w, mean, rstd))
+          fn, passes = functools.partial(bwd, kind), 3
+          variants = [cuda.backward_tiling(n, jnp.bfloat16)] + backward_variants
+        sweep.problem("norm_cuda", label, fn, list(dict.fromkeys(variants)), data,
+                      passes * pass_bytes)
+
+
 # --------------------------------------------------------------------------- softmax
 
 def _softmax(sweep):
@@ -289,8 +336,8 @@ def _attention(sweep):
                     bwd_sets, 2.5 * flops, unit="TFLOP/s")
 
 
-FAMILIES = {"norm": _norm, "softmax": _softmax, "cross_entropy": _cross_entropy,
-            "attention": _attention}
+FAMILIES = {"norm": _norm, "norm_cuda": _norm_cuda, "softmax": _softmax,
+            "cross_entropy": _cross_entropy, "attention": _attention}
 
 
 def main():

@@ -437,3 +437,80 @@ def test_gpu_default_is_kernel(rng):
   x = random(rng, (64, 1024), jnp.bfloat16)
   text = jax.jit(lambda x: jaxfuse.rms_norm(x)).lower(x).as_text()
   assert "triton" in text.lower() or "__gpu$xla.gpu.triton" in text
+
+
+def test_cuda_needs_a_gpu(rng):
+  if jax.default_backend() == "gpu":
+    pytest.skip("CPU refusal")
+  x = random(rng, (3, 64), jnp.float32)
+  with pytest.raises(NotImplementedError, match="'cuda'.*GPU"):
+    jaxfuse.rms_norm(x, implementation="cuda")
+
+
+# (x shape, weight shape): rows that are a multiple of 8 elements, split over clusters of 1 to
+# 16 CTAs, with partial CTAs (4104, 32776) and 2-D weights.
+CUDA_CASES = [((5, 8), (8,)), ((7, 1000), (1000,)), ((3, 4104), (4104,)),
+              ((2, 3, 32776), (32776,)), ((64, 65536), (65536,)), ((9, 131072), (131072,)),
+              ((2, 4, 64, 512), (64, 512))]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("shape,wshape", CUDA_CASES, ids=str)
+@pytest.mark.parametrize("x_dtype,w_dtype", [(jnp.bfloat16, jnp.bfloat16),
+                                             (jnp.float32, jnp.float32),
+                                             (jnp.float16, jnp.float32)], ids=str)
+def test_gpu_cuda_against_float64(rng, kind, shape, wshape, x_dtype, w_dtype):
+  from jaxfuse._core.testing import poison_device_memory
+  from jaxfuse.ops.norm import cuda as cuda_kernels
+  n = int(np.prod(wshape))
+  if cuda_kernels.unsupported(n, x_dtype, jnp.result_type(x_dtype, w_dtype), [w_dtype]):
+    pytest.skip("row too long for this dtype")
+  x = random(rng, shape, x_dtype, offset=2.0 if kind == "layer" else 0.0)
+  w, b = params(rng, kind, wshape, w_dtype)
+  dy = random(rng, shape, jnp.result_type(x_dtype, w_dtype))
+  present = [a for a in (x, w, b) if a is not None]
+  poison_device_memory(8 * x.size)
+  y, vjp = jax.vjp(lambda *a: call(kind, *a, implementation="cuda"), *present)
+  grads = vjp(dy)
+  y_ref, grads_ref = reference(kind, x, w, b, dy)
+  assert_close(y, y_ref)
+  for g, r in zip(grads, [r for r in grads_ref if r is not None]):
+    assert_close(g, r, factor=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", KINDS)
+def test_gpu_cuda_vmapped_weights_deterministic(rng, kind):
+  """Per-example weights become groups of rows; the gradients repeat bit for bit."""
+  x = random(rng, (3, 17, 32768), jnp.bfloat16)
+  w, b = params(rng, kind, (3, 32768), jnp.bfloat16)
+  dy = random(rng, x.shape, jnp.bfloat16)
+  present = [a for a in (x, w, b) if a is not None]
+
+  def step(impl):
+    f = jax.vmap(lambda *a: call(kind, *a, implementation=impl))
+    y, vjp = jax.vjp(f, *present)
+    return (y,) + vjp(dy)
+
+  first, second, expected = step("cuda"), step("cuda"), step("xla")
+  for a, c, e in zip(first, second, expected):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+    assert_close(a, np.asarray(e, np.float64), factor=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1001, 262144 + 8])
+def test_gpu_cuda_refuses_rows_it_cannot_hold(rng, n):
+  x = random(rng, (2, n), jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match="implementation='cuda'"):
+    jaxfuse.layer_norm(x, implementation="cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_default_takes_cuda_for_long_rows(rng):
+  x = random(rng, (64, 65536), jnp.bfloat16)
+  w = random(rng, (65536,), jnp.bfloat16)
+  text = jax.jit(jax.grad(lambda x, w: jaxfuse.rms_norm(x, w).sum(), (0, 1))).lower(x, w)
+  text = text.as_text()
+  assert "jaxfuse_norm_forward" in text and "jaxfuse_norm_backward" in text

@@ -10,13 +10,16 @@ import jax
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
-from jaxfuse._core import registry
+from jaxfuse._core import cuda, registry
 from jaxfuse._core.sharding import parallel_call
 from jaxfuse._core.validation import (canonical_dtype, check_array, check_positive_float,
                                       describe)
+from jaxfuse.ops.norm import cuda as cuda_kernels
 from jaxfuse.ops.norm import reference, triton
 
-_BACKENDS = {"xla": registry.xla_available, "triton": registry.triton_unavailable}
+_BACKENDS = {"xla": registry.xla_available, "triton": registry.triton_unavailable,
+             "cuda": cuda.unavailable}
+_KERNELS = {"triton": triton, "cuda": cuda_kernels}
 
 
 def _preference():
@@ -24,14 +27,17 @@ def _preference():
   return ("xla",) if registry.platform() == "cpu" else ("triton", "xla")
 
 
-def _fastest(kind: str, n: int, direction: str) -> str:
-  """The faster of the kernel and XLA for one direction, from benchmarks/results (H100, bf16).
+def _fastest(n: int, direction: str, cuda_fits: bool) -> str:
+  """The fastest implementation for one direction, from benchmarks/results (H100, bf16).
 
-  XLA's forward fusion wins or ties on short rows, where both are launch-bound. The backward
-  kernel wins wherever a row's weight-gradient accumulators fit in registers. Both directions
-  share the saved statistics, so ``None`` may pair an XLA forward with a kernel backward.
+  XLA's forward fusion wins or ties on short rows, where both are launch-bound. Up to 16384
+  features the Triton kernels hold a row block in registers and win; longer rows must be
+  walked twice by a Pallas program, and there the CUDA kernels, which hold a row in a thread
+  block cluster, win both directions. Both directions share the saved statistics, so any
+  forward pairs with any backward.
   """
-  del kind  # the measured crossovers are the same for both kinds
+  if n > 16384 and cuda_fits:
+    return "cuda"
   if direction == "forward":
     return "triton" if n >= 1024 else "xla"
   return "triton" if n <= 16384 else "xla"
@@ -50,8 +56,10 @@ def rms_norm(x, weight=None, *, eps: float = 1e-6, normalized_ndim: int | None =
       (default 1). If given with a weight it must equal ``weight.ndim``.
     out_dtype: output dtype; default ``jnp.result_type(x, weight)``. Pass ``weight.dtype`` for
       the "output takes the weight's dtype" convention.
-    implementation: ``'xla'``, ``'triton'`` (a Pallas kernel; interpreted on the CPU) or
-      ``None`` for the fastest available here.
+    implementation: ``'xla'``, ``'triton'`` (a Pallas kernel; interpreted on the CPU),
+      ``'cuda'`` (CUDA kernels built with nvcc on first use, for Hopper GPUs: rows of up to
+      131072 elements, a multiple of 8, of float16/bfloat16/float32) or ``None`` for the
+      fastest available here.
 
   Returns:
     An array of ``x.shape``. Statistics are accumulated in float32 (float64 for float64
@@ -75,7 +83,7 @@ def layer_norm(x, weight=None, bias=None, *, eps: float = 1e-5,
     normalized_ndim: number of trailing axes to normalize over when there is neither weight nor
       bias (default 1). If given with them it must equal their ``ndim``.
     out_dtype: output dtype; default ``jnp.result_type(x, weight, bias)``.
-    implementation: ``'xla'``, ``'triton'`` or ``None`` (see :func:`rms_norm`).
+    implementation: ``'xla'``, ``'triton'``, ``'cuda'`` or ``None`` (see :func:`rms_norm`).
 
   Returns:
     An array of ``x.shape``, differentiable with respect to ``x``, ``weight`` and ``bias``.
@@ -129,10 +137,16 @@ def _normalize(op, kind, x, weight, bias, eps, normalized_ndim, out_dtype, imple
   out_dtype = canonical_dtype(op, "out_dtype", out_dtype) or \
       jnp.result_type(x, *(p for _, p in params))
   impl = registry.resolve(op, implementation, _BACKENDS, _preference())
+  n = math.prod(x.shape[x.ndim - norm_ndim:])
+  cuda_refusal = cuda_kernels.unsupported(n, x.dtype, out_dtype, [p.dtype for _, p in params])
+  if impl == "cuda" and cuda_refusal:
+    raise NotImplementedError(f"{op}(implementation='cuda') cannot take x {describe(x)}: "
+                              f"{cuda_refusal}")
   forward_impl = backward_impl = impl
   if implementation is None and impl == "triton":
-    n = math.prod(x.shape[x.ndim - norm_ndim:])
-    forward_impl, backward_impl = _fastest(kind, n, "forward"), _fastest(kind, n, "backward")
+    cuda_fits = cuda.unavailable() is None and cuda_refusal is None
+    forward_impl = _fastest(n, "forward", cuda_fits)
+    backward_impl = _fastest(n, "backward", cuda_fits)
   st = _Static(op, kind, eps, norm_ndim, jnp.dtype(out_dtype),
                None if bias is None else jnp.dtype(bias.dtype), forward_impl, backward_impl)
   return _norm_jit(x, weight, bias, st)
@@ -173,7 +187,8 @@ def _backward(dy, x, weight, mean, rstd, st):
 
 
 class _Kernels:
-  """The kernel path for one static configuration: vmap rules around sharded kernel calls."""
+  """The kernel path (Triton or CUDA) for one static configuration: vmap rules around sharded
+  kernel calls."""
 
   def __init__(self, st: _Static):
     self.st = st
@@ -205,7 +220,7 @@ class _Kernels:
     def local(x, *params):
       w, b = self._unpack(weight, bias, params)
       x3, flat_param, _ = self._flat(x)
-      y, mean, rstd = triton.forward(
+      y, mean, rstd = _KERNELS[st.forward_impl].forward(
           x3, None if w is None else flat_param(w), None if b is None else flat_param(b),
           kind=st.kind, eps=st.eps, out_dtype=st.out_dtype)
       stats = (rstd,) if mean is None else (mean, rstd)
@@ -241,7 +256,7 @@ class _Kernels:
     def local(dy, x, *rest):
       w, m, r = split(list(rest))
       x3, flat_param, flat_stat = self._flat(x)
-      dx, dw, db = triton.backward(
+      dx, dw, db = _KERNELS[st.backward_impl].backward(
           dy.reshape(x3.shape), x3, None if w is None else flat_param(w),
           None if m is None else flat_stat(m), flat_stat(r), kind=st.kind, has_bias=has_bias,
           bias_dtype=st.bias_dtype)

@@ -1,0 +1,356 @@
+// Row kernels that keep a whole row in registers, split across a thread-block cluster.
+//
+// A row of N elements is cut into 8-element units. Cluster CTA `rank` of T threads owns the
+// slice of V * T units starting at unit rank * V * T; thread t holds units k * T + t (k < V), so
+// each warp's loads and stores are contiguous 16-byte vectors. V is a template parameter: every
+// per-unit array is indexed statically and stays in registers.
+//
+// Row statistics are reduced with warp shuffles, then over the CTA's warps, then over the
+// cluster: each CTA pushes its partial into a slot of every peer's shared memory (DSMEM) and one
+// cluster barrier later every CTA folds the same slots in the same order. So all CTAs see the
+// same bits, repeated runs give the same bits, and no CTA touches a peer's shared memory after
+// the barrier, so CTAs may exit as soon as they are done.
+#pragma once
+
+#include <cooperative_groups.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxfuse {
+
+namespace cg = cooperative_groups;
+namespace ffi = xla::ffi;
+
+constexpr int kUnit = 8;
+constexpr int kMaxCluster = 16;  // non-portable above 8; an H100 launches up to 16
+constexpr int kMaxThreads = 1024;
+
+// ---- Units: 8 elements in storage type, moved as one (2-byte types) or two (float) uint4.
+
+template <typename T> struct Unit {
+  static constexpr int kVectors = sizeof(T) * kUnit / 16;
+  uint4 raw[kVectors];
+
+  __device__ __forceinline__ void zero() {
+#pragma unroll
+    for (int i = 0; i < kVectors; ++i) raw[i] = make_uint4(0, 0, 0, 0);
+  }
+  // Read-once data: streaming loads that do not displace reused lines from L1/L2.
+  __device__ __forceinline__ void load_streaming(const T* p) {
+#pragma unroll
+    for (int i = 0; i < kVectors; ++i) raw[i] = __ldcs(reinterpret_cast<const uint4*>(p) + i);
+  }
+  __device__ __forceinline__ void store_streaming(T* p) const {
+#pragma unroll
+    for (int i = 0; i < kVectors; ++i) __stcs(reinterpret_cast<uint4*>(p) + i, raw[i]);
+  }
+  __device__ __forceinline__ void unpack(float (&out)[kUnit]) const;
+  __device__ __forceinline__ void pack(const float (&in)[kUnit]);
+};
+
+__device__ __forceinline__ uint32_t word(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+template <> __device__ __forceinline__ void Unit<float>::unpack(float (&out)[kUnit]) const {
+#pragma unroll
+  for (int i = 0; i < kUnit; ++i) out[i] = __uint_as_float(word(raw[i / 4], i % 4));
+}
+template <> __device__ __forceinline__ void Unit<float>::pack(const float (&in)[kUnit]) {
+  raw[0] = make_uint4(__float_as_uint(in[0]), __float_as_uint(in[1]), __float_as_uint(in[2]),
+                      __float_as_uint(in[3]));
+  raw[1] = make_uint4(__float_as_uint(in[4]), __float_as_uint(in[5]), __float_as_uint(in[6]),
+                      __float_as_uint(in[7]));
+}
+
+// bfloat16 is the top half of a float: unpacking is a shift or a mask.
+template <> __device__ __forceinline__ void Unit<__nv_bfloat16>::unpack(float (&out)[kUnit]) const {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t w = word(raw[0], i);
+    out[2 * i] = __uint_as_float(w << 16);
+    out[2 * i + 1] = __uint_as_float(w & 0xffff0000u);
+  }
+}
+template <> __device__ __forceinline__ void Unit<__nv_bfloat16>::pack(const float (&in)[kUnit]) {
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const __nv_bfloat162 pair = __floats2bfloat162_rn(in[2 * i], in[2 * i + 1]);
+    w[i] = *reinterpret_cast<const uint32_t*>(&pair);
+  }
+  raw[0] = make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+template <> __device__ __forceinline__ void Unit<__half>::unpack(float (&out)[kUnit]) const {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t w = word(raw[0], i);
+    const float2 pair = __half22float2(*reinterpret_cast<const __half2*>(&w));
+    out[2 * i] = pair.x;
+    out[2 * i + 1] = pair.y;
+  }
+}
+template <> __device__ __forceinline__ void Unit<__half>::pack(const float (&in)[kUnit]) {
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const __half2 pair = __floats2half2_rn(in[2 * i], in[2 * i + 1]);
+    w[i] = *reinterpret_cast<const uint32_t*>(&pair);
+  }
+  raw[0] = make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// Parameters (float32) are reread by every row: cached loads.
+__device__ __forceinline__ void load_params(const float* p, float (&out)[kUnit]) {
+  const float4 a = __ldg(reinterpret_cast<const float4*>(p));
+  const float4 b = __ldg(reinterpret_cast<const float4*>(p) + 1);
+  out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
+  out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
+}
+__device__ __forceinline__ void store_params(float* p, const float (&in)[kUnit]) {
+  reinterpret_cast<float4*>(p)[0] = make_float4(in[0], in[1], in[2], in[3]);
+  reinterpret_cast<float4*>(p)[1] = make_float4(in[4], in[5], in[6], in[7]);
+}
+// The sum of term(0..7) as a tree: a dependency chain of 3 additions instead of 8, so a row's
+// reduction waits less on its own arithmetic.
+template <typename F> __device__ __forceinline__ float unit_sum(F term) {
+  float t[kUnit];
+#pragma unroll
+  for (int e = 0; e < kUnit; ++e) t[e] = term(e);
+  return ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
+}
+
+__device__ __forceinline__ void fill(float (&out)[kUnit], float value) {
+#pragma unroll
+  for (int i = 0; i < kUnit; ++i) out[i] = value;
+}
+
+// Where this thread's units sit in the row: unit k covers [column(k), column(k) + 8).
+struct RowSlice {
+  int first, threads, n;
+
+  __device__ __forceinline__ static RowSlice mine(int units_per_thread, int n) {
+    const int rank = static_cast<int>(cg::this_cluster().block_rank());
+    return {rank * units_per_thread * static_cast<int>(blockDim.x) * kUnit,
+            static_cast<int>(blockDim.x), n};
+  }
+  __device__ __forceinline__ int column(int k) const {
+    return first + (k * threads + static_cast<int>(threadIdx.x)) * kUnit;
+  }
+  __device__ __forceinline__ bool holds(int k) const { return column(k) < n; }
+};
+
+// ---- Cluster-wide reduction.
+
+template <typename S> __device__ __forceinline__ S shuffle(S v, int lane_mask, bool xor_mode);
+template <> __device__ __forceinline__ float shuffle(float v, int m, bool x) {
+  return x ? __shfl_xor_sync(0xffffffffu, v, m) : __shfl_sync(0xffffffffu, v, m);
+}
+template <> __device__ __forceinline__ float2 shuffle(float2 v, int m, bool x) {
+  return make_float2(shuffle(v.x, m, x), shuffle(v.y, m, x));
+}
+template <> __device__ __forceinline__ float3 shuffle(float3 v, int m, bool x) {
+  return make_float3(shuffle(v.x, m, x), shuffle(v.y, m, x), shuffle(v.z, m, x));
+}
+
+// Double-buffered by parity: a CTA writes a peer's slot[p] only after the previous reduction's
+// barrier, which the peer passes only after folding slot[p ^ 1]; two reductions back, slot[p]
+// has been folded too. One cluster barrier per reduction is then enough.
+template <typename S> struct ClusterScratch {
+  S warp[kMaxThreads / 32];
+  S slot[2][kMaxCluster];
+};
+
+// Reduces `value` over all threads of all CTAs of the cluster with `op` (which must accept its
+// `identity`); every thread of every CTA returns the same bits.
+template <typename S, typename Op>
+__device__ __forceinline__ S cluster_reduce(S value, S identity, Op op,
+                                            ClusterScratch<S>& scratch, int parity) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  cg::cluster_group cluster = cg::this_cluster();
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) value = op(value, shuffle(value, offset, true));
+  if (lane == 0) scratch.warp[warp] = value;
+  __syncthreads();
+  if (warp == 0) {
+    value = lane < warps ? scratch.warp[lane] : identity;
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) value = op(value, shuffle(value, offset, true));
+    // op need not be commutative in rounding: lane 0's result is the CTA's.
+    value = shuffle(value, 0, false);
+    const int ranks = static_cast<int>(cluster.num_blocks());
+    if (lane < ranks)
+      *cluster.map_shared_rank(&scratch.slot[parity][cluster.block_rank()], lane) = value;
+  }
+  cluster.sync();
+  S total = scratch.slot[parity][0];
+  for (int r = 1; r < static_cast<int>(cluster.num_blocks()); ++r)
+    total = op(total, scratch.slot[parity][r]);
+  return total;
+}
+
+struct Sum {
+  __device__ __forceinline__ float operator()(float a, float b) const { return a + b; }
+  __device__ __forceinline__ float2 operator()(float2 a, float2 b) const {
+    return make_float2(a.x + b.x, a.y + b.y);
+  }
+  __device__ __forceinline__ float3 operator()(float3 a, float3 b) const {
+    return make_float3(a.x + b.x, a.y + b.y, a.z + b.z);
+  }
+};
+
+// Moments (count, mean, M2) of disjoint parts merged exactly: each part's sums of (v - shift)
+// and (v - shift)^2 follow from its moments, they add, and the merged moments follow back.
+// With the shift a part's mean, close to the merged mean, M2 = S2 - S1^2 / n barely cancels:
+// the variance of data with a large mean stays accurate, as a plain sum of squares would not.
+__device__ __forceinline__ float3 shifted_sums(float3 moments, float shift) {
+  const float d = moments.y - shift;
+  return make_float3(moments.x, moments.x * d, moments.z + moments.x * d * d);
+}
+__device__ __forceinline__ float3 moments_of(float3 sums, float shift) {
+  const float per = sums.x > 0.f ? __fdividef(sums.y, sums.x) : 0.f;
+  return make_float3(sums.x, shift + per, sums.z - sums.y * per);
+}
+
+// Merges every thread's moments over the cluster, shifting by one part's mean at each level (a
+// warp's lane 0, the CTA's warp 0, the cluster's CTA 0); every thread returns the same bits.
+__device__ __forceinline__ float3 cluster_moments(float3 moments, ClusterScratch<float3>& scratch,
+                                                  int parity) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  cg::cluster_group cluster = cg::this_cluster();
+  auto merge_warp = [&](float3 m) {
+    const float shift = __shfl_sync(0xffffffffu, m.y, 0);
+    float3 sums = shifted_sums(m, shift);
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2)
+      sums = Sum{}(sums, shuffle(sums, offset, true));
+    return moments_of(sums, shift);
+  };
+  moments = merge_warp(moments);
+  if (lane == 0) scratch.warp[warp] = moments;
+  __syncthreads();
+  if (warp == 0) {
+    moments = merge_warp(lane < warps ? scratch.warp[lane] : make_float3(0.f, 0.f, 0.f));
+    const int ranks = static_cast<int>(cluster.num_blocks());
+    if (lane < ranks)
+      *cluster.map_shared_rank(&scratch.slot[parity][cluster.block_rank()], lane) = moments;
+  }
+  cluster.sync();
+  const float shift = scratch.slot[parity][0].y;
+  float3 sums = shifted_sums(scratch.slot[parity][0], shift);
+  for (int r = 1; r < static_cast<int>(cluster.num_blocks()); ++r)
+    sums = Sum{}(sums, shifted_sums(scratch.slot[parity][r], shift));
+  return moments_of(sums, shift);
+}
+
+// ---- Host side.
+
+template <typename... KernelArgs>
+cudaError_t prepare_clustered(void (*kernel)(KernelArgs...), int cluster, size_t smem_bytes) {
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(smem_bytes));
+  if (err == cudaSuccess && cluster > 8)
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+  return err;
+}
+
+inline cudaLaunchConfig_t cluster_config(dim3 grid, int threads, size_t smem_bytes,
+                                         cudaStream_t stream, cudaLaunchAttribute* attribute,
+                                         int cluster) {
+  attribute->id = cudaLaunchAttributeClusterDimension;
+  attribute->val.clusterDim.x = cluster;
+  attribute->val.clusterDim.y = 1;
+  attribute->val.clusterDim.z = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = dim3(threads, 1, 1);
+  config.dynamicSmemBytes = smem_bytes;
+  config.stream = stream;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  return config;
+}
+
+// Launches `kernel` on `grid` CTAs of `threads`, in clusters of `cluster` CTAs along x.
+template <typename... KernelArgs, typename... Args>
+cudaError_t launch_clustered(void (*kernel)(KernelArgs...), dim3 grid, int threads, int cluster,
+                             size_t smem_bytes, cudaStream_t stream, Args... args) {
+  cudaError_t err = prepare_clustered(kernel, cluster, smem_bytes);
+  if (err != cudaSuccess) return err;
+  cudaLaunchAttribute attribute;
+  const cudaLaunchConfig_t config =
+      cluster_config(grid, threads, smem_bytes, stream, &attribute, cluster);
+  return cudaLaunchKernelEx(&config, kernel, static_cast<KernelArgs>(args)...);
+}
+
+// How many clusters of `cluster` CTAs of `threads` the GPU holds at once (0 when none fits).
+template <typename... KernelArgs>
+int max_active_clusters(void (*kernel)(KernelArgs...), int threads, int cluster,
+                        size_t smem_bytes) {
+  cudaError_t err = prepare_clustered(kernel, cluster, smem_bytes);
+  cudaLaunchAttribute attribute;
+  const cudaLaunchConfig_t config =
+      cluster_config(dim3(cluster, 1, 1), threads, smem_bytes, nullptr, &attribute, cluster);
+  int clusters = 0;
+  if (err == cudaSuccess) err = cudaOccupancyMaxActiveClusters(&clusters, kernel, &config);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return clusters;
+}
+
+inline ffi::Error launch_error(const char* kernel, cudaError_t err) {
+  if (err == cudaSuccess) err = cudaGetLastError();
+  if (err == cudaSuccess) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string(kernel) + ": " + cudaGetErrorString(err));
+}
+
+// Calls f(T{}) with the element type of an XLA dtype; false for types the kernels lack.
+template <typename F>
+bool dispatch_float(ffi::DataType dtype, F&& f) {
+  switch (dtype) {
+    case ffi::DataType::F32: f(float{}); return true;
+    case ffi::DataType::BF16: f(__nv_bfloat16{}); return true;
+    case ffi::DataType::F16: f(__half{}); return true;
+    default: return false;
+  }
+}
+
+template <typename T> constexpr ffi::DataType kDataType = ffi::DataType::F32;
+template <> constexpr ffi::DataType kDataType<__nv_bfloat16> = ffi::DataType::BF16;
+template <> constexpr ffi::DataType kDataType<__half> = ffi::DataType::F16;
+
+// Calls f(T{}) when `dtype` is T's, f(float{}) when it is float32: the second operands of a
+// kernel built for element type T (outputs and parameters are T or float32).
+template <typename T, typename F>
+bool dispatch_same_or_f32(ffi::DataType dtype, F&& f) {
+  if (dtype == kDataType<T>) f(T{});
+  else if (dtype == ffi::DataType::F32) f(float{});
+  else return false;
+  return true;
+}
+
+// Calls f(std::integral_constant<int, V>) for units-per-thread V in {1, 2, 4} up to kMax: the
+// instantiations a kernel is built for.
+template <int kMax, typename F>
+bool dispatch_units(int64_t units, F&& f) {
+  if (units == 1) f(std::integral_constant<int, 1>{});
+  else if constexpr (kMax >= 2) {
+    if (units == 2) f(std::integral_constant<int, 2>{});
+    else if constexpr (kMax >= 4) {
+      if (units == 4) f(std::integral_constant<int, 4>{});
+      else return false;
+    } else return false;
+  } else return false;
+  return true;
+}
+
+}  // namespace jaxfuse

@@ -1,0 +1,173 @@
+"""CUDA kernels for RMSNorm and LayerNorm over long rows (``norm.cu``), through XLA's FFI.
+
+Same calling convention as the Triton kernels: ``x (G, R, N)``, parameters ``(G, N)``. A row is
+split over a thread-block cluster of up to 16 CTAs that hold it in registers, so the forward
+reads x once and the backward reads x and dy once. A single Pallas program cannot hold a row of
+tens of thousands of elements and walks it twice; that second walk is what these kernels save.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxfuse._core import cuda
+
+_SOURCE = Path(__file__).with_name("norm.cu")
+_HANDLERS = {"jaxfuse_norm_forward": "JaxfuseNormForward",
+             "jaxfuse_norm_backward": "JaxfuseNormBackward"}
+
+UNIT = 8  # elements per 16-byte (or, for float32, 32-byte) vector
+MAX_CLUSTER = 16
+MAX_THREADS = 512
+# Units per thread the kernels are built for (norm.cu), by x's item size: beyond them the two
+# rows a thread keeps in flight would spill out of registers.
+FORWARD_UNITS = {2: (4, 2, 1), 4: (2, 1)}
+BACKWARD_UNITS = {2: (2, 1), 4: (1,)}
+_SUPPORTED = tuple(map(jnp.dtype, (jnp.float16, jnp.bfloat16, jnp.float32)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+  """A row is held by ``cluster`` CTAs of ``threads`` threads, ``units`` 8-element units each."""
+  cluster: int
+  threads: int
+  units: int
+
+  def covers(self, n_cols: int) -> bool:
+    return self.cluster * self.threads * self.units * UNIT >= n_cols
+
+
+def _tiling(n_cols: int, units: int, threads: int) -> Tiling | None:
+  """The smallest cluster of ``threads``-thread CTAs (more threads if 16 CTAs are not enough)
+  holding the row at ``units`` per thread, trimmed to the fewest threads that still cover it."""
+  n_units = math.ceil(n_cols / UNIT)
+  cluster = min(MAX_CLUSTER, math.ceil(n_units / (threads * units)))
+  threads = 32 * math.ceil(n_units / (cluster * units) / 32)
+  return Tiling(cluster, threads, units) if threads <= MAX_THREADS else None
+
+
+# Defaults measured on the H100 (benchmarks/tune.py norm_cuda, bf16, 16384 rows): the most
+# units per thread, then clusters of 512-thread CTAs; a cluster barrier per row costs more
+# than the loads a CTA overlaps with it, so fewer, larger CTAs per row win.
+def forward_tiling(n_cols: int, x_dtype) -> Tiling | None:
+  for units in FORWARD_UNITS[jnp.dtype(x_dtype).itemsize]:
+    if (t := _tiling(n_cols, units, MAX_THREADS)) is not None:
+      return t
+  return None
+
+
+def backward_tiling(n_cols: int, x_dtype) -> Tiling | None:
+  for units in BACKWARD_UNITS[jnp.dtype(x_dtype).itemsize]:
+    if (t := _tiling(n_cols, units, MAX_THREADS)) is not None:
+      return t
+  return None
+
+
+def unsupported(n_cols: int, x_dtype, out_dtype, param_dtypes) -> str | None:
+  """Why the CUDA kernels cannot normalize rows of ``n_cols`` elements of these dtypes, or
+  None. Outputs (and so dy) must have x's dtype or float32; parameters of any float dtype
+  other than x's are read as float32."""
+  for dtype in (x_dtype, out_dtype, *param_dtypes):
+    if jnp.dtype(dtype) not in _SUPPORTED:
+      return f"the 'cuda' kernels take float16, bfloat16 and float32, not {jnp.dtype(dtype).name}"
+  if jnp.dtype(out_dtype) not in (jnp.dtype(x_dtype), jnp.dtype(jnp.float32)):
+    return (f"the 'cuda' kernels write x's dtype or float32, not {jnp.dtype(out_dtype).name} for "
+            f"x of {jnp.dtype(x_dtype).name}")
+  if n_cols % UNIT:
+    return (f"the 'cuda' kernels move rows in {UNIT}-element vectors; the normalized size "
+            f"{n_cols} is not a multiple of {UNIT}")
+  if backward_tiling(n_cols, x_dtype) is None or forward_tiling(n_cols, x_dtype) is None:
+    width = jnp.dtype(x_dtype).itemsize
+    most = MAX_CLUSTER * MAX_THREADS * BACKWARD_UNITS[width][0] * UNIT
+    return (f"the 'cuda' kernels hold a row in the registers of one cluster, at most {most} "
+            f"{jnp.dtype(x_dtype).name} elements; the normalized size is {n_cols} ('triton' "
+            f"walks rows of any length)")
+  return None
+
+
+def _check(t: Tiling, n_cols: int):
+  if not t.covers(n_cols):
+    raise ValueError(f"{t} holds {t.cluster * t.threads * t.units * UNIT} elements of a row, "
+                     f"fewer than its {n_cols}")
+
+
+def _library():
+  return cuda.load(_SOURCE, _HANDLERS)
+
+
+def _params(x, *params):
+  # Parameters of x's dtype are read as they are, others as float32 (exact for every supported
+  # dtype). The kernel reads the parameter dtype from its weight operand; an absent parameter
+  # is never read, so a present one (or x) of that dtype stands in for its pointer.
+  present = [p for p in params if p is not None]
+  common = x.dtype if all(p.dtype == x.dtype for p in present) else jnp.float32
+  stand_in = present[0].astype(common) if present else x
+  return [stand_in if p is None else p.astype(common) for p in params]
+
+
+@functools.cache
+def resident_clusters(direction: str, kind: str, x_dtype, other_dtype, param_dtype, t: Tiling,
+                      has_weight: bool, has_bias: bool) -> int:
+  """Clusters the GPU holds at once: the persistent grid, sized at trace time."""
+  query = _library().jaxfuse_norm_clusters
+  query.argtypes = [ctypes.c_int] * 10
+  query.restype = ctypes.c_int
+  count = query(direction == "backward", jnp.dtype(x_dtype).itemsize,
+                jnp.dtype(other_dtype).itemsize, jnp.dtype(param_dtype).itemsize,
+                kind == "layer", t.cluster, t.threads, t.units, has_weight, has_bias)
+  if count <= 0:
+    raise NotImplementedError(f"the 'cuda' norm {direction} cannot launch clusters of "
+                              f"{t.cluster} CTAs of {t.threads} threads on this GPU")
+  return count
+
+
+def forward(x, weight, bias, *, kind, eps, out_dtype, tiling: Tiling | None = None):
+  """``x (G, R, N)``, ``weight``/``bias`` ``(G, N)`` or None -> ``(y, mean | None, rstd)``."""
+  n_groups, n_rows, n_cols = x.shape
+  t = tiling or forward_tiling(n_cols, x.dtype)
+  _check(t, n_cols)
+  has_weight, has_bias = weight is not None, bias is not None
+  weight, bias = _params(x, weight, bias)
+  clusters = min(n_rows, resident_clusters("forward", kind, x.dtype, out_dtype, weight.dtype, t,
+                                           has_weight, has_bias))
+  stat = jax.ShapeDtypeStruct((n_groups, n_rows), jnp.float32)
+  y, mean, rstd = jax.ffi.ffi_call(
+      "jaxfuse_norm_forward", (jax.ShapeDtypeStruct(x.shape, out_dtype), stat, stat))(
+          x, weight, bias, eps=np.float32(eps), cluster=np.int64(t.cluster),
+          threads=np.int64(t.threads), units=np.int64(t.units), clusters=np.int64(clusters),
+          layer=np.int64(kind == "layer"), has_weight=np.int64(has_weight),
+          has_bias=np.int64(has_bias))
+  return y, (mean if kind == "layer" else None), rstd
+
+
+def backward(dy, x, weight, mean, rstd, *, kind, has_bias, bias_dtype=None,
+             tiling: Tiling | None = None):
+  """Returns ``(dx, dweight | None, dbias | None)`` for ``(G, R, N)`` inputs."""
+  n_groups, n_rows, n_cols = x.shape
+  has_weight = weight is not None
+  t = tiling or backward_tiling(n_cols, x.dtype)
+  _check(t, n_cols)
+  (kernel_weight,) = _params(x, weight)
+  clusters = min(n_rows, resident_clusters("backward", kind, x.dtype, dy.dtype,
+                                           kernel_weight.dtype, t, has_weight, has_bias))
+  partial = jax.ShapeDtypeStruct((n_groups, clusters, n_cols), jnp.float32)
+  unused = jax.ShapeDtypeStruct((1,), jnp.float32)
+  dx, dweight, dbias = jax.ffi.ffi_call(
+      "jaxfuse_norm_backward",
+      (jax.ShapeDtypeStruct(x.shape, x.dtype), partial if has_weight else unused,
+       partial if has_bias else unused))(
+          dy, x, kernel_weight, x if mean is None else mean, rstd,
+          cluster=np.int64(t.cluster), threads=np.int64(t.threads), units=np.int64(t.units),
+          clusters=np.int64(clusters), layer=np.int64(kind == "layer"),
+          has_weight=np.int64(has_weight), has_bias=np.int64(has_bias))
+  # Stage two: XLA sums the per-cluster partials in a fixed order.
+  return (dx, dweight.sum(axis=1).astype(weight.dtype) if has_weight else None,
+          dbias.sum(axis=1).astype(bias_dtype) if has_bias else None)

@@ -1,0 +1,437 @@
+// RMSNorm and LayerNorm for long rows, each row held in the registers of one thread-block
+// cluster (see rows.cuh): the forward reads x once and writes y once, the backward reads x and
+// dy once and writes dx once, where a single Pallas program must walk such rows twice.
+//
+// Both kernels are persistent: cluster c walks rows c, c + clusters, ... of every group, and
+// loads its next row before it reduces the current one, so each CTA keeps a row's loads in
+// flight through its reduction, cluster barrier and stores. Per-thread state that lives for a
+// whole group (the parameter slices, the backward's weight-gradient sums) sits in shared
+// memory, leaving the registers to the two rows in flight: two 512-thread CTAs fit an SM.
+#include "rows.cuh"
+
+namespace jaxfuse {
+namespace {
+
+constexpr int kThreads = 512;
+// Units per thread the kernels are built for: more would spill the two rows' registers.
+constexpr int kForwardUnits = 4, kBackwardUnits = 2;
+
+// Shared-memory arrays private to each thread, laid out so that a warp's accesses of element
+// (k, i) are consecutive words: [(k * width + i) * threads + t].
+template <typename V> struct ThreadLocal {
+  V* base;
+  __device__ __forceinline__ V& at(int k, int i, int width) const {
+    return base[(k * width + i) * static_cast<int>(blockDim.x) + static_cast<int>(threadIdx.x)];
+  }
+};
+
+// A parameter unit in its storage type, kept as uint4 words in shared memory.
+template <typename TP> struct ParamSlice {
+  ThreadLocal<uint4> words;
+  __device__ __forceinline__ void load(const TP* row, const RowSlice& slice, int units) const {
+    for (int k = 0; k < units; ++k) {
+      if (!slice.holds(k)) continue;
+      const uint4* src = reinterpret_cast<const uint4*>(row + slice.column(k));
+#pragma unroll
+      for (int i = 0; i < Unit<TP>::kVectors; ++i) words.at(k, i, Unit<TP>::kVectors) = __ldg(src + i);
+    }
+  }
+  __device__ __forceinline__ void get(int k, float (&out)[kUnit]) const {
+    Unit<TP> u;
+#pragma unroll
+    for (int i = 0; i < Unit<TP>::kVectors; ++i) u.raw[i] = words.at(k, i, Unit<TP>::kVectors);
+    u.unpack(out);
+  }
+};
+
+// A thread's float32 sums of one value per row element it owns, two float4 words per unit.
+struct UnitSums {
+  ThreadLocal<float4> words;
+  __device__ __forceinline__ void zero(int k) const {
+    words.at(k, 0, 2) = make_float4(0.f, 0.f, 0.f, 0.f);
+    words.at(k, 1, 2) = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  __device__ __forceinline__ void add(int k, const float (&v)[kUnit]) const {
+    float4& a = words.at(k, 0, 2);
+    float4& b = words.at(k, 1, 2);
+    a = make_float4(a.x + v[0], a.y + v[1], a.z + v[2], a.w + v[3]);
+    b = make_float4(b.x + v[4], b.y + v[5], b.z + v[6], b.w + v[7]);
+  }
+  __device__ __forceinline__ void get(int k, float (&out)[kUnit]) const {
+    const float4 a = words.at(k, 0, 2), b = words.at(k, 1, 2);
+    out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
+    out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
+  }
+};
+
+template <typename TX, int V>
+__device__ __forceinline__ void load_row(const TX* row, const RowSlice& slice, bool valid,
+                                         Unit<TX> (&units)[V]) {
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+    if (valid && slice.holds(k)) units[k].load_streaming(row + slice.column(k));
+    else units[k].zero();
+  }
+}
+
+template <typename TX, typename TY, typename TP, bool kLayer, int V>
+__global__ void __launch_bounds__(kThreads, 2) norm_forward_kernel(
+    const TX* __restrict__ x, const TP* __restrict__ weight, const TP* __restrict__ bias,
+    TY* __restrict__ y, float* __restrict__ mean_out, float* __restrict__ rstd_out,
+    int64_t groups, int64_t rows_per_group, int n, float eps, bool has_weight, bool has_bias) {
+  using Stat = std::conditional_t<kLayer, float3, float>;
+  __shared__ ClusterScratch<Stat> scratch;
+  extern __shared__ uint4 shared[];
+  const int param_words = V * Unit<TP>::kVectors * blockDim.x;
+  const ParamSlice<TP> w_slice{{shared}}, b_slice{{shared + (has_weight ? param_words : 0)}};
+  cg::cluster_group cluster = cg::this_cluster();
+  const int64_t clusters = gridDim.x / cluster.num_blocks();
+  const int64_t me = blockIdx.x / cluster.num_blocks();
+  const RowSlice slice = RowSlice::mine(V, n);
+  int parity = 0;
+
+  for (int64_t group = 0; group < groups; ++group) {
+    if (has_weight) w_slice.load(weight + group * n, slice, V);
+    if (has_bias) b_slice.load(bias + group * n, slice, V);
+    const TX* x_group = x + group * rows_per_group * n;
+    Unit<TX> xs[V], next[V];
+    load_row(x_group + me * n, slice, me < rows_per_group, xs);
+    for (int64_t r = me; r < rows_per_group; r += clusters) {
+      load_row(x_group + (r + clusters) * n, slice, r + clusters < rows_per_group, next);
+      Stat partial;
+      if constexpr (kLayer) {
+        // This thread's own mean and M2, exactly, in two passes over its registers.
+        float sum = 0.f, count = 0.f;
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+          float v[kUnit];
+          xs[k].unpack(v);
+          sum += unit_sum([&](int e) { return v[e]; });
+          count += slice.holds(k) ? kUnit : 0;
+        }
+        const float mean = count > 0.f ? __fdividef(sum, count) : 0.f;
+        float m2 = 0.f;
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+          if (!slice.holds(k)) continue;
+          float v[kUnit];
+          xs[k].unpack(v);
+          m2 += unit_sum([&](int e) { return (v[e] - mean) * (v[e] - mean); });
+        }
+        partial = make_float3(count, mean, m2);
+      } else {
+        partial = 0.f;
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+          float v[kUnit];
+          xs[k].unpack(v);
+          partial += unit_sum([&](int e) { return v[e] * v[e]; });
+        }
+      }
+      Stat total;
+      if constexpr (kLayer) total = cluster_moments(partial, scratch, parity);
+      else total = cluster_reduce(partial, 0.f, Sum{}, scratch, parity);
+      parity ^= 1;
+      float mean = 0.f, rstd;
+      if constexpr (kLayer) {
+        mean = total.y;
+        rstd = rsqrtf(total.z / n + eps);
+      } else {
+        rstd = rsqrtf(total / n + eps);
+      }
+
+      const int64_t row = group * rows_per_group + r;
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        if (!slice.holds(k)) continue;
+        float v[kUnit], w[kUnit], b[kUnit];
+        xs[k].unpack(v);
+        if (has_weight) w_slice.get(k, w); else fill(w, 1.f);
+        if (has_bias) b_slice.get(k, b); else fill(b, 0.f);
+#pragma unroll
+        for (int e = 0; e < kUnit; ++e) v[e] = (v[e] - mean) * rstd * w[e] + b[e];
+        Unit<TY> out;
+        out.pack(v);
+        out.store_streaming(y + row * n + slice.column(k));
+      }
+      if (cluster.block_rank() == 0 && threadIdx.x == 0) {
+        if (kLayer) mean_out[row] = mean;
+        rstd_out[row] = rstd;
+      }
+#pragma unroll
+      for (int k = 0; k < V; ++k) xs[k] = next[k];
+    }
+  }
+}
+
+// Each CTA owns one column slice of every row its cluster walks, so it sums its slice of
+// dweight and dbias over those rows and writes one float32 partial per (group, cluster); XLA
+// sums the partials in a fixed order, so the gradients are deterministic.
+template <typename TX, typename TDY, typename TP, bool kLayer, int V>
+__global__ void __launch_bounds__(kThreads, 2) norm_backward_kernel(
+    const TDY* __restrict__ dy, const TX* __restrict__ x, const TP* __restrict__ weight,
+    const float* __restrict__ mean_in, const float* __restrict__ rstd_in, TX* __restrict__ dx,
+    float* __restrict__ dweight_partial, float* __restrict__ dbias_partial, int64_t groups,
+    int64_t rows_per_group, int n, bool has_weight, bool has_bias) {
+  __shared__ ClusterScratch<float2> scratch;
+  extern __shared__ uint4 shared[];
+  const int param_words = V * Unit<TP>::kVectors * blockDim.x;
+  const ParamSlice<TP> w_slice{{shared}};
+  const UnitSums dw_sum{{reinterpret_cast<float4*>(shared + (has_weight ? param_words : 0))}};
+  const UnitSums db_sum{{dw_sum.words.base + (has_weight ? V * 2 * blockDim.x : 0)}};
+  cg::cluster_group cluster = cg::this_cluster();
+  const int64_t clusters = gridDim.x / cluster.num_blocks();
+  const int64_t me = blockIdx.x / cluster.num_blocks();
+  const RowSlice slice = RowSlice::mine(V, n);
+  const float inv_n = 1.f / n;
+  int parity = 0;
+
+  for (int64_t group = 0; group < groups; ++group) {
+    if (has_weight) w_slice.load(weight + group * n, slice, V);
+    for (int k = 0; k < V; ++k) {
+      if (has_weight) dw_sum.zero(k);
+      if (has_bias) db_sum.zero(k);
+    }
+    const int64_t group_offset = group * rows_per_group * n;
+    Unit<TX> xs[V], next_xs[V];
+    Unit<TDY> dys[V], next_dys[V];
+    load_row(x + group_offset + me * n, slice, me < rows_per_group, xs);
+    load_row(dy + group_offset + me * n, slice, me < rows_per_group, dys);
+    for (int64_t r = me; r < rows_per_group; r += clusters) {
+      const int64_t row = group * rows_per_group + r;
+      const bool more = r + clusters < rows_per_group;
+      load_row(x + group_offset + (r + clusters) * n, slice, more, next_xs);
+      load_row(dy + group_offset + (r + clusters) * n, slice, more, next_dys);
+      const float mean = kLayer ? mean_in[row] : 0.f, rstd = rstd_in[row];
+      // Sums over the row of w * dy (LayerNorm) and of x_hat * w * dy.
+      float2 partial = make_float2(0.f, 0.f);
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        if (!slice.holds(k)) continue;
+        float xv[kUnit], dyv[kUnit], w[kUnit];
+        xs[k].unpack(xv);
+        dys[k].unpack(dyv);
+        if (has_weight) w_slice.get(k, w); else fill(w, 1.f);
+        if (kLayer) partial.x += unit_sum([&](int e) { return dyv[e] * w[e]; });
+        partial.y += unit_sum([&](int e) { return dyv[e] * w[e] * (xv[e] - mean) * rstd; });
+      }
+      const float2 total = cluster_reduce(partial, make_float2(0.f, 0.f), Sum{}, scratch, parity);
+      parity ^= 1;
+      const float c1 = kLayer ? total.x * inv_n : 0.f, c2 = total.y * inv_n;
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        if (!slice.holds(k)) continue;
+        float xv[kUnit], dyv[kUnit], w[kUnit], dw[kUnit];
+        xs[k].unpack(xv);
+        dys[k].unpack(dyv);
+        if (has_weight) w_slice.get(k, w); else fill(w, 1.f);
+#pragma unroll
+        for (int e = 0; e < kUnit; ++e) {
+          const float x_hat = (xv[e] - mean) * rstd;
+          dw[e] = dyv[e] * x_hat;
+          xv[e] = rstd * (dyv[e] * w[e] - c1 - x_hat * c2);
+        }
+        if (has_weight) dw_sum.add(k, dw);
+        if (has_bias) db_sum.add(k, dyv);
+        Unit<TX> out;
+        out.pack(xv);
+        out.store_streaming(dx + row * n + slice.column(k));
+      }
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        xs[k] = next_xs[k];
+        dys[k] = next_dys[k];
+      }
+    }
+    const int64_t partial_row = (group * clusters + me) * n;
+    for (int k = 0; k < V; ++k) {
+      if (!slice.holds(k)) continue;
+      float sums[kUnit];
+      if (has_weight) {
+        dw_sum.get(k, sums);
+        store_params(dweight_partial + partial_row + slice.column(k), sums);
+      }
+      if (has_bias) {
+        db_sum.get(k, sums);
+        store_params(dbias_partial + partial_row + slice.column(k), sums);
+      }
+    }
+  }
+}
+
+// Dynamic shared memory of a CTA: the parameter slices (forward), or the weight slice and the
+// float32 gradient sums (backward).
+size_t forward_smem(int threads, int units, int param_size, bool has_weight, bool has_bias) {
+  return static_cast<size_t>(threads) * units * kUnit * param_size * (has_weight + has_bias);
+}
+size_t backward_smem(int threads, int units, int param_size, bool has_weight, bool has_bias) {
+  return static_cast<size_t>(threads) * units * kUnit *
+         (param_size * has_weight + sizeof(float) * (has_weight + has_bias));
+}
+
+ffi::Error NormForwardImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer weight,
+                           ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> y,
+                           ffi::Result<ffi::AnyBuffer> mean, ffi::Result<ffi::AnyBuffer> rstd,
+                           float eps, int64_t cluster, int64_t threads, int64_t units,
+                           int64_t clusters, int64_t layer, int64_t has_weight,
+                           int64_t has_bias) {
+  auto dims = x.dimensions();
+  if (dims.size() != 3) return ffi::Error::InvalidArgument("norm_forward: x must be (G, R, N)");
+  const int n = static_cast<int>(dims[2]);
+  cudaError_t err = cudaSuccess;
+  bool known = true;
+  known &= dispatch_float(x.element_type(), [&](auto tx) {
+    using TX = decltype(tx);
+    known &= dispatch_same_or_f32<TX>(y->element_type(), [&](auto ty) {
+      known &= dispatch_same_or_f32<TX>(weight.element_type(), [&](auto tp) {
+        known &= dispatch_units<kForwardUnits>(units, [&](auto v) {
+          using TY = decltype(ty);
+          using TP = decltype(tp);
+          constexpr int V = decltype(v)::value;
+          auto launch = [&](auto kernel) {
+            err = launch_clustered(
+                kernel, dim3(cluster * clusters, 1, 1), threads, cluster,
+                forward_smem(threads, V, sizeof(TP), has_weight, has_bias), stream,
+                static_cast<const TX*>(x.untyped_data()),
+                static_cast<const TP*>(weight.untyped_data()),
+                static_cast<const TP*>(bias.untyped_data()), static_cast<TY*>(y->untyped_data()),
+                static_cast<float*>(mean->untyped_data()),
+                static_cast<float*>(rstd->untyped_data()), dims[0], dims[1], n, eps,
+                has_weight != 0, has_bias != 0);
+          };
+          if (layer) launch(norm_forward_kernel<TX, TY, TP, true, V>);
+          else launch(norm_forward_kernel<TX, TY, TP, false, V>);
+        });
+      });
+    });
+  });
+  if (!known) return ffi::Error::InvalidArgument("norm_forward: unsupported dtypes or units");
+  return launch_error("norm_forward", err);
+}
+
+ffi::Error NormBackwardImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x,
+                            ffi::AnyBuffer weight, ffi::AnyBuffer mean, ffi::AnyBuffer rstd,
+                            ffi::Result<ffi::AnyBuffer> dx,
+                            ffi::Result<ffi::AnyBuffer> dweight_partial,
+                            ffi::Result<ffi::AnyBuffer> dbias_partial, int64_t cluster,
+                            int64_t threads, int64_t units, int64_t clusters, int64_t layer,
+                            int64_t has_weight, int64_t has_bias) {
+  auto dims = x.dimensions();
+  if (dims.size() != 3) return ffi::Error::InvalidArgument("norm_backward: x must be (G, R, N)");
+  const int n = static_cast<int>(dims[2]);
+  cudaError_t err = cudaSuccess;
+  bool known = true;
+  known &= dispatch_float(x.element_type(), [&](auto tx) {
+    using TX = decltype(tx);
+    known &= dispatch_same_or_f32<TX>(dy.element_type(), [&](auto tdy) {
+      known &= dispatch_same_or_f32<TX>(weight.element_type(), [&](auto tp) {
+        known &= dispatch_units<kBackwardUnits>(units, [&](auto v) {
+          using TDY = decltype(tdy);
+          using TP = decltype(tp);
+          constexpr int V = decltype(v)::value;
+          auto launch = [&](auto kernel) {
+            err = launch_clustered(
+                kernel, dim3(cluster * clusters, 1, 1), threads, cluster,
+                backward_smem(threads, V, sizeof(TP), has_weight, has_bias), stream,
+                static_cast<const TDY*>(dy.untyped_data()),
+                static_cast<const TX*>(x.untyped_data()),
+                static_cast<const TP*>(weight.untyped_data()),
+                static_cast<const float*>(mean.untyped_data()),
+                static_cast<const float*>(rstd.untyped_data()),
+                static_cast<TX*>(dx->untyped_data()),
+                static_cast<float*>(dweight_partial->untyped_data()),
+                static_cast<float*>(dbias_partial->untyped_data()), dims[0], dims[1], n,
+                has_weight != 0, has_bias != 0);
+          };
+          if (layer) launch(norm_backward_kernel<TX, TDY, TP, true, V>);
+          else launch(norm_backward_kernel<TX, TDY, TP, false, V>);
+        });
+      });
+    });
+  });
+  if (!known) return ffi::Error::InvalidArgument("norm_backward: unsupported dtypes or units");
+  return launch_error("norm_backward", err);
+}
+
+}  // namespace
+}  // namespace jaxfuse
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseNormForward, jaxfuse::NormForwardImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Attr<float>("eps")
+                                  .Attr<int64_t>("cluster")
+                                  .Attr<int64_t>("threads")
+                                  .Attr<int64_t>("units")
+                                  .Attr<int64_t>("clusters")
+                                  .Attr<int64_t>("layer")
+                                  .Attr<int64_t>("has_weight")
+                                  .Attr<int64_t>("has_bias"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseNormBackward, jaxfuse::NormBackwardImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Attr<int64_t>("cluster")
+                                  .Attr<int64_t>("threads")
+                                  .Attr<int64_t>("units")
+                                  .Attr<int64_t>("clusters")
+                                  .Attr<int64_t>("layer")
+                                  .Attr<int64_t>("has_weight")
+                                  .Attr<int64_t>("has_bias"));
+
+// For the Python side, which sizes the persistent grids (and the backward's partial gradients)
+// at trace time: clusters of this shape resident on the current GPU at once. Residency depends
+// on registers and shared memory, the same for every dtype of equal width.
+extern "C" int jaxfuse_norm_clusters(int backward, int x_itemsize, int other_itemsize,
+                                     int param_itemsize, int layer, int cluster, int threads,
+                                     int units, int has_weight, int has_bias) {
+  using namespace jaxfuse;
+  int clusters = 0;
+  auto by_width = [](int itemsize, auto f) {
+    if (itemsize == 4) f(float{});
+    else f(__nv_bfloat16{});
+  };
+  by_width(x_itemsize, [&](auto tx) {
+    by_width(other_itemsize, [&](auto to) {
+      by_width(param_itemsize, [&](auto tp) {
+        using TX = decltype(tx);
+        using TO = std::conditional_t<sizeof(decltype(to)) == sizeof(TX), TX, float>;
+        using TP = std::conditional_t<sizeof(decltype(tp)) == sizeof(TX), TX, float>;
+        if (backward) {
+          const size_t smem = backward_smem(threads, units, sizeof(TP), has_weight, has_bias);
+          dispatch_units<kBackwardUnits>(units, [&](auto v) {
+            constexpr int V = decltype(v)::value;
+            clusters = layer ? max_active_clusters(norm_backward_kernel<TX, TO, TP, true, V>,
+                                                   threads, cluster, smem)
+                             : max_active_clusters(norm_backward_kernel<TX, TO, TP, false, V>,
+                                                   threads, cluster, smem);
+          });
+        } else {
+          const size_t smem = forward_smem(threads, units, sizeof(TP), has_weight, has_bias);
+          dispatch_units<kForwardUnits>(units, [&](auto v) {
+            constexpr int V = decltype(v)::value;
+            clusters = layer ? max_active_clusters(norm_forward_kernel<TX, TO, TP, true, V>,
+                                                   threads, cluster, smem)
+                             : max_active_clusters(norm_forward_kernel<TX, TO, TP, false, V>,
+                                                   threads, cluster, smem);
+          });
+        }
+      });
+    });
+  });
+  return clusters;
+}
