@@ -107,17 +107,12 @@ template <> __device__ __forceinline__ void Unit<__half>::pack(const float (&in)
   raw[0] = make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-// Parameters (float32) are reread by every row: cached loads.
-__device__ __forceinline__ void load_params(const float* p, float (&out)[kUnit]) {
-  const float4 a = __ldg(reinterpret_cast<const float4*>(p));
-  const float4 b = __ldg(reinterpret_cast<const float4*>(p) + 1);
-  out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
-  out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
-}
-__device__ __forceinline__ void store_params(float* p, const float (&in)[kUnit]) {
+// Float32 results of a unit (partial gradient sums) go out as two 16-byte stores.
+__device__ __forceinline__ void store_float_unit(float* p, const float (&in)[kUnit]) {
   reinterpret_cast<float4*>(p)[0] = make_float4(in[0], in[1], in[2], in[3]);
   reinterpret_cast<float4*>(p)[1] = make_float4(in[4], in[5], in[6], in[7]);
 }
+
 // The sum of term(0..7) as a tree: a dependency chain of 3 additions instead of 8, so a row's
 // reduction waits less on its own arithmetic.
 template <typename F> __device__ __forceinline__ float unit_sum(F term) {

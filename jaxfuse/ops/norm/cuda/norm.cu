@@ -249,11 +249,11 @@ __global__ void __launch_bounds__(kThreads, 2) norm_backward_kernel(
       float sums[kUnit];
       if (has_weight) {
         dw_sum.get(k, sums);
-        store_params(dweight_partial + partial_row + slice.column(k), sums);
+        store_float_unit(dweight_partial + partial_row + slice.column(k), sums);
       }
       if (has_bias) {
         db_sum.get(k, sums);
-        store_params(dbias_partial + partial_row + slice.column(k), sums);
+        store_float_unit(dbias_partial + partial_row + slice.column(k), sums);
       }
     }
   }
