@@ -87,17 +87,22 @@ class Sweep:
 
 # --------------------------------------------------------------------------- norm
 
+_NORM_ROWS = 16384
+
+
+def _norm_inputs(n, key):
+  """x and dy ``(1, rows, n)`` and a weight ``(1, n)``, bf16."""
+  kx, kd, kw = jax.random.split(key, 3)
+  return (jax.random.normal(kx, (1, _NORM_ROWS, n), jnp.bfloat16),
+          jax.random.normal(kd, (1, _NORM_ROWS, n), jnp.bfloat16),
+          1 + 0.1 * jax.random.normal(kw, (1, n), jnp.bfloat16))
+
+
 def _norm(sweep):
   from jaxfuse.ops.norm import triton
   from jaxfuse.ops.norm.triton import NormBlocks as B
   sms = registry.num_multiprocessors()
-  rows = 16384
-
-  def make(n, key):
-    kx, kd, kw = jax.random.split(key, 3)
-    return (jax.random.normal(kx, (1, rows, n), jnp.bfloat16),
-            jax.random.normal(kd, (1, rows, n), jnp.bfloat16),
-            1 + 0.1 * jax.random.normal(kw, (1, n), jnp.bfloat16))
+  rows = _NORM_ROWS
 
   def fwd(kind, blocks, x, dy, w):
     return triton.forward(x, w, w if kind == "layer" else None, kind=kind, eps=1e-5,
@@ -144,7 +149,7 @@ def _norm(sweep):
   plans = {key: v for key, v in plans.items() if sweep.wanted(label(*key))}
   for n in sorted({n for _, n, _ in plans}):
     pass_bytes = rows * n * 2
-    sets = _sets(functools.partial(make, n), 3 * pass_bytes)
+    sets = _sets(functools.partial(_norm_inputs, n), 3 * pass_bytes)
     for (kind, n_, direction), variants in plans.items():
       if n_ != n:
         continue
@@ -167,13 +172,7 @@ def _norm_cuda(sweep):
   """Cluster shapes of the 'cuda' kernels: (CTAs per row, threads per CTA, units per thread)."""
   from jaxfuse.ops.norm import cuda
   from jaxfuse.ops.norm.cuda import Tiling as T
-  rows = 16384
-
-  def make(n, key):
-    kx, kd, kw = jax.random.split(key, 3)
-    return (jax.random.normal(kx, (1, rows, n), jnp.bfloat16),
-            jax.random.normal(kd, (1, rows, n), jnp.bfloat16),
-            1 + 0.1 * jax.random.normal(kw, (1, n), jnp.bfloat16))
+  rows = _NORM_ROWS
 
   def fwd(kind, tiling, x, dy, w):
     return cuda.forward(x, w, w if kind == "layer" else None, kind=kind, eps=1e-5,
@@ -194,7 +193,7 @@ def _norm_cuda(sweep):
         label = f"cuda {kind} {rows}x{n} {direction}"
         if not sweep.wanted(label):
           continue
-        sets = sets or _sets(functools.partial(make, n), 3 * pass_bytes)
+        sets = sets or _sets(functools.partial(_norm_inputs, n), 3 * pass_bytes)
         if direction == "fwd":
           fn, data, passes = functools.partial(fwd, kind), sets, 2
           variants = [cuda.forward_tiling(n, jnp.bfloat16)] + forward_variants

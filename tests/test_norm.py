@@ -412,24 +412,29 @@ def test_default_implementation_on_cpu_is_xla(rng):
 # --------------------------------------------------------------------------- GPU only
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("n", [1, 3, 1000, 4097, 8192, 65537, 1 << 20])
-def test_gpu_kernels_against_float64(rng, kind, n):
-  """Compiled kernels, poisoned output memory, odd and huge rows, bf16 like training."""
+def _check_step_on_poisoned_memory(kind, impl, x, w, b, dy):
+  """Output and gradients against float64, with device memory poisoned first."""
   from jaxfuse._core.testing import poison_device_memory
-  rows = max(1, min(4096, (1 << 24) // n))
-  x = random(rng, (rows, n), jnp.bfloat16)
-  w, b = params(rng, kind, (n,), jnp.bfloat16)
-  dy = random(rng, (rows, n), jnp.bfloat16)
   present = [a for a in (x, w, b) if a is not None]
-  poison_device_memory(8 * rows * n)
-  y, vjp = jax.vjp(lambda *a: call(kind, *a, implementation="triton"), *present)
+  poison_device_memory(8 * x.size)
+  y, vjp = jax.vjp(lambda *a: call(kind, *a, implementation=impl), *present)
   grads = vjp(dy)
   y_ref, grads_ref = reference(kind, x, w, b, dy)
   assert_close(y, y_ref)
   for g, r in zip(grads, [r for r in grads_ref if r is not None]):
     assert_close(g, r, factor=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n", [1, 3, 1000, 4097, 8192, 65537, 1 << 20])
+def test_gpu_kernels_against_float64(rng, kind, n):
+  """Compiled kernels, poisoned output memory, odd and huge rows, bf16 like training."""
+  rows = max(1, min(4096, (1 << 24) // n))
+  x = random(rng, (rows, n), jnp.bfloat16)
+  w, b = params(rng, kind, (n,), jnp.bfloat16)
+  dy = random(rng, (rows, n), jnp.bfloat16)
+  _check_step_on_poisoned_memory(kind, "triton", x, w, b, dy)
 
 
 @pytest.mark.gpu
@@ -461,7 +466,6 @@ CUDA_CASES = [((5, 8), (8,)), ((7, 1000), (1000,)), ((3, 4104), (4104,)),
                                              (jnp.float32, jnp.float32),
                                              (jnp.float16, jnp.float32)], ids=str)
 def test_gpu_cuda_against_float64(rng, kind, shape, wshape, x_dtype, w_dtype):
-  from jaxfuse._core.testing import poison_device_memory
   from jaxfuse.ops.norm import cuda as cuda_kernels
   n = int(np.prod(wshape))
   if cuda_kernels.unsupported(n, x_dtype, jnp.result_type(x_dtype, w_dtype), [w_dtype]):
@@ -469,14 +473,7 @@ def test_gpu_cuda_against_float64(rng, kind, shape, wshape, x_dtype, w_dtype):
   x = random(rng, shape, x_dtype, offset=2.0 if kind == "layer" else 0.0)
   w, b = params(rng, kind, wshape, w_dtype)
   dy = random(rng, shape, jnp.result_type(x_dtype, w_dtype))
-  present = [a for a in (x, w, b) if a is not None]
-  poison_device_memory(8 * x.size)
-  y, vjp = jax.vjp(lambda *a: call(kind, *a, implementation="cuda"), *present)
-  grads = vjp(dy)
-  y_ref, grads_ref = reference(kind, x, w, b, dy)
-  assert_close(y, y_ref)
-  for g, r in zip(grads, [r for r in grads_ref if r is not None]):
-    assert_close(g, r, factor=4)
+  _check_step_on_poisoned_memory(kind, "cuda", x, w, b, dy)
 
 
 @pytest.mark.gpu
