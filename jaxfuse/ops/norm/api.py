@@ -138,13 +138,14 @@ def _normalize(op, kind, x, weight, bias, eps, normalized_ndim, out_dtype, imple
       jnp.result_type(x, *(p for _, p in params))
   impl = registry.resolve(op, implementation, _BACKENDS, _preference())
   n = math.prod(x.shape[x.ndim - norm_ndim:])
-  cuda_refusal = cuda_kernels.unsupported(n, x.dtype, out_dtype, [p.dtype for _, p in params])
-  if impl == "cuda" and cuda_refusal:
+  cuda_refusal = lambda: cuda_kernels.unsupported(n, x.dtype, out_dtype,
+                                                  [p.dtype for _, p in params])
+  if impl == "cuda" and (reason := cuda_refusal()):
     raise NotImplementedError(f"{op}(implementation='cuda') cannot take x {describe(x)}: "
-                              f"{cuda_refusal}")
+                              f"{reason}")
   forward_impl = backward_impl = impl
   if implementation is None and impl == "triton":
-    cuda_fits = cuda.unavailable() is None and cuda_refusal is None
+    cuda_fits = cuda.unavailable() is None and cuda_refusal() is None
     forward_impl = _fastest(n, "forward", cuda_fits)
     backward_impl = _fastest(n, "backward", cuda_fits)
   st = _Static(op, kind, eps, norm_ndim, jnp.dtype(out_dtype),

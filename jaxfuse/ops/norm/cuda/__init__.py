@@ -45,30 +45,27 @@ class Tiling:
     return self.cluster * self.threads * self.units * UNIT >= n_cols
 
 
-def _tiling(n_cols: int, units: int, threads: int) -> Tiling | None:
-  """The smallest cluster of ``threads``-thread CTAs (more threads if 16 CTAs are not enough)
-  holding the row at ``units`` per thread, trimmed to the fewest threads that still cover it."""
+def _tiling(n_cols: int, units_choices) -> Tiling | None:
+  """The first ``units`` per thread at which 16 CTAs of at most 512 threads hold the row: the
+  smallest such cluster, trimmed to the fewest threads (whole warps) that still cover it."""
   n_units = math.ceil(n_cols / UNIT)
-  cluster = min(MAX_CLUSTER, math.ceil(n_units / (threads * units)))
-  threads = 32 * math.ceil(n_units / (cluster * units) / 32)
-  return Tiling(cluster, threads, units) if threads <= MAX_THREADS else None
+  for units in units_choices:
+    cluster = min(MAX_CLUSTER, math.ceil(n_units / (MAX_THREADS * units)))
+    threads = 32 * math.ceil(n_units / (cluster * units) / 32)
+    if threads <= MAX_THREADS:
+      return Tiling(cluster, threads, units)
+  return None
 
 
 # Defaults measured on the H100 (benchmarks/tune.py norm_cuda, bf16, 16384 rows): the most
 # units per thread, then clusters of 512-thread CTAs; a cluster barrier per row costs more
 # than the loads a CTA overlaps with it, so fewer, larger CTAs per row win.
 def forward_tiling(n_cols: int, x_dtype) -> Tiling | None:
-  for units in FORWARD_UNITS[jnp.dtype(x_dtype).itemsize]:
-    if (t := _tiling(n_cols, units, MAX_THREADS)) is not None:
-      return t
-  return None
+  return _tiling(n_cols, FORWARD_UNITS[jnp.dtype(x_dtype).itemsize])
 
 
 def backward_tiling(n_cols: int, x_dtype) -> Tiling | None:
-  for units in BACKWARD_UNITS[jnp.dtype(x_dtype).itemsize]:
-    if (t := _tiling(n_cols, units, MAX_THREADS)) is not None:
-      return t
-  return None
+  return _tiling(n_cols, BACKWARD_UNITS[jnp.dtype(x_dtype).itemsize])
 
 
 def unsupported(n_cols: int, x_dtype, out_dtype, param_dtypes) -> str | None:
