@@ -1,6 +1,7 @@
 """Times kernel tilings on this GPU, to choose the defaults in the ops' triton.py and cuda/ files.
 
-    PYTHONPATH=. python benchmarks/tune.py [norm norm_cuda softmax cross_entropy attention]
+    PYTHONPATH=. python benchmarks/tune.py [norm norm_cuda softmax cross_entropy softmax_cuda
+        attention]
         [--only SUBSTR] [--json PATH]
 
 Each problem times its default tiling first and then the candidates, calling the kernels
@@ -171,7 +172,7 @@ def _norm(sweep):
 def _norm_cuda(sweep):
   """Cluster shapes of the 'cuda' kernels: (CTAs per row, threads per CTA, units per thread)."""
   from jaxfuse.ops.norm import cuda
-  from jaxfuse.ops.norm.cuda import Tiling as T
+  from jaxfuse._core.cuda import Tiling as T
   rows = _NORM_ROWS
 
   def fwd(kind, tiling, x, dy, w):
@@ -276,6 +277,60 @@ def _cross_entropy(sweep):
                              blocks=blocks)), loss_only, sets, pass_bytes)
 
 
+def _cluster_shapes(n, units_choices):
+  """Every (CTAs, threads, units) cluster shape that holds a row of n: the candidates."""
+  from jaxfuse._core.cuda import UNIT, Tiling
+  shapes = []
+  for units in units_choices:
+    for cluster in (1, 2, 4, 8, 16):
+      threads = 32 * -(-n // (UNIT * cluster * units * 32))
+      if 64 <= threads <= 512 or (cluster == 1 and threads == 32):
+        shapes.append(Tiling(cluster, threads, units))
+  return shapes
+
+
+def _softmax_cuda(sweep):
+  """Cluster shapes of the softmax and cross-entropy 'cuda' kernels."""
+  from jaxfuse.ops.softmax import cuda
+  for rows, n in ((16384, 1024), (16384, 4096), (16384, 16384), (16384, 32768), (4096, 131072),
+                  (4096, 262144)):
+    def make(key, rows=rows, n=n):
+      kx, kd = jax.random.split(key)
+      return (jax.random.normal(kx, (rows, n), jnp.bfloat16),
+              jax.random.normal(kd, (rows, n), jnp.bfloat16))
+
+    pass_bytes = rows * n * 2
+    if not any(sweep.wanted(f"cuda softmax {rows}x{n} {d}") for d in ("fwd", "bwd")):
+      continue
+    sets = _sets(make, 3 * pass_bytes)
+    for direction, default, units, passes in (
+        ("fwd", cuda.forward_tiling, cuda.FORWARD_UNITS[2], 2),
+        ("bwd", cuda.backward_tiling, cuda.BACKWARD_UNITS[2], 3)):
+      if direction == "fwd":
+        fn = lambda t, x, dy: cuda.softmax_forward(x, scale=1.0, log=False, tiling=t)
+      else:
+        fn = lambda t, y, dy: cuda.softmax_backward(y, dy, scale=1.0, log=False, tiling=t)
+      variants = list(dict.fromkeys([default(n, jnp.bfloat16)] + _cluster_shapes(n, units)))
+      sweep.problem("softmax_cuda", f"cuda softmax {rows}x{n} {direction}", fn, variants, sets,
+                    passes * pass_bytes)
+  for rows, vocab in ((8192, 131072), (16384, 32768)):
+    label = f"cuda cross_entropy {rows}x{vocab} fused"
+    if not sweep.wanted(label):
+      continue
+
+    def make(key, rows=rows, vocab=vocab):
+      kx, kl = jax.random.split(key)
+      return (jax.random.normal(kx, (rows, vocab), jnp.bfloat16),
+              jax.random.randint(kl, (rows,), 0, vocab, jnp.int32))
+
+    scale = jnp.full((1,), 1.0 / rows, jnp.float32)
+    variants = list(dict.fromkeys([cuda.forward_tiling(vocab, jnp.bfloat16)]
+                                  + _cluster_shapes(vocab, cuda.FORWARD_UNITS[2])))
+    sweep.problem("softmax_cuda", label, lambda t, x, l: cuda.cross_entropy(
+        x, l, label_smoothing=0.0, z_loss=0.0, row_scale=scale, mode="fused", tiling=t),
+        variants, _sets(make, 2 * rows * vocab * 2), 2 * rows * vocab * 2)
+
+
 # --------------------------------------------------------------------------- attention
 
 def _attention(sweep):
@@ -336,7 +391,8 @@ def _attention(sweep):
 
 
 FAMILIES = {"norm": _norm, "norm_cuda": _norm_cuda, "softmax": _softmax,
-            "cross_entropy": _cross_entropy, "attention": _attention}
+            "cross_entropy": _cross_entropy, "softmax_cuda": _softmax_cuda,
+            "attention": _attention}
 
 
 def main():

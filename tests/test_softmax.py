@@ -81,8 +81,8 @@ def test_dtypes(rng, impl, name, dtype):
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("name", FNS)
-def test_large_magnitudes_do_not_overflow(rng, impl, name):
-  x = random(rng, (4, 513), jnp.float32, scale=1e4)
+def test_large_magnitudes_do_not_overflow(rng, impl, name, n=513):
+  x = random(rng, (4, n), jnp.float32, scale=1e4)
   y = FNS[name](x, implementation=impl)
   assert np.all(np.isfinite(np.asarray(y)))
   check(y, reference(name, x)[0])
@@ -142,7 +142,7 @@ def test_fully_masked_rows_are_zero_with_zero_gradient(rng, impl):
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("name", FNS)
 def test_nan_propagates_to_its_row(rng, impl, name):
-  x = np.array(random(rng, (3, 20), jnp.float32))
+  x = np.array(random(rng, (3, 24), jnp.float32))
   x[1, 4] = np.nan
   y = np.asarray(FNS[name](jnp.asarray(x), implementation=impl))
   assert np.all(np.isnan(y[1])) and np.all(np.isfinite(y[[0, 2]]))
@@ -286,12 +286,12 @@ def test_cross_entropy_equals_optax(rng, impl):
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_cross_entropy_ignored_and_out_of_range_labels(rng, impl):
-  logits = random(rng, (10, 50), jnp.float32)
-  labels = np.asarray(rng.integers(0, 50, (10,)), np.int32)
+  logits = random(rng, (10, 56), jnp.float32)
+  labels = np.asarray(rng.integers(0, 56, (10,)), np.int32)
   labels[[1, 4]] = -100
-  labels[7] = 50  # out of range: treated as ignored, never read
+  labels[7] = 56  # out of range: treated as ignored, never read
   labels[8] = -3
-  valid = (labels >= 0) & (labels < 50)
+  valid = (labels >= 0) & (labels < 56)
   loss_ref, grad_ref = ce_reference(logits, labels, valid)
   loss, grad = jax.value_and_grad(lambda l: jaxfuse.softmax_cross_entropy(
       l, jnp.asarray(labels), ignore_index=-100, implementation=impl))(logits)
@@ -308,30 +308,30 @@ def test_cross_entropy_ignored_and_out_of_range_labels(rng, impl):
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_cross_entropy_ignore_index_may_be_a_class(rng, impl, reduction):
-  logits = random(rng, (2, 9, 30), jnp.float32)
-  labels = np.asarray(rng.integers(0, 30, (2, 9)), np.int32)
+  logits = random(rng, (2, 9, 32), jnp.float32)
+  labels = np.asarray(rng.integers(0, 32, (2, 9)), np.int32)
   labels[0, [2, 5]] = 7
   labels[1, 0] = 7
   valid = labels != 7
-  loss_ref, grad_ref = ce_reference(logits.reshape(-1, 30), labels.reshape(-1), valid.reshape(-1))
+  loss_ref, grad_ref = ce_reference(logits.reshape(-1, 32), labels.reshape(-1), valid.reshape(-1))
   f = lambda l: jaxfuse.softmax_cross_entropy(l, jnp.asarray(labels), ignore_index=7,
                                               reduction=reduction, implementation=impl)
   if reduction == "mean":
     loss, grad = jax.value_and_grad(f)(logits)
     assert_close(loss, loss_ref.sum() / valid.sum())
-    assert_close(grad, grad_ref.reshape(2, 9, 30) / valid.sum(), factor=10)
+    assert_close(grad, grad_ref.reshape(2, 9, 32) / valid.sum(), factor=10)
   else:
     loss, vjp = jax.vjp(f, logits)
     assert_close(loss, loss_ref.reshape(2, 9))
     (grad,) = vjp(jnp.ones_like(loss))
-    assert_close(grad, grad_ref.reshape(2, 9, 30), factor=10)
+    assert_close(grad, grad_ref.reshape(2, 9, 32), factor=10)
   assert np.all(np.asarray(loss if reduction == "none" else grad)[~valid] == 0)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_cross_entropy_vmap_is_per_example_mean(rng, impl):
-  logits = random(rng, (3, 5, 20), jnp.float32)
-  labels = jnp.asarray(rng.integers(0, 20, (3, 5)), jnp.int32)
+  logits = random(rng, (3, 5, 24), jnp.float32)
+  labels = jnp.asarray(rng.integers(0, 24, (3, 5)), jnp.int32)
   f = lambda l, y: jaxfuse.softmax_cross_entropy(l, y, implementation=impl)
   losses, grads = jax.vmap(jax.value_and_grad(f))(logits, labels)
   for i in range(3):
@@ -388,11 +388,108 @@ def test_gpu_softmax_kernels(rng, name, n):
 
 
 @pytest.mark.gpu
-def test_gpu_cross_entropy_large_vocab(rng):
+@pytest.mark.parametrize("impl", ["triton", "cuda"])
+def test_gpu_cross_entropy_large_vocab(rng, impl):
+  from jaxfuse._core.testing import poison_device_memory
   logits = random(rng, (64, 131072), jnp.bfloat16, scale=2.0)
   labels = jnp.asarray(rng.integers(0, 131072, (64,)), jnp.int32)
   loss_ref, grad_ref = ce_reference(logits, labels, np.ones(64, bool))
+  poison_device_memory(4 * logits.size)
   loss, grad = jax.value_and_grad(lambda l: jaxfuse.softmax_cross_entropy(
-      l, labels, implementation="triton"))(logits)
+      l, labels, implementation=impl))(logits)
   assert_close(loss, loss_ref.mean())
   assert_close(grad, grad_ref / 64, jnp.bfloat16, factor=4)
+
+def test_cuda_needs_a_gpu(rng):
+  if jax.default_backend() == "gpu":
+    pytest.skip("CPU refusal")
+  x = random(rng, (3, 64), jnp.float32)
+  with pytest.raises(NotImplementedError, match="'cuda'.*GPU"):
+    jaxfuse.softmax(x, implementation="cuda")
+  with pytest.raises(NotImplementedError, match="'cuda'.*GPU"):
+    jaxfuse.softmax_cross_entropy(x, jnp.zeros((3,), jnp.int32), implementation="cuda")
+
+
+# Rows that are a multiple of 8 elements, split over clusters of 1 to 16 CTAs, with partial
+# CTAs (4104, 32776) and the longest rows, which each thread holds without a prefetched next.
+CUDA_SHAPES = [(5, 8), (7, 1000), (3, 4104), (2, 3, 32776), (64, 65536), (9, 131072),
+               (4, 262144)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", FNS)
+@pytest.mark.parametrize("shape", CUDA_SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32, jnp.float16],
+                         ids=lambda d: jnp.dtype(d).name)
+def test_gpu_cuda_softmax_against_float64(rng, name, shape, dtype):
+  from jaxfuse._core.testing import poison_device_memory
+  from jaxfuse.ops.softmax import cuda as cuda_kernels
+  if cuda_kernels.unsupported(shape[-1], dtype):
+    pytest.skip("row too long for this dtype")
+  x = random(rng, shape, dtype, scale=3.0)
+  dy = random(rng, shape, dtype)
+  scale = 0.7 if name == "softmax" else -0.7  # the row maximum of a negative scale's minimum
+  poison_device_memory(16 * x.size)
+  y, vjp = jax.vjp(lambda x: FNS[name](x, scale=scale, implementation="cuda"), x)
+  expected, grad = reference(name, x, scale=scale, dy=dy)
+  check(y, expected, dtype)
+  check(vjp(dy)[0], grad, dtype, factor=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", FNS)
+def test_gpu_cuda_softmax_edge_values_and_repeatability(rng, name):
+  test_large_magnitudes_do_not_overflow(rng, "cuda", name, n=520)
+  test_nan_propagates_to_its_row(rng, "cuda", name)
+  # -inf logits take no part: softmax 0 (log-softmax -inf) there, with zero gradient.
+  x = np.array(random(rng, (6, 40000), jnp.float32))
+  x[:, ::3] = -np.inf
+  dy = random(rng, x.shape, jnp.float32)
+  keep = np.isfinite(x)
+  step = jax.jit(lambda x, dy: (lambda y, vjp: (y, vjp(dy)[0]))(
+      *jax.vjp(lambda x: FNS[name](x, implementation="cuda"), x)))
+  y, dx = step(jnp.asarray(x), dy)
+  expected, grad = reference(name, np.where(keep, x, 0.0), keep=keep, dy=dy)
+  check(y, np.where(keep, expected, -np.inf if name == "log_softmax" else 0.0))
+  assert np.all(np.asarray(dx)[~keep] == 0)
+  check(dx, np.where(keep, grad, 0.0), factor=10)
+  y2, dx2 = step(jnp.asarray(x), dy)
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(y2))
+  np.testing.assert_array_equal(np.asarray(dx), np.asarray(dx2))
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_softmax_vmap_and_refusals(rng):
+  x = random(rng, (3, 4, 40000), jnp.bfloat16)
+  out = jax.vmap(lambda x: jaxfuse.log_softmax(x, implementation="cuda"))(x)
+  check(out, reference("log_softmax", x)[0], jnp.bfloat16)
+  for kwargs in (dict(axis=0), dict(mask=jnp.ones((40000,), bool)), dict(is_causal=True)):
+    with pytest.raises(NotImplementedError, match="implementation='cuda'"):
+      jaxfuse.softmax(x, implementation="cuda", **kwargs)
+  with pytest.raises(NotImplementedError, match="multiple of 8"):
+    jaxfuse.softmax(x[..., :-1], implementation="cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_default_takes_cuda_for_long_rows(rng):
+  x = random(rng, (64, 65536), jnp.bfloat16)
+  text = jax.jit(jax.grad(lambda x: jnp.sum(jaxfuse.softmax(x) ** 2))).lower(x).as_text()
+  assert "jaxfuse_softmax_forward" in text and "jaxfuse_softmax_backward" in text
+  labels = jnp.zeros((64,), jnp.int32)
+  text = jax.jit(jax.grad(lambda x: jaxfuse.softmax_cross_entropy(x, labels))).lower(x)
+  assert "jaxfuse_cross_entropy" in text.as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(3, 8), (7, 1000), (2, 3, 40000), (5, 131072)], ids=str)
+@pytest.mark.parametrize("smoothing,z_loss", [(0.0, 0.0), (0.1, 1e-3)])
+def test_gpu_cuda_cross_entropy_matches_float64(rng, shape, smoothing, z_loss):
+  test_cross_entropy_matches_float64(rng, "cuda", shape, smoothing, z_loss)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_cross_entropy_labels_and_vmap(rng):
+  test_cross_entropy_ignored_and_out_of_range_labels(rng, "cuda")
+  for reduction in ("mean", "none"):
+    test_cross_entropy_ignore_index_may_be_a_class(rng, "cuda", reduction)
+  test_cross_entropy_vmap_is_per_example_mean(rng, "cuda")

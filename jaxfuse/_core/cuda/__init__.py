@@ -9,8 +9,10 @@ Nothing is built at import time, and nothing at all off a GPU.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
+import math
 import os
 import shutil
 import subprocess
@@ -23,6 +25,39 @@ import jax
 from jaxfuse._core import registry
 
 _HERE = Path(__file__).parent
+
+UNIT = 8  # elements per 16-byte (or, for float32, 32-byte) vector
+MAX_CLUSTER = 16  # CTAs; non-portable above 8, an H100 launches up to 16
+MAX_THREADS = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+  """A row is held by ``cluster`` CTAs of ``threads`` threads, ``units`` 8-element units each
+  (rows.cuh)."""
+  cluster: int
+  threads: int
+  units: int
+
+  @property
+  def capacity(self) -> int:
+    return self.cluster * self.threads * self.units * UNIT
+
+  def check(self, n_cols: int):
+    if self.capacity < n_cols:
+      raise ValueError(f"{self} holds {self.capacity} elements of a row, fewer than its {n_cols}")
+
+
+def tiling(n_cols: int, units_choices) -> Tiling | None:
+  """The first ``units`` per thread at which 16 CTAs of at most 512 threads hold the row: the
+  smallest such cluster, trimmed to the fewest threads (whole warps) that still cover it."""
+  n_units = math.ceil(n_cols / UNIT)
+  for units in units_choices:
+    cluster = min(MAX_CLUSTER, math.ceil(n_units / (MAX_THREADS * units)))
+    threads = 32 * math.ceil(n_units / (cluster * units) / 32)
+    if threads <= MAX_THREADS:
+      return Tiling(cluster, threads, units)
+  return None
 
 
 @functools.cache

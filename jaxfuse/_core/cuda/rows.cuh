@@ -142,6 +142,51 @@ struct RowSlice {
   __device__ __forceinline__ bool holds(int k) const { return column(k) < n; }
 };
 
+// A thread's units of one row (zeros for units past the row's end, or for no row at all).
+template <typename T, int V>
+__device__ __forceinline__ void load_row(const T* row, const RowSlice& slice, bool valid,
+                                         Unit<T> (&units)[V]) {
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+    if (valid && slice.holds(k)) units[k].load_streaming(row + slice.column(k));
+    else units[k].zero();
+  }
+}
+
+// The rows a persistent cluster walks: first, first + step, first + 2 step, ...
+struct RowWalk {
+  int64_t first, step;
+
+  __device__ __forceinline__ static RowWalk of_cluster() {
+    const int64_t ctas = cg::this_cluster().num_blocks();
+    return {blockIdx.x / ctas, gridDim.x / ctas};
+  }
+};
+
+// A thread's units of the row its CTA works on and, with kPrefetch, of the row it works on
+// next: those loads are issued before the current row's reduction and stay in flight through
+// its cluster barrier and stores. Without kPrefetch the next row's registers go to a wider
+// slice of one row instead, and the CTAs of other clusters on the SM hide the loads.
+template <typename T, int V, bool kPrefetch>
+struct RowUnits {
+  Unit<T> now[V], next[V];
+
+  __device__ __forceinline__ void first(const T* row, const RowSlice& slice, bool valid) {
+    load_row(row, slice, valid, now);
+  }
+  __device__ __forceinline__ void prefetch(const T* row, const RowSlice& slice, bool valid) {
+    if constexpr (kPrefetch) load_row(row, slice, valid, next);
+  }
+  __device__ __forceinline__ void advance(const T* row, const RowSlice& slice, bool valid) {
+    if constexpr (kPrefetch) {
+#pragma unroll
+      for (int k = 0; k < V; ++k) now[k] = next[k];
+    } else {
+      load_row(row, slice, valid, now);
+    }
+  }
+};
+
 // ---- Cluster-wide reduction.
 
 template <typename S> __device__ __forceinline__ S shuffle(S v, int lane_mask, bool xor_mode);

@@ -10,18 +10,34 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_batching import custom_vmap
 
-from jaxfuse._core import registry
+from jaxfuse._core import cuda, registry
 from jaxfuse._core.batching import fold_into_batch
 from jaxfuse._core.sharding import parallel_call
 from jaxfuse._core.validation import (check_array, check_choice, describe, static_float,
                                       static_int)
+from jaxfuse.ops.softmax import cuda as cuda_kernels
 from jaxfuse.ops.softmax import reference, triton
 
-_BACKENDS = {"xla": registry.xla_available, "triton": registry.triton_unavailable}
+_BACKENDS = {"xla": registry.xla_available, "triton": registry.triton_unavailable,
+             "cuda": cuda.unavailable}
+_KERNELS = {"triton": triton, "cuda": cuda_kernels}
 
 
 def _preference():
   return ("xla",) if registry.platform() == "cpu" else ("triton", "xla")
+
+
+# Rows the Triton kernels hold in registers (one tile) are read once by them too; longer rows a
+# Pallas program walks twice, and there the CUDA kernels, which hold a row in a thread-block
+# cluster, win (benchmarks/results, H100, bf16).
+_CUDA_FROM = {"forward": 32768, "backward": 16384 + 1, "cross_entropy": 16384 + 1}
+
+
+def _fastest(n: int, direction: str, cuda_refusal) -> str:
+  """'cuda' for long rows it can take, else 'triton'; ``cuda_refusal()`` says why it cannot."""
+  if n >= _CUDA_FROM[direction] and cuda.unavailable() is None and cuda_refusal() is None:
+    return "cuda"
+  return "triton"
 
 
 def softmax(x, axis: int = -1, *, scale: float = 1.0, mask=None, is_causal: bool = False,
@@ -37,7 +53,9 @@ def softmax(x, axis: int = -1, *, scale: float = 1.0, mask=None, is_causal: bool
       ``j <= i + causal_offset``. Offset 0 is ``jax.nn``'s alignment; ``S - T`` aligns the
       queries with the last T of S keys (decoding with a cache).
     causal_offset: see ``is_causal``.
-    implementation: ``'xla'``, ``'triton'`` or ``None`` (fastest available here).
+    implementation: ``'xla'``, ``'triton'``, ``'cuda'`` (CUDA kernels built with nvcc on first
+      use, for Hopper GPUs: the last axis, no mask, rows of up to 262144 elements, a multiple
+      of 8, of float16/bfloat16/float32) or ``None`` (fastest available here).
 
   Returns:
     An array like ``x``. A fully masked row is all zeros and has zero gradient. Accumulation
@@ -63,7 +81,8 @@ class _SoftmaxStatic:
   log: bool
   layout: triton.Layout
   scale: float
-  implementation: str
+  forward_impl: str
+  backward_impl: str
 
 
 def _softmax_entry(op, log, x, axis, scale, mask, is_causal, causal_offset, implementation):
@@ -97,7 +116,20 @@ def _softmax_entry(op, log, x, axis, scale, mask, is_causal, causal_offset, impl
     strides = tuple(int(s) if m > 1 else 0 for s, m in zip(dense, mask.shape))
   layout = triton.Layout(tuple(x.shape), axis, strides, bool(is_causal), causal_offset)
   impl = registry.resolve(op, implementation, _BACKENDS, _preference())
-  st = _SoftmaxStatic(op, log, layout, scale, impl)
+
+  def cuda_refusal(directions=("forward", "backward")):
+    if axis != x.ndim - 1 or mask is not None or is_causal:
+      return "the 'cuda' kernels take the softmax over the last axis, without a mask"
+    return cuda_kernels.unsupported(x.shape[-1], x.dtype, directions=directions)
+
+  if impl == "cuda" and (reason := cuda_refusal()):
+    raise NotImplementedError(f"{op}(implementation='cuda') cannot take x {describe(x)} over "
+                              f"axis {axis}{'' if mask is None else ' with a mask'}: {reason}")
+  forward_impl = backward_impl = impl
+  if implementation is None and impl == "triton":
+    forward_impl = _fastest(x.shape[axis], "forward", lambda: cuda_refusal(("forward",)))
+    backward_impl = _fastest(x.shape[axis], "backward", lambda: cuda_refusal(("backward",)))
+  st = _SoftmaxStatic(op, log, layout, scale, forward_impl, backward_impl)
   return _softmax_jit(x, mask, st)
 
 
@@ -112,7 +144,7 @@ def _softmax_fwd(x, mask, st):
 
 
 def _softmax_bwd(st, y, dy):
-  if st.implementation == "xla" or y.size == 0:
+  if st.backward_impl == "xla" or y.size == 0:
     dx = reference.softmax_backward(y, dy, axis=st.layout.axis, scale=st.scale, log=st.log)
   else:
     dx = _softmax_kernels(st).backward(y, dy)
@@ -124,7 +156,7 @@ _softmax_jit = jax.jit(_softmax, static_argnums=(2,))
 
 
 def _softmax_forward(x, mask, st):
-  if st.implementation == "xla" or x.size == 0:
+  if st.forward_impl == "xla" or x.size == 0:
     layout = st.layout
     keep = reference.keep_mask(x.shape, layout.axis, mask, layout.causal, layout.causal_offset)
     return reference.softmax_forward(x, keep, axis=layout.axis, scale=st.scale, log=st.log)
@@ -159,6 +191,8 @@ class _SoftmaxKernels:
       args, in_dims = [x, mask], [dims, mask_dims]
 
     def local(x, *mask):
+      if st.forward_impl == "cuda":
+        return (cuda_kernels.softmax_forward(x, scale=st.scale, log=st.log),)
       layout = dataclasses.replace(st.layout, shape=tuple(x.shape))
       flat = None
       if mask:
@@ -177,6 +211,8 @@ class _SoftmaxKernels:
     dims, parallel = self._dims(y.ndim)
 
     def local(y, dy):
+      if st.backward_impl == "cuda":
+        return (cuda_kernels.softmax_backward(y, dy, scale=st.scale, log=st.log),)
       layout = dataclasses.replace(st.layout, shape=tuple(y.shape), mask_strides=None)
       return (triton.softmax_backward(y, dy, layout, scale=st.scale, log=st.log),)
 
@@ -236,7 +272,8 @@ def softmax_cross_entropy(logits, labels, *, ignore_index: int | None = None,
     z_loss: coefficient of ``lse**2`` (>= 0).
     reduction: ``'mean'`` over counted rows (0 when none), ``'sum'``, or ``'none'`` for the
       per-row losses (ignored rows 0).
-    implementation: ``'xla'``, ``'triton'`` or ``None``.
+    implementation: ``'xla'``, ``'triton'``, ``'cuda'`` (vocabularies of up to 262144 classes,
+      a multiple of 8, of float16/bfloat16/float32 logits; see :func:`softmax`) or ``None``.
 
   Returns:
     A float32 scalar (float64 for float64 logits), or per-row losses for ``'none'``.
@@ -265,7 +302,19 @@ def softmax_cross_entropy(logits, labels, *, ignore_index: int | None = None,
       raise ValueError(f"{op}: ignore_index must fit int32 (labels are compared as int32), "
                        f"got {ignore_index}")
   impl = registry.resolve(op, implementation, _BACKENDS, _preference())
-  st = _CrossEntropyStatic(label_smoothing, z_loss, reduction, impl, ignore_index)
+  vocab = logits.shape[-1]
+  cuda_refusal = lambda: cuda_kernels.unsupported(vocab, logits.dtype)
+  if impl == "cuda" and (reason := cuda_refusal()):
+    raise NotImplementedError(f"{op}(implementation='cuda') cannot take logits "
+                              f"{describe(logits)}: {reason}")
+  loss_impl = impl
+  if implementation is None and impl == "triton":
+    impl = loss_impl = _fastest(vocab, "cross_entropy", cuda_refusal)
+    # The loss alone reads each row once and has nothing to hide a cluster's barrier behind:
+    # the CUDA kernel wins it only with clusters of 1 or 2 CTAs (benchmarks/results, H100).
+    if impl == "cuda" and cuda_kernels.forward_tiling(vocab, logits.dtype).cluster > 2:
+      loss_impl = "triton"
+  st = _CrossEntropyStatic(label_smoothing, z_loss, reduction, impl, ignore_index, loss_impl)
   return _cross_entropy_jit(logits, labels, st)
 
 
@@ -276,6 +325,7 @@ class _CrossEntropyStatic:
   reduction: str
   implementation: str
   ignore_index: int | None
+  loss_implementation: str  # the loss without its gradient (None may pick another kernel)
 
 
 @functools.partial(jax.jit, static_argnums=(2,))
@@ -390,9 +440,10 @@ class _CrossEntropyKernels:
           kwargs = dict(row_scale=flat[2])
         else:
           kwargs = {}
-        outs = triton.cross_entropy(flat[0], flat[1], label_smoothing=st.label_smoothing,
-                                    z_loss=st.z_loss, ignore_index=st.ignore_index, mode=mode,
-                                    **kwargs)
+        kernels = _KERNELS[st.loss_implementation if mode == "loss" else st.implementation]
+        outs = kernels.cross_entropy(flat[0], flat[1], label_smoothing=st.label_smoothing,
+                                     z_loss=st.z_loss, ignore_index=st.ignore_index, mode=mode,
+                                     **kwargs)
         outs = (outs,) if mode == "grad" else tuple(outs)
         return tuple(o.reshape(logits.shape if o.ndim == 2 else shape) for o in outs)
 

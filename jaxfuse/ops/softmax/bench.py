@@ -73,7 +73,7 @@ def cases(quick: bool = False) -> list[Case]:
   if on_gpu:
     softmax_shapes = GPU_SOFTMAX[:2] if quick else GPU_SOFTMAX
     ce_shapes = GPU_CROSS_ENTROPY[:1] if quick else GPU_CROSS_ENTROPY
-    impls, check_only = ("jax.nn", "xla", "triton"), ()
+    impls, check_only = ("jax.nn", "xla", "triton", "cuda"), ()
   else:
     softmax_shapes, ce_shapes = [(64, 1000), (16, 40000)], [(64, 5000)]
     impls, check_only = ("jax.nn", "xla"), ("triton",)

@@ -9,9 +9,7 @@ tens of thousands of elements and walks it twice; that second walk is what these
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import functools
-import math
 from pathlib import Path
 
 import jax
@@ -19,14 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfuse._core import cuda
+from jaxfuse._core.cuda import Tiling
 
 _SOURCE = Path(__file__).with_name("norm.cu")
 _HANDLERS = {"jaxfuse_norm_forward": "JaxfuseNormForward",
              "jaxfuse_norm_backward": "JaxfuseNormBackward"}
 
-UNIT = 8  # elements per 16-byte (or, for float32, 32-byte) vector
-MAX_CLUSTER = 16
-MAX_THREADS = 512
 # Units per thread the kernels are built for (norm.cu), by x's item size: beyond them the two
 # rows a thread keeps in flight would spill out of registers.
 FORWARD_UNITS = {2: (4, 2, 1), 4: (2, 1)}
@@ -34,38 +30,15 @@ BACKWARD_UNITS = {2: (2, 1), 4: (1,)}
 _SUPPORTED = tuple(map(jnp.dtype, (jnp.float16, jnp.bfloat16, jnp.float32)))
 
 
-@dataclasses.dataclass(frozen=True)
-class Tiling:
-  """A row is held by ``cluster`` CTAs of ``threads`` threads, ``units`` 8-element units each."""
-  cluster: int
-  threads: int
-  units: int
-
-  def covers(self, n_cols: int) -> bool:
-    return self.cluster * self.threads * self.units * UNIT >= n_cols
-
-
-def _tiling(n_cols: int, units_choices) -> Tiling | None:
-  """The first ``units`` per thread at which 16 CTAs of at most 512 threads hold the row: the
-  smallest such cluster, trimmed to the fewest threads (whole warps) that still cover it."""
-  n_units = math.ceil(n_cols / UNIT)
-  for units in units_choices:
-    cluster = min(MAX_CLUSTER, math.ceil(n_units / (MAX_THREADS * units)))
-    threads = 32 * math.ceil(n_units / (cluster * units) / 32)
-    if threads <= MAX_THREADS:
-      return Tiling(cluster, threads, units)
-  return None
-
-
 # Defaults measured on the H100 (benchmarks/tune.py norm_cuda, bf16, 16384 rows): the most
 # units per thread, then clusters of 512-thread CTAs; a cluster barrier per row costs more
 # than the loads a CTA overlaps with it, so fewer, larger CTAs per row win.
 def forward_tiling(n_cols: int, x_dtype) -> Tiling | None:
-  return _tiling(n_cols, FORWARD_UNITS[jnp.dtype(x_dtype).itemsize])
+  return cuda.tiling(n_cols, FORWARD_UNITS[jnp.dtype(x_dtype).itemsize])
 
 
 def backward_tiling(n_cols: int, x_dtype) -> Tiling | None:
-  return _tiling(n_cols, BACKWARD_UNITS[jnp.dtype(x_dtype).itemsize])
+  return cuda.tiling(n_cols, BACKWARD_UNITS[jnp.dtype(x_dtype).itemsize])
 
 
 def unsupported(n_cols: int, x_dtype, out_dtype, param_dtypes) -> str | None:
@@ -78,22 +51,16 @@ def unsupported(n_cols: int, x_dtype, out_dtype, param_dtypes) -> str | None:
   if jnp.dtype(out_dtype) not in (jnp.dtype(x_dtype), jnp.dtype(jnp.float32)):
     return (f"the 'cuda' kernels write x's dtype or float32, not {jnp.dtype(out_dtype).name} for "
             f"x of {jnp.dtype(x_dtype).name}")
-  if n_cols % UNIT:
-    return (f"the 'cuda' kernels move rows in {UNIT}-element vectors; the normalized size "
-            f"{n_cols} is not a multiple of {UNIT}")
+  if n_cols % cuda.UNIT:
+    return (f"the 'cuda' kernels move rows in {cuda.UNIT}-element vectors; the normalized size "
+            f"{n_cols} is not a multiple of {cuda.UNIT}")
   if backward_tiling(n_cols, x_dtype) is None or forward_tiling(n_cols, x_dtype) is None:
     width = jnp.dtype(x_dtype).itemsize
-    most = MAX_CLUSTER * MAX_THREADS * BACKWARD_UNITS[width][0] * UNIT
+    most = cuda.MAX_CLUSTER * cuda.MAX_THREADS * BACKWARD_UNITS[width][0] * cuda.UNIT
     return (f"the 'cuda' kernels hold a row in the registers of one cluster, at most {most} "
             f"{jnp.dtype(x_dtype).name} elements; the normalized size is {n_cols} ('triton' "
             f"walks rows of any length)")
   return None
-
-
-def _check(t: Tiling, n_cols: int):
-  if not t.covers(n_cols):
-    raise ValueError(f"{t} holds {t.cluster * t.threads * t.units * UNIT} elements of a row, "
-                     f"fewer than its {n_cols}")
 
 
 def _library():
@@ -130,7 +97,7 @@ def forward(x, weight, bias, *, kind, eps, out_dtype, tiling: Tiling | None = No
   """``x (G, R, N)``, ``weight``/``bias`` ``(G, N)`` or None -> ``(y, mean | None, rstd)``."""
   n_groups, n_rows, n_cols = x.shape
   t = tiling or forward_tiling(n_cols, x.dtype)
-  _check(t, n_cols)
+  t.check(n_cols)
   has_weight, has_bias = weight is not None, bias is not None
   weight, bias = _params(x, weight, bias)
   clusters = min(n_rows, resident_clusters("forward", kind, x.dtype, out_dtype, weight.dtype, t,
@@ -151,7 +118,7 @@ def backward(dy, x, weight, mean, rstd, *, kind, has_bias, bias_dtype=None,
   n_groups, n_rows, n_cols = x.shape
   has_weight = weight is not None
   t = tiling or backward_tiling(n_cols, x.dtype)
-  _check(t, n_cols)
+  t.check(n_cols)
   (kernel_weight,) = _params(x, weight)
   clusters = min(n_rows, resident_clusters("backward", kind, x.dtype, dy.dtype,
                                            kernel_weight.dtype, t, has_weight, has_bias))

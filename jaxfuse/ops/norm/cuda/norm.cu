@@ -64,16 +64,6 @@ struct UnitSums {
   }
 };
 
-template <typename TX, int V>
-__device__ __forceinline__ void load_row(const TX* row, const RowSlice& slice, bool valid,
-                                         Unit<TX> (&units)[V]) {
-#pragma unroll
-  for (int k = 0; k < V; ++k) {
-    if (valid && slice.holds(k)) units[k].load_streaming(row + slice.column(k));
-    else units[k].zero();
-  }
-}
-
 template <typename TX, typename TY, typename TP, bool kLayer, int V>
 __global__ void __launch_bounds__(kThreads, 2) norm_forward_kernel(
     const TX* __restrict__ x, const TP* __restrict__ weight, const TP* __restrict__ bias,

@@ -1,0 +1,143 @@
+"""CUDA kernels for softmax, log-softmax and the softmax cross-entropy over long rows
+(``softmax.cu``), through XLA's FFI.
+
+A row is split over a thread-block cluster of up to 16 CTAs that hold it in registers, so the
+softmax forward reads x once, its backward reads y and dy once, and the cross-entropy reads the
+logits once and writes their gradient in the same pass. They take the softmax over the last
+axis without a mask; the Triton kernels cover every other case.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxfuse._core import cuda
+from jaxfuse._core.cuda import Tiling
+from jaxfuse.ops.softmax import reference
+
+_SOURCE = Path(__file__).with_name("softmax.cu")
+_HANDLERS = {"jaxfuse_softmax_forward": "JaxfuseSoftmaxForward",
+             "jaxfuse_softmax_backward": "JaxfuseSoftmaxBackward",
+             "jaxfuse_cross_entropy": "JaxfuseCrossEntropy"}
+_SUPPORTED = tuple(map(jnp.dtype, (jnp.float16, jnp.bfloat16, jnp.float32)))
+
+# Units per thread, in order of preference, by item size (softmax.cu). A thread keeps its next
+# row in flight while its slice of the current one is at most four 16-byte vectors; the last
+# choice gives that up to hold the longest rows. Measured on the H100 (benchmarks/tune.py
+# softmax_cuda, bf16): the most units per thread, then clusters of 512-thread CTAs.
+FORWARD_UNITS = {2: (4, 2, 1), 4: (2, 1, 4)}
+BACKWARD_UNITS = {2: (2, 1, 4), 4: (1, 2)}
+_KERNEL_IDS = {"forward": 0, "backward": 1, "cross_entropy": 2}
+
+
+def forward_tiling(n_cols: int, dtype) -> Tiling | None:
+  """Also the cross-entropy's: both hold one row of one array."""
+  return cuda.tiling(n_cols, FORWARD_UNITS[jnp.dtype(dtype).itemsize])
+
+
+def backward_tiling(n_cols: int, dtype) -> Tiling | None:
+  return cuda.tiling(n_cols, BACKWARD_UNITS[jnp.dtype(dtype).itemsize])
+
+
+def longest_row(dtype, direction: str) -> int:
+  units = (FORWARD_UNITS if direction == "forward" else BACKWARD_UNITS)[jnp.dtype(dtype).itemsize]
+  return cuda.MAX_CLUSTER * cuda.MAX_THREADS * max(units) * cuda.UNIT
+
+
+def unsupported(n_cols: int, dtype, *, directions=("forward", "backward")) -> str | None:
+  """Why the CUDA kernels cannot take rows of ``n_cols`` elements of ``dtype``, or None."""
+  if jnp.dtype(dtype) not in _SUPPORTED:
+    return f"the 'cuda' kernels take float16, bfloat16 and float32, not {jnp.dtype(dtype).name}"
+  if n_cols % cuda.UNIT:
+    return (f"the 'cuda' kernels move rows in {cuda.UNIT}-element vectors; the row length "
+            f"{n_cols} is not a multiple of {cuda.UNIT}")
+  longest = min(longest_row(dtype, d) for d in directions)
+  if n_cols > longest:
+    return (f"the 'cuda' kernels hold a row in the registers of one cluster, at most {longest} "
+            f"{jnp.dtype(dtype).name} elements; the row length is {n_cols} ('triton' walks "
+            f"rows of any length)")
+  return None
+
+
+@functools.cache
+def _library():
+  library = cuda.load(_SOURCE, _HANDLERS)
+  library.jaxfuse_softmax_clusters.argtypes = [ctypes.c_int] * 6
+  library.jaxfuse_softmax_clusters.restype = ctypes.c_int
+  return library
+
+
+@functools.cache
+def resident_clusters(kernel: str, dtype, flag: bool, t: Tiling) -> int:
+  """Clusters the GPU holds at once: the persistent grid, sized at trace time."""
+  count = _library().jaxfuse_softmax_clusters(_KERNEL_IDS[kernel], jnp.dtype(dtype).itemsize,
+                                              flag, t.cluster, t.threads, t.units)
+  if count <= 0:
+    raise NotImplementedError(f"the 'cuda' {kernel} kernel cannot launch clusters of "
+                              f"{t.cluster} CTAs of {t.threads} threads on this GPU")
+  return count
+
+
+def _grid(kernel, dtype, flag, t: Tiling, n_rows: int) -> dict:
+  clusters = max(1, min(n_rows, resident_clusters(kernel, dtype, flag, t)))
+  return dict(cluster=np.int64(t.cluster), threads=np.int64(t.threads),
+              units=np.int64(t.units), clusters=np.int64(clusters))
+
+
+def _rows(x):
+  return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+
+
+def softmax_forward(x, *, scale: float, log: bool, tiling: Tiling | None = None):
+  """Softmax (or log-softmax) of ``scale * x`` over the last axis of ``x``."""
+  x2 = _rows(x)
+  t = tiling or forward_tiling(x2.shape[1], x.dtype)
+  t.check(x2.shape[1])
+  y = jax.ffi.ffi_call("jaxfuse_softmax_forward", jax.ShapeDtypeStruct(x2.shape, x.dtype))(
+      x2, scale=np.float32(scale), log=np.int64(log),
+      **_grid("forward", x.dtype, log, t, x2.shape[0]))
+  return y.reshape(x.shape)
+
+
+def softmax_backward(y, dy, *, scale: float, log: bool, tiling: Tiling | None = None):
+  """Gradient of ``scale * x`` from the output ``y`` and its cotangent ``dy``."""
+  y2 = _rows(y)
+  t = tiling or backward_tiling(y2.shape[1], y.dtype)
+  t.check(y2.shape[1])
+  dx = jax.ffi.ffi_call("jaxfuse_softmax_backward", jax.ShapeDtypeStruct(y2.shape, y.dtype))(
+      y2, _rows(dy).astype(y.dtype), scale=np.float32(scale), log=np.int64(log),
+      **_grid("backward", y.dtype, log, t, y2.shape[0]))
+  return dx.reshape(y.shape)
+
+
+def cross_entropy(logits, labels, *, label_smoothing, z_loss, ignore_index=None,
+                  row_scale=None, lse=None, mode, tiling: Tiling | None = None):
+  """Same contract as ``triton.cross_entropy``: ``logits (R, V)``, int32 ``labels (R,)``;
+  ``mode`` 'loss' -> ``(loss, lse)``, 'fused' -> ``(loss, grad)``, 'grad' -> ``grad``."""
+  n_rows, vocab = logits.shape
+  if mode == "grad":
+    # The gradient from a saved lse is one elementwise pass, which XLA fuses as well.
+    valid = (labels >= 0) & (labels < vocab)
+    if ignore_index is not None:
+      valid = valid & (labels != ignore_index)
+    return reference.cross_entropy_grad(logits, labels, valid, lse, row_scale,
+                                        label_smoothing=label_smoothing, z_loss=z_loss)
+  t = tiling or forward_tiling(vocab, logits.dtype)
+  t.check(vocab)
+  with_grad = mode == "fused"
+  rows = jax.ShapeDtypeStruct((n_rows,), jnp.float32)
+  second = jax.ShapeDtypeStruct(logits.shape, logits.dtype) if with_grad else rows
+  scale = row_scale if with_grad else jnp.ones((1,), jnp.float32)
+  return jax.ffi.ffi_call("jaxfuse_cross_entropy", (rows, second))(
+      logits, labels.astype(jnp.int32), scale.astype(jnp.float32),
+      smoothing=np.float32(label_smoothing), z_loss=np.float32(z_loss),
+      ignore_index=np.int64(0 if ignore_index is None else ignore_index),
+      has_ignore=np.int64(ignore_index is not None), with_grad=np.int64(with_grad),
+      **_grid("cross_entropy", logits.dtype, with_grad, t, n_rows))

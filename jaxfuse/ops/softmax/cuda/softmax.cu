@@ -1,0 +1,422 @@
+// Softmax, log-softmax and the softmax cross-entropy over long rows, each row held in the
+// registers of one thread-block cluster (rows.cuh). The forward reads x once and writes y once,
+// the backward reads y and dy once and writes dx once, and the cross-entropy reads the logits
+// once and writes their gradient in the same pass, where a Pallas program that cannot hold such
+// a row walks it twice.
+//
+// The kernels are persistent: a cluster walks rows c, c + clusters, ..., and (with 4 vectors or
+// fewer per thread) loads its next row before it reduces the current one. Rows are reduced as
+// (max, sum of exp2(z - max)) pairs in base 2 (z = x * scale * log2 e), so every exponential is
+// one exp2 and the whole row needs one cluster barrier.
+#include "rows.cuh"
+
+namespace jaxfuse {
+namespace {
+
+constexpr int kThreads = 512;
+constexpr int kMaxUnits = 4;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// Registers of the rows in flight: a thread prefetches its next row while its slice of the
+// current one takes at most 4 16-byte vectors over all the streams it reads; a larger slice
+// (the longest rows) is loaded after the current row is done.
+template <typename T, int V, int kStreams>
+constexpr bool kPrefetch = V * Unit<T>::kVectors * kStreams <= 4;
+
+// Parts of a row as (max z, sum of exp2(z - max z)[, sum of z]). A part with nothing in it is
+// (-inf, 0[, 0]), and a NaN anywhere makes the sum NaN, which then reaches every output of its
+// row.
+__device__ __forceinline__ float rescaled(float sum, float max, float to) {
+  return max == to ? sum : sum * exp2f(max - to);
+}
+
+// Merges every thread's part over the cluster. At each level (a warp, the CTA's warps, the
+// cluster's CTAs) the maximum is reduced first and then the sums, each rescaled to it once:
+// every merge is a plain max or add, none waits on another's exponential. The butterflies give
+// every lane the same bits, and every CTA folds the cluster's parts in the same order.
+template <bool kTotal>
+__device__ __forceinline__ float3 cluster_max_sum(float3 part, ClusterScratch<float3>& scratch,
+                                                  int parity) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  cg::cluster_group cluster = cg::this_cluster();
+  const int ranks = static_cast<int>(cluster.num_blocks());
+  auto merge_warp = [](float3 p) {
+    float m = p.x;
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) m = fmaxf(m, shuffle(m, offset, true));
+    float sum = rescaled(p.y, p.x, m), total = p.z;
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) {
+      sum += shuffle(sum, offset, true);
+      if (kTotal) total += shuffle(total, offset, true);
+    }
+    return make_float3(m, sum, total);
+  };
+  part = merge_warp(part);
+  if (lane == 0) scratch.warp[warp] = part;
+  __syncthreads();
+  if (warp == 0) {
+    part = merge_warp(lane < warps ? scratch.warp[lane] : make_float3(-INFINITY, 0.f, 0.f));
+    if (lane < ranks)
+      *cluster.map_shared_rank(&scratch.slot[parity][cluster.block_rank()], lane) = part;
+  }
+  cluster.sync();
+  const float3* parts = scratch.slot[parity];
+  float m = -INFINITY, sum = 0.f, total = 0.f;
+  for (int r = 0; r < ranks; ++r) m = fmaxf(m, parts[r].x);
+  for (int r = 0; r < ranks; ++r) {
+    sum += rescaled(parts[r].y, parts[r].x, m);
+    if (kTotal) total += parts[r].z;
+  }
+  return make_float3(m, sum, total);
+}
+
+// The subtrahend that makes exp2(z - shift) safe: a row (or part) with no finite maximum has
+// only -inf (or NaN) in it, and shifting by 0 keeps -inf - shift from turning into NaN.
+__device__ __forceinline__ float safe_shift(float max) { return max == -INFINITY ? 0.f : max; }
+
+// This thread's (max, sum) of z = x * scale2 over the units it holds, and the sum of z.
+template <typename T, int V>
+__device__ __forceinline__ float3 thread_max_sum(const Unit<T> (&xs)[V], const RowSlice& slice,
+                                                 float scale2, bool with_total) {
+  float m = -INFINITY;
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+    if (!slice.holds(k)) continue;
+    float v[kUnit];
+    xs[k].unpack(v);
+#pragma unroll
+    for (int e = 0; e < kUnit; ++e) m = fmaxf(m, v[e] * scale2);
+  }
+  const float shift = safe_shift(m);
+  float sum = 0.f, total = 0.f;
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+    if (!slice.holds(k)) continue;
+    float v[kUnit];
+    xs[k].unpack(v);
+    sum += unit_sum([&](int e) { return exp2f(fmaf(v[e], scale2, -shift)); });
+    if (with_total) total += unit_sum([&](int e) { return v[e] * scale2; });
+  }
+  return make_float3(m, sum, total);
+}
+
+template <typename T, bool kLog, int V>
+__global__ void __launch_bounds__(kThreads, 2)
+    softmax_forward_kernel(const T* __restrict__ x, T* __restrict__ y, int64_t rows, int n,
+                           float scale2) {
+  __shared__ ClusterScratch<float3> scratch;
+  const RowSlice slice = RowSlice::mine(V, n);
+  const RowWalk walk = RowWalk::of_cluster();
+  RowUnits<T, V, kPrefetch<T, V, 1>> xs;
+  int parity = 0;
+  xs.first(x + walk.first * n, slice, walk.first < rows);
+  for (int64_t r = walk.first; r < rows; r += walk.step) {
+    const int64_t after = r + walk.step;
+    xs.prefetch(x + after * n, slice, after < rows);
+    const float3 row =
+        cluster_max_sum<false>(thread_max_sum(xs.now, slice, scale2, false), scratch, parity);
+    parity ^= 1;
+    const float shift = safe_shift(row.x);
+    // log: (z - shift) ln 2 - ln(sum); softmax: exp2(z - shift) / sum, 0 when every z is -inf.
+    const float log_sum = logf(row.y), inverse = row.y == 0.f ? 0.f : 1.f / row.y;
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      if (!slice.holds(k)) continue;
+      float v[kUnit];
+      xs.now[k].unpack(v);
+#pragma unroll
+      for (int e = 0; e < kUnit; ++e) {
+        const float z = fmaf(v[e], scale2, -shift);
+        v[e] = kLog ? z * kLn2 - log_sum : exp2f(z) * inverse;
+      }
+      Unit<T> out;
+      out.pack(v);
+      out.store_streaming(y + r * n + slice.column(k));
+    }
+    xs.advance(x + after * n, slice, after < rows);
+  }
+}
+
+// softmax: dx = scale * y * (dy - sum(dy * y)); log-softmax: dx = scale * (dy - exp(y) sum(dy))
+// with masked entries (y = -inf) taking no part and getting zero.
+template <typename T, bool kLog, int V>
+__global__ void __launch_bounds__(kThreads, 2)
+    softmax_backward_kernel(const T* __restrict__ y, const T* __restrict__ dy,
+                            T* __restrict__ dx, int64_t rows, int n, float scale) {
+  __shared__ ClusterScratch<float> scratch;
+  const RowSlice slice = RowSlice::mine(V, n);
+  const RowWalk walk = RowWalk::of_cluster();
+  constexpr bool kAhead = kPrefetch<T, V, 2>;
+  RowUnits<T, V, kAhead> ys, dys;
+  int parity = 0;
+  ys.first(y + walk.first * n, slice, walk.first < rows);
+  dys.first(dy + walk.first * n, slice, walk.first < rows);
+  for (int64_t r = walk.first; r < rows; r += walk.step) {
+    const int64_t after = r + walk.step;
+    ys.prefetch(y + after * n, slice, after < rows);
+    dys.prefetch(dy + after * n, slice, after < rows);
+    float mine = 0.f;
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      if (!slice.holds(k)) continue;
+      float yv[kUnit], dyv[kUnit];
+      ys.now[k].unpack(yv);
+      dys.now[k].unpack(dyv);
+      mine += unit_sum([&](int e) { return kLog ? (yv[e] > -INFINITY ? dyv[e] : 0.f)
+                                                : dyv[e] * yv[e]; });
+    }
+    const float c = cluster_reduce(mine, 0.f, Sum{}, scratch, parity);
+    parity ^= 1;
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      if (!slice.holds(k)) continue;
+      float yv[kUnit], dyv[kUnit];
+      ys.now[k].unpack(yv);
+      dys.now[k].unpack(dyv);
+#pragma unroll
+      for (int e = 0; e < kUnit; ++e) {
+        const float g = kLog ? (yv[e] > -INFINITY ? dyv[e] - exp2f(yv[e] * kLog2e) * c : 0.f)
+                             : yv[e] * (dyv[e] - c);
+        yv[e] = g * scale;
+      }
+      Unit<T> out;
+      out.pack(yv);
+      out.store_streaming(dx + r * n + slice.column(k));
+    }
+    ys.advance(y + after * n, slice, after < rows);
+    dys.advance(dy + after * n, slice, after < rows);
+  }
+}
+
+struct CrossEntropyArgs {
+  const int32_t* labels;
+  // Per-row cotangent scales of the fused gradient (stride 0: one scale for every row).
+  const float* row_scale;
+  int64_t scale_stride;
+  float* loss;
+  float* lse;  // written when there is no gradient (the per-row loss keeps it for its backward)
+  float smoothing, z_loss;
+  int32_t ignore_index;
+  bool has_ignore;
+};
+
+// Per row: loss = lse - (1 - s) x[label] - s mean(x) + z_loss lse^2, and with kGrad the
+// gradient of row_scale * loss, exp(x - lse) (1 + 2 z_loss lse) row_scale - target row_scale
+// with target = (1 - s) onehot(label) + s / V, written from the registers that hold the row.
+// Rows whose label is ignored, or outside [0, V), get a zero loss and gradient.
+template <typename T, bool kGrad, int V>
+__global__ void __launch_bounds__(kThreads, 2)
+    cross_entropy_kernel(const T* __restrict__ logits, T* __restrict__ grad, int64_t rows,
+                         int n, CrossEntropyArgs args) {
+  __shared__ ClusterScratch<float3> scratch;
+  const RowSlice slice = RowSlice::mine(V, n);
+  const RowWalk walk = RowWalk::of_cluster();
+  const bool leader = cg::this_cluster().block_rank() == 0 && threadIdx.x == 0;
+  RowUnits<T, V, kPrefetch<T, V, 1>> xs;
+  int parity = 0;
+  xs.first(logits + walk.first * n, slice, walk.first < rows);
+  for (int64_t r = walk.first; r < rows; r += walk.step) {
+    const int64_t after = r + walk.step;
+    xs.prefetch(logits + after * n, slice, after < rows);
+    const int label = __ldg(args.labels + r);
+    const bool valid = label >= 0 && label < n && !(args.has_ignore && label == args.ignore_index);
+    const float3 mine = thread_max_sum(xs.now, slice, kLog2e, args.smoothing != 0.f);
+    // The thread holding the label's logit picks it from its registers and writes the loss.
+    bool owner = false;
+    float picked = 0.f;
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const int offset = label - slice.column(k);
+      if (!valid || !slice.holds(k) || offset < 0 || offset >= kUnit) continue;
+      float v[kUnit];
+      xs.now[k].unpack(v);
+#pragma unroll
+      for (int e = 0; e < kUnit; ++e) picked = e == offset ? v[e] : picked;
+      owner = true;
+    }
+    const float3 row = args.smoothing != 0.f ? cluster_max_sum<true>(mine, scratch, parity)
+                                             : cluster_max_sum<false>(mine, scratch, parity);
+    parity ^= 1;
+    const float lse2 = safe_shift(row.x) + log2f(row.y), lse = lse2 * kLn2;
+    if (owner) {
+      float loss = lse - (1.f - args.smoothing) * picked;
+      if (args.smoothing != 0.f) loss -= args.smoothing * kLn2 / n * row.z;
+      if (args.z_loss != 0.f) loss += args.z_loss * lse * lse;
+      args.loss[r] = loss;
+    } else if (!valid && leader) {
+      args.loss[r] = 0.f;
+    }
+    if (!kGrad && leader) args.lse[r] = lse;
+    if constexpr (kGrad) {
+      const float row_scale = valid ? __ldg(args.row_scale + r * args.scale_stride) : 0.f;
+      const float prob_scale = row_scale * (1.f + 2.f * args.z_loss * lse);
+      const float spread = args.smoothing / n * row_scale;
+      const float hit = (1.f - args.smoothing) * row_scale;
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        if (!slice.holds(k)) continue;
+        float v[kUnit];
+        xs.now[k].unpack(v);
+        const int column = slice.column(k);
+#pragma unroll
+        for (int e = 0; e < kUnit; ++e) {
+          const float target = column + e == label ? hit + spread : spread;
+          v[e] = exp2f(fmaf(v[e], kLog2e, -lse2)) * prob_scale - target;
+        }
+        Unit<T> out;
+        out.pack(v);
+        out.store_streaming(grad + r * n + column);
+      }
+    }
+    xs.advance(logits + after * n, slice, after < rows);
+  }
+}
+
+// Calls f(kernel) with the instantiation for (element type, flag, units).
+template <template <typename, bool, int> class Kernel, typename F>
+bool dispatch_kernel(ffi::DataType dtype, bool flag, int64_t units, F&& f) {
+  bool known = true;
+  known &= dispatch_float(dtype, [&](auto t) {
+    using T = decltype(t);
+    known &= dispatch_units<kMaxUnits>(units, [&](auto v) {
+      constexpr int V = decltype(v)::value;
+      if (flag) f(Kernel<T, true, V>::get());
+      else f(Kernel<T, false, V>::get());
+    });
+  });
+  return known;
+}
+
+template <typename T, bool kFlag, int V> struct Forward {
+  static auto get() { return softmax_forward_kernel<T, kFlag, V>; }
+};
+template <typename T, bool kFlag, int V> struct Backward {
+  static auto get() { return softmax_backward_kernel<T, kFlag, V>; }
+};
+template <typename T, bool kFlag, int V> struct CrossEntropy {
+  static auto get() { return cross_entropy_kernel<T, kFlag, V>; }
+};
+
+ffi::Error SoftmaxForwardImpl(cudaStream_t stream, ffi::AnyBuffer x,
+                              ffi::Result<ffi::AnyBuffer> y, float scale, int64_t log,
+                              int64_t cluster, int64_t threads, int64_t units, int64_t clusters) {
+  auto dims = x.dimensions();
+  if (dims.size() != 2) return ffi::Error::InvalidArgument("softmax_forward: x must be (R, N)");
+  cudaError_t err = cudaSuccess;
+  const bool known =
+      dispatch_kernel<Forward>(x.element_type(), log, units, [&](auto kernel) {
+    err = launch_clustered(kernel, dim3(cluster * clusters, 1, 1), threads, cluster, 0, stream,
+                           x.untyped_data(), y->untyped_data(), dims[0],
+                           static_cast<int>(dims[1]), scale * kLog2e);
+  });
+  if (!known) return ffi::Error::InvalidArgument("softmax_forward: unsupported dtype or units");
+  return launch_error("softmax_forward", err);
+}
+
+ffi::Error SoftmaxBackwardImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::AnyBuffer dy,
+                               ffi::Result<ffi::AnyBuffer> dx, float scale, int64_t log,
+                               int64_t cluster, int64_t threads, int64_t units,
+                               int64_t clusters) {
+  auto dims = y.dimensions();
+  if (dims.size() != 2) return ffi::Error::InvalidArgument("softmax_backward: y must be (R, N)");
+  cudaError_t err = cudaSuccess;
+  const bool known = dispatch_kernel<Backward>(
+      y.element_type(), log, units, [&](auto kernel) {
+    err = launch_clustered(kernel, dim3(cluster * clusters, 1, 1), threads, cluster, 0, stream,
+                           y.untyped_data(), dy.untyped_data(), dx->untyped_data(), dims[0],
+                           static_cast<int>(dims[1]), scale);
+  });
+  if (!known) return ffi::Error::InvalidArgument("softmax_backward: unsupported dtype or units");
+  return launch_error("softmax_backward", err);
+}
+
+ffi::Error CrossEntropyImpl(cudaStream_t stream, ffi::AnyBuffer logits,
+                            ffi::Buffer<ffi::DataType::S32> labels,
+                            ffi::Buffer<ffi::DataType::F32> row_scale,
+                            ffi::Result<ffi::Buffer<ffi::DataType::F32>> loss,
+                            ffi::Result<ffi::AnyBuffer> lse_or_grad, float smoothing,
+                            float z_loss, int64_t ignore_index, int64_t has_ignore,
+                            int64_t with_grad, int64_t cluster, int64_t threads, int64_t units,
+                            int64_t clusters) {
+  auto dims = logits.dimensions();
+  if (dims.size() != 2)
+    return ffi::Error::InvalidArgument("cross_entropy: logits must be (R, V)");
+  const CrossEntropyArgs args{
+      labels.typed_data(), row_scale.typed_data(), row_scale.element_count() == 1 ? 0 : 1,
+      loss->typed_data(), with_grad ? nullptr : static_cast<float*>(lse_or_grad->untyped_data()),
+      smoothing, z_loss, static_cast<int32_t>(ignore_index), has_ignore != 0};
+  cudaError_t err = cudaSuccess;
+  const bool known =
+      dispatch_kernel<CrossEntropy>(logits.element_type(), with_grad, units,
+                                               [&](auto kernel) {
+        err = launch_clustered(kernel, dim3(cluster * clusters, 1, 1), threads, cluster, 0,
+                               stream, logits.untyped_data(), lse_or_grad->untyped_data(),
+                               dims[0], static_cast<int>(dims[1]), args);
+      });
+  if (!known) return ffi::Error::InvalidArgument("cross_entropy: unsupported dtype or units");
+  return launch_error("cross_entropy", err);
+}
+
+}  // namespace
+}  // namespace jaxfuse
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseSoftmaxForward, jaxfuse::SoftmaxForwardImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("log")
+                                  .Attr<int64_t>("cluster")
+                                  .Attr<int64_t>("threads")
+                                  .Attr<int64_t>("units")
+                                  .Attr<int64_t>("clusters"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseSoftmaxBackward, jaxfuse::SoftmaxBackwardImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("log")
+                                  .Attr<int64_t>("cluster")
+                                  .Attr<int64_t>("threads")
+                                  .Attr<int64_t>("units")
+                                  .Attr<int64_t>("clusters"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseCrossEntropy, jaxfuse::CrossEntropyImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::DataType::S32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::DataType::F32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::DataType::F32>>()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Attr<float>("smoothing")
+                                  .Attr<float>("z_loss")
+                                  .Attr<int64_t>("ignore_index")
+                                  .Attr<int64_t>("has_ignore")
+                                  .Attr<int64_t>("with_grad")
+                                  .Attr<int64_t>("cluster")
+                                  .Attr<int64_t>("threads")
+                                  .Attr<int64_t>("units")
+                                  .Attr<int64_t>("clusters"));
+
+// For the Python side, which sizes the persistent grids at trace time: clusters of this shape
+// resident on the current GPU at once (kernel 0: forward, 1: backward, 2: cross-entropy).
+// Residency depends on registers, the same for every dtype of equal width.
+extern "C" int jaxfuse_softmax_clusters(int kernel, int itemsize, int flag, int cluster,
+                                        int threads, int units) {
+  using namespace jaxfuse;
+  int clusters = 0;
+  auto query = [&](auto k) { clusters = max_active_clusters(k, threads, cluster, 0); };
+  const ffi::DataType dtype = itemsize == 4 ? ffi::DataType::F32 : ffi::DataType::BF16;
+  if (kernel == 0) dispatch_kernel<Forward>(dtype, flag, units, query);
+  else if (kernel == 1)
+    dispatch_kernel<Backward>(dtype, flag, units, query);
+  else dispatch_kernel<CrossEntropy>(dtype, flag, units, query);
+  return clusters;
+}
