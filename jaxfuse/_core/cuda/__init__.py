@@ -48,6 +48,11 @@ class Tiling:
       raise ValueError(f"{self} holds {self.capacity} elements of a row, fewer than its {n_cols}")
 
 
+def longest_row(units_choices) -> int:
+  """Elements of the longest row 16 CTAs of 512 threads hold at the widest of these slices."""
+  return MAX_CLUSTER * MAX_THREADS * max(units_choices) * UNIT
+
+
 def tiling(n_cols: int, units_choices) -> Tiling | None:
   """The first ``units`` per thread at which 16 CTAs of at most 512 threads hold the row: the
   smallest such cluster, trimmed to the fewest threads (whole warps) that still cover it."""

@@ -55,8 +55,7 @@ def unsupported(n_cols: int, x_dtype, out_dtype, param_dtypes) -> str | None:
     return (f"the 'cuda' kernels move rows in {cuda.UNIT}-element vectors; the normalized size "
             f"{n_cols} is not a multiple of {cuda.UNIT}")
   if backward_tiling(n_cols, x_dtype) is None or forward_tiling(n_cols, x_dtype) is None:
-    width = jnp.dtype(x_dtype).itemsize
-    most = cuda.MAX_CLUSTER * cuda.MAX_THREADS * BACKWARD_UNITS[width][0] * cuda.UNIT
+    most = cuda.longest_row(BACKWARD_UNITS[jnp.dtype(x_dtype).itemsize])
     return (f"the 'cuda' kernels hold a row in the registers of one cluster, at most {most} "
             f"{jnp.dtype(x_dtype).name} elements; the normalized size is {n_cols} ('triton' "
             f"walks rows of any length)")

@@ -46,11 +46,6 @@ def backward_tiling(n_cols: int, dtype) -> Tiling | None:
   return cuda.tiling(n_cols, BACKWARD_UNITS[jnp.dtype(dtype).itemsize])
 
 
-def longest_row(dtype, direction: str) -> int:
-  units = (FORWARD_UNITS if direction == "forward" else BACKWARD_UNITS)[jnp.dtype(dtype).itemsize]
-  return cuda.MAX_CLUSTER * cuda.MAX_THREADS * max(units) * cuda.UNIT
-
-
 def unsupported(n_cols: int, dtype, *, directions=("forward", "backward")) -> str | None:
   """Why the CUDA kernels cannot take rows of ``n_cols`` elements of ``dtype``, or None."""
   if jnp.dtype(dtype) not in _SUPPORTED:
@@ -58,7 +53,9 @@ def unsupported(n_cols: int, dtype, *, directions=("forward", "backward")) -> st
   if n_cols % cuda.UNIT:
     return (f"the 'cuda' kernels move rows in {cuda.UNIT}-element vectors; the row length "
             f"{n_cols} is not a multiple of {cuda.UNIT}")
-  longest = min(longest_row(dtype, d) for d in directions)
+  width = jnp.dtype(dtype).itemsize
+  longest = min(cuda.longest_row((FORWARD_UNITS if d == "forward" else BACKWARD_UNITS)[width])
+                for d in directions)
   if n_cols > longest:
     return (f"the 'cuda' kernels hold a row in the registers of one cluster, at most {longest} "
             f"{jnp.dtype(dtype).name} elements; the row length is {n_cols} ('triton' walks "
