@@ -122,8 +122,13 @@ def _norm(sweep):
       ("rms", 256, "bwd"): grid((8, 16, 32), (4, 8), (2 * sms, 4 * sms), 256),
       ("layer", 256, "bwd"): grid((8, 16, 32), (4, 8), (2 * sms, 4 * sms), 256),
       ("layer", 1024, "fwd"): grid((2, 4, 8, 16), (4, 8, 16), (8 * sms, 1 << 20), 1024),
-      ("layer", 1024, "bwd"): grid((2, 4, 8), (4, 8, 16), (2 * sms, 4 * sms), 1024),
+      ("rms", 1024, "fwd"): grid((2, 4, 8, 16), (4, 8, 16), (8 * sms, 1 << 20), 1024),
+      ("rms", 1024, "bwd"): grid((2, 4, 8, 16), (4, 8, 16), (sms, 2 * sms, 4 * sms), 1024),
+      ("layer", 1024, "bwd"): grid((2, 4, 8, 16), (4, 8, 16), (sms, 2 * sms, 4 * sms), 1024),
       ("layer", 2048, "fwd"): grid((1, 2, 4), (4, 8, 16), (8 * sms, 1 << 20), 2048),
+      ("rms", 2048, "bwd"): grid((1, 2, 4, 8), (8, 16), (sms, 2 * sms, 4 * sms), 2048),
+      ("layer", 2048, "bwd"): grid((1, 2, 4, 8), (8, 16), (sms, 2 * sms, 4 * sms), 2048),
+      ("layer", 4096, "bwd"): grid((1, 2, 4), (8, 16), (sms, 2 * sms), 4096),
       ("layer", 8192, "fwd"): grid((1, 2), (8, 16, 32), (4 * sms, 8 * sms), 8192),
       ("rms", 16384, "bwd"): [
           B(1, 16384, 16, sms), B(1, 16384, 32, sms), B(1, 4096, 16, sms),
@@ -215,6 +220,17 @@ def _softmax(sweep):
   from jaxfuse.ops.softmax import triton
   from jaxfuse.ops.softmax.triton import Blocks as B
   sms = registry.num_multiprocessors()
+  for n in (1024, 4096, 8192):
+    layout = triton.Layout((16384, n), 1)
+    x_sets = _sets(lambda key, n=n: (jax.random.normal(key, (16384, n), jnp.bfloat16),),
+                   2 * 16384 * n * 2)
+    variants = [B(r, n, w, p) for r in (1, 2, 4, 8) for w in (4, 8, 16)
+                for p in (8 * sms, 1 << 20) if r * n // (32 * w) <= 64]
+    sweep.problem("softmax", f"softmax 16384x{n} fwd",
+                  lambda blocks, x, layout=layout: triton.softmax_forward(
+                      x, None, layout, scale=1.0, log=False, blocks=blocks),
+                  list(dict.fromkeys([triton.default_blocks(layout)] + variants)), x_sets,
+                  2 * 16384 * n * 2)
   problems = [(16384, 32768), (4096, 131072), (4096, 262144)]
   for rows, n in problems:
     layout = triton.Layout((rows, n), 1)
@@ -277,16 +293,30 @@ def _cross_entropy(sweep):
                              blocks=blocks)), loss_only, sets, pass_bytes)
 
 
-def _cluster_shapes(n, units_choices):
-  """Every (CTAs, threads, units) cluster shape that holds a row of n: the candidates."""
+def _cluster_shapes(n, units_choices, stages=(0,), min_threads=64):
+  """Every (CTAs, threads, units, stages) tiling that holds a row of n: the candidates."""
   from jaxfuse._core.cuda import UNIT, Tiling
   shapes = []
   for units in units_choices:
     for cluster in (1, 2, 4, 8, 16):
       threads = 32 * -(-n // (UNIT * cluster * units * 32))
-      if 64 <= threads <= 512 or (cluster == 1 and threads == 32):
-        shapes.append(Tiling(cluster, threads, units))
+      if min_threads <= threads <= 512 or (cluster == 1 and threads == 32):
+        shapes += [Tiling(cluster, threads, units, s) for s in stages]
   return shapes
+
+
+# The forward and cross-entropy read one array: eight vectors a thread through registers or one
+# shared-memory stage, or four through registers, in CTAs of 256 or 512 threads (more stages,
+# staged slices of four, and 128-thread CTAs measured slower on the H100). The backward reads
+# two arrays through registers.
+def _forward_candidates(n):
+  return (_cluster_shapes(n, (8,), stages=(0, 1), min_threads=256)
+          + _cluster_shapes(n, (4,), min_threads=256))
+
+
+def _backward_candidates(n):
+  from jaxfuse.ops.softmax import cuda
+  return _cluster_shapes(n, cuda.BACKWARD_UNITS[2])
 
 
 def _softmax_cuda(sweep):
@@ -303,14 +333,14 @@ def _softmax_cuda(sweep):
     if not any(sweep.wanted(f"cuda softmax {rows}x{n} {d}") for d in ("fwd", "bwd")):
       continue
     sets = _sets(make, 3 * pass_bytes)
-    for direction, default, units, passes in (
-        ("fwd", cuda.forward_tiling, cuda.FORWARD_UNITS[2], 2),
-        ("bwd", cuda.backward_tiling, cuda.BACKWARD_UNITS[2], 3)):
+    for direction, default, candidates, passes in (
+        ("fwd", cuda.forward_tiling, _forward_candidates, 2),
+        ("bwd", cuda.backward_tiling, _backward_candidates, 3)):
       if direction == "fwd":
         fn = lambda t, x, dy: cuda.softmax_forward(x, scale=1.0, log=False, tiling=t)
       else:
         fn = lambda t, y, dy: cuda.softmax_backward(y, dy, scale=1.0, log=False, tiling=t)
-      variants = list(dict.fromkeys([default(n, jnp.bfloat16)] + _cluster_shapes(n, units)))
+      variants = list(dict.fromkeys([default(n, jnp.bfloat16)] + candidates(n)))
       sweep.problem("softmax_cuda", f"cuda softmax {rows}x{n} {direction}", fn, variants, sets,
                     passes * pass_bytes)
   for rows, vocab in ((8192, 131072), (16384, 32768)):
@@ -324,8 +354,8 @@ def _softmax_cuda(sweep):
               jax.random.randint(kl, (rows,), 0, vocab, jnp.int32))
 
     scale = jnp.full((1,), 1.0 / rows, jnp.float32)
-    variants = list(dict.fromkeys([cuda.forward_tiling(vocab, jnp.bfloat16)]
-                                  + _cluster_shapes(vocab, cuda.FORWARD_UNITS[2])))
+    variants = list(dict.fromkeys([cuda.cross_entropy_tiling(vocab, jnp.bfloat16)]
+                                  + _forward_candidates(vocab)))
     sweep.problem("softmax_cuda", label, lambda t, x, l: cuda.cross_entropy(
         x, l, label_smoothing=0.0, z_loss=0.0, row_scale=scale, mode="fused", tiling=t),
         variants, _sets(make, 2 * rows * vocab * 2), 2 * rows * vocab * 2)

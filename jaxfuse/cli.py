@@ -49,7 +49,8 @@ def main(argv=None) -> int:
     cases = [c for c in cases if c.size in keep]
   on_gpu = registry.platform() == "gpu"
   env = bench.environment()
-  print(f"jaxfuse bench on {env['device']} (jax {env['jax_version']}, {env['date']})")
+  print(f"jaxfuse bench on {env['device']} (jax {env['jax_version']}, {env['date']}); "
+        f"timing: {env['timing']}")
   if not on_gpu:
     print("No GPU here: XLA is timed, the Pallas kernels are only checked in the interpreter. "
           "Kernel timings need a GPU.")

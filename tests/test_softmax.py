@@ -4,6 +4,8 @@ On the CPU the 'triton' implementation runs the Pallas kernels in the interprete
 outputs with NaN first: an element a kernel does not write fails the comparison.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -434,6 +436,35 @@ def test_gpu_cuda_softmax_against_float64(rng, name, shape, dtype):
   expected, grad = reference(name, x, scale=scale, dy=dy)
   check(y, expected, dtype)
   check(vjp(dy)[0], grad, dtype, factor=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stages", [0, 1, 2, 3])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=lambda d: jnp.dtype(d).name)
+def test_gpu_cuda_every_built_tiling(rng, stages, dtype):
+  """Each units-per-thread the forward kernels are built for, through registers (0 stages) or
+  1-3 shared-memory stages, at the smallest cluster that holds the row and at twice it: more
+  rows than resident clusters, so every stage is refilled, and rows that end inside a CTA."""
+  from jaxfuse._core import cuda
+  from jaxfuse._core.testing import poison_device_memory
+  from jaxfuse.ops.softmax import cuda as cuda_kernels
+  rows, n = 1500, 20008
+  x = random(rng, (rows, n), dtype, scale=3.0)
+  labels = jnp.asarray(rng.integers(0, n, (rows,)), jnp.int32)
+  expected = reference("log_softmax", x, scale=-0.7)[0]
+  _, grad_ref = ce_reference(x, labels, np.ones(rows, bool))
+  row_scale = jnp.ones((1,), jnp.float32)
+  for units in (1, 2, 4, 8)[:4 if jnp.dtype(dtype).itemsize == 2 else 3]:
+    smallest = cuda.tiling(n, (units,))
+    for cluster in (smallest.cluster, 2 * smallest.cluster):
+      t = cuda.tiling(n, (units,), min_cluster=cluster)
+      t = dataclasses.replace(t, stages=stages)
+      poison_device_memory(8 * x.size)
+      y = cuda_kernels.softmax_forward(x, scale=-0.7, log=True, tiling=t)
+      check(y, expected, dtype)
+      _, grad = cuda_kernels.cross_entropy(x, labels, label_smoothing=0.0, z_loss=0.0,
+                                           row_scale=row_scale, mode="fused", tiling=t)
+      assert_close(grad, grad_ref, dtype, factor=4)
 
 
 @pytest.mark.gpu

@@ -33,11 +33,12 @@ MAX_THREADS = 512
 
 @dataclasses.dataclass(frozen=True)
 class Tiling:
-  """A row is held by ``cluster`` CTAs of ``threads`` threads, ``units`` 8-element units each
-  (rows.cuh)."""
+  """A row is held by ``cluster`` CTAs of ``threads`` threads, ``units`` 8-element units each,
+  fed through ``stages`` shared-memory stages, or through registers when 0 (rows.cuh)."""
   cluster: int
   threads: int
   units: int
+  stages: int = 0
 
   @property
   def capacity(self) -> int:
@@ -53,15 +54,17 @@ def longest_row(units_choices) -> int:
   return MAX_CLUSTER * MAX_THREADS * max(units_choices) * UNIT
 
 
-def tiling(n_cols: int, units_choices) -> Tiling | None:
-  """The first ``units`` per thread at which 16 CTAs of at most 512 threads hold the row: the
-  smallest such cluster, trimmed to the fewest threads (whole warps) that still cover it."""
+def tiling(n_cols: int, units_choices, *, min_cluster: int = 1, max_cluster: int = MAX_CLUSTER,
+           max_threads: int = MAX_THREADS, stages: int = 0) -> Tiling | None:
+  """The first ``units`` per thread at which ``max_cluster`` CTAs of at most ``max_threads``
+  threads hold the row: the smallest such cluster of at least ``min_cluster`` CTAs, trimmed to
+  the fewest threads (whole warps) that still cover it."""
   n_units = math.ceil(n_cols / UNIT)
   for units in units_choices:
-    cluster = min(MAX_CLUSTER, math.ceil(n_units / (MAX_THREADS * units)))
+    cluster = min(max_cluster, max(min_cluster, math.ceil(n_units / (max_threads * units))))
     threads = 32 * math.ceil(n_units / (cluster * units) / 32)
-    if threads <= MAX_THREADS:
-      return Tiling(cluster, threads, units)
+    if threads <= max_threads:
+      return Tiling(cluster, threads, units, stages)
   return None
 
 

@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -163,29 +164,164 @@ struct RowWalk {
   }
 };
 
-// A thread's units of the row its CTA works on and, with kPrefetch, of the row it works on
-// next: those loads are issued before the current row's reduction and stay in flight through
-// its cluster barrier and stores. Without kPrefetch the next row's registers go to a wider
-// slice of one row instead, and the CTAs of other clusters on the SM hide the loads.
+// How a thread's units of each row reach its registers. A kernel walks its rows as
+//
+//   feed.start();
+//   for (i = 0, r = walk.first; r < rows; ++i, r += walk.step) {
+//     feed.load(i);    // feed.now: this thread's units of row r
+//     ... a reduction that reads every unit of feed.now ...
+//     feed.refill(i);  // queue the loads of a later row
+//     ... the cluster reduction, the outputs ...
+//   }
+//
+// so loads are in flight through every row's cluster barrier and stores.
+template <typename T> struct FeedBase {
+  const T* base;
+  int64_t rows;
+  int n;
+  RowWalk walk;
+  RowSlice slice;
+
+  __device__ __forceinline__ int64_t row(int64_t i) const { return walk.first + i * walk.step; }
+};
+
+// Rows through registers. With kPrefetch a thread loads row i + 1 while it works on row i,
+// which doubles its registers; without, the CTAs of other clusters on the SM hide the loads.
 template <typename T, int V, bool kPrefetch>
-struct RowUnits {
+struct RegisterFeed : FeedBase<T> {
+  static constexpr bool kStaged = false;
   Unit<T> now[V], next[V];
 
-  __device__ __forceinline__ void first(const T* row, const RowSlice& slice, bool valid) {
-    load_row(row, slice, valid, now);
+  __device__ __forceinline__ void start() {
+    if constexpr (kPrefetch) fetch(0, next);
   }
-  __device__ __forceinline__ void prefetch(const T* row, const RowSlice& slice, bool valid) {
-    if constexpr (kPrefetch) load_row(row, slice, valid, next);
-  }
-  __device__ __forceinline__ void advance(const T* row, const RowSlice& slice, bool valid) {
+  __device__ __forceinline__ void load(int64_t i) {
     if constexpr (kPrefetch) {
 #pragma unroll
       for (int k = 0; k < V; ++k) now[k] = next[k];
     } else {
-      load_row(row, slice, valid, now);
+      fetch(i, now);
+    }
+  }
+  __device__ __forceinline__ void refill(int64_t i) {
+    if constexpr (kPrefetch) fetch(i + 1, next);
+  }
+
+ private:
+  __device__ __forceinline__ void fetch(int64_t i, Unit<T> (&units)[V]) const {
+    const int64_t r = this->row(i);
+    load_row(this->base + r * this->n, this->slice, r < this->rows, units);
+  }
+};
+
+// Copies 16 bytes from global to shared memory asynchronously (cp.async), past L1.
+__device__ __forceinline__ void copy_async(uint4* shared, const void* global) {
+  const uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(shared));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(address), "l"(global)
+               : "memory");
+}
+
+// Until at most `pending` of this thread's committed copy groups are in flight (the count is
+// an immediate in PTX).
+__device__ __forceinline__ void wait_copies(int pending) {
+  switch (pending) {
+    case 0: asm volatile("cp.async.wait_group 0;\n" ::: "memory"); break;
+    case 1: asm volatile("cp.async.wait_group 1;\n" ::: "memory"); break;
+    case 2: asm volatile("cp.async.wait_group 2;\n" ::: "memory"); break;
+    case 3: asm volatile("cp.async.wait_group 3;\n" ::: "memory"); break;
+    default: asm volatile("cp.async.wait_all;\n" ::: "memory"); break;
+  }
+}
+
+// Rows staged through shared memory: `stages` rows ahead of the one in registers are in
+// flight as cp.async copies, without the registers to hold them, so a CTA keeps several rows'
+// loads outstanding at once and its registers hold a wider slice of one row. Each thread copies
+// and reads back only its own units, so no barrier guards a stage: cp.async.wait_group makes a
+// thread's copies visible to itself, and a stage is refilled only after the reduction has
+// consumed every register read from it. Layout: vector j of unit k of stage s of thread t at
+// ((s * V + k) * kVectors + j) * threads + t, so a warp's shared accesses are consecutive.
+template <typename T, int V>
+struct StagedFeed : FeedBase<T> {
+  static constexpr bool kStaged = true;
+  static constexpr int kVectors = Unit<T>::kVectors;
+  Unit<T> now[V];
+  uint4* mine;  // this thread's vector 0 of unit 0 of stage 0
+  int stages, stage;
+
+  __host__ __device__ __forceinline__ static size_t bytes(int stages, int threads) {
+    return static_cast<size_t>(stages) * V * kVectors * threads * sizeof(uint4);
+  }
+
+  __device__ __forceinline__ void start() {
+    for (int s = 0; s < stages; ++s) {
+      copy(s, s);
+      asm volatile("cp.async.commit_group;\n" ::: "memory");
+    }
+  }
+  __device__ __forceinline__ void load(int64_t) {
+    wait_copies(stages - 1);
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      if (!this->slice.holds(k)) {
+        now[k].zero();
+        continue;
+      }
+#pragma unroll
+      for (int j = 0; j < kVectors; ++j) now[k].raw[j] = at(stage, k, j);
+    }
+  }
+  __device__ __forceinline__ void refill(int64_t i) {
+    copy(i + stages, stage);
+    // Committed even when empty, so that row i's copies are always `stages` groups back.
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+    stage = stage + 1 == stages ? 0 : stage + 1;
+  }
+
+ private:
+  __device__ __forceinline__ uint4& at(int s, int k, int j) const {
+    return mine[((s * V + k) * kVectors + j) * this->slice.threads];
+  }
+  __device__ __forceinline__ void copy(int64_t i, int s) const {
+    const int64_t r = this->row(i);
+    if (r >= this->rows) return;
+    const T* row = this->base + r * this->n;
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      if (!this->slice.holds(k)) continue;
+      const uint4* src = reinterpret_cast<const uint4*>(row + this->slice.column(k));
+#pragma unroll
+      for (int j = 0; j < kVectors; ++j) copy_async(&at(s, k, j), src + j);
     }
   }
 };
+
+// A thread keeps its next row in flight in registers while its slice of the current one takes
+// at most four 16-byte vectors over all the streams it reads.
+template <typename T, int V, int kStreams>
+constexpr bool kPrefetchFits = V * Unit<T>::kVectors * kStreams <= 4;
+
+template <typename T, int V, bool kStaged, int kStreams>
+using RowFeed =
+    std::conditional_t<kStaged, StagedFeed<T, V>, RegisterFeed<T, V, kPrefetchFits<T, V, kStreams>>>;
+
+// A feed of the rows of `base` (rows x n) that this thread's cluster walks; a staged feed uses
+// `stages` stages of the CTA's dynamic shared memory from `shared` on.
+template <typename Feed, typename T>
+__device__ __forceinline__ Feed feed_of(const T* base, int64_t rows, int n, const RowWalk& walk,
+                                        const RowSlice& slice, uint4* shared, int stages) {
+  Feed feed;
+  feed.base = base;
+  feed.rows = rows;
+  feed.n = n;
+  feed.walk = walk;
+  feed.slice = slice;
+  if constexpr (Feed::kStaged) {
+    feed.mine = shared + threadIdx.x;
+    feed.stages = stages;
+    feed.stage = 0;
+  }
+  return feed;
+}
 
 // ---- Cluster-wide reduction.
 
@@ -378,19 +514,16 @@ bool dispatch_same_or_f32(ffi::DataType dtype, F&& f) {
   return true;
 }
 
-// Calls f(std::integral_constant<int, V>) for units-per-thread V in {1, 2, 4} up to kMax: the
-// instantiations a kernel is built for.
-template <int kMax, typename F>
+// Calls f(std::integral_constant<int, V>) for units-per-thread V in {1, 2, 4, 8} up to kMax:
+// the instantiations a kernel is built for.
+template <int kMax, int V = 1, typename F>
 bool dispatch_units(int64_t units, F&& f) {
-  if (units == 1) f(std::integral_constant<int, 1>{});
-  else if constexpr (kMax >= 2) {
-    if (units == 2) f(std::integral_constant<int, 2>{});
-    else if constexpr (kMax >= 4) {
-      if (units == 4) f(std::integral_constant<int, 4>{});
-      else return false;
-    } else return false;
-  } else return false;
-  return true;
+  if (units == V) {
+    f(std::integral_constant<int, V>{});
+    return true;
+  }
+  if constexpr (2 * V <= kMax) return dispatch_units<kMax, 2 * V>(units, f);
+  return false;
 }
 
 }  // namespace jaxfuse

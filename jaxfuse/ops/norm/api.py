@@ -30,17 +30,16 @@ def _preference():
 def _fastest(n: int, direction: str, cuda_fits: bool) -> str:
   """The fastest implementation for one direction, from benchmarks/results (H100, bf16).
 
-  XLA's forward fusion wins or ties on short rows, where both are launch-bound. Up to 16384
-  features the Triton kernels hold a row block in registers and win; longer rows must be
-  walked twice by a Pallas program, and there the CUDA kernels, which hold a row in a thread
-  block cluster, win both directions. Both directions share the saved statistics, so any
-  forward pairs with any backward.
+  Up to 16384 features the Triton kernels hold a row block in registers and win both
+  directions. Longer rows must be walked twice by a Pallas program, and there the CUDA
+  kernels, which hold a row in a thread block cluster, win both directions. Both directions
+  share the saved statistics, so any forward pairs with any backward. Where the CUDA kernels
+  cannot run (rows that do not fit a cluster, float64) the two-walk Triton forward still beats
+  XLA's, and XLA's backward beats the two-walk Triton one.
   """
   if n > 16384 and cuda_fits:
     return "cuda"
-  if direction == "forward":
-    return "triton" if n >= 1024 else "xla"
-  return "triton" if n <= 16384 else "xla"
+  return "triton" if direction == "forward" or n <= 16384 else "xla"
 
 
 def rms_norm(x, weight=None, *, eps: float = 1e-6, normalized_ndim: int | None = None,

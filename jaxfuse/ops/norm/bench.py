@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxfuse._core import cuda, registry
-from jaxfuse._core.bench import Case
+from jaxfuse._core.bench import DEFAULT, Case, implementation_arg
 from jaxfuse.ops.norm import cuda as cuda_kernels
 from jaxfuse.ops.norm.api import layer_norm, rms_norm
 
@@ -31,10 +31,13 @@ def _inputs(key, rows, n, dtype, with_bias):
 
 
 def _forward(fn, impl):
+  impl = implementation_arg(impl)
   return lambda x, w, *rest: fn(x, w, *rest[:-1], implementation=impl)
 
 
 def _train(fn, impl):
+  impl = implementation_arg(impl)
+
   def step(x, *params_and_dy):
     *params, dy = params_and_dy
     y, vjp = jax.vjp(lambda x, *p: fn(x, *p, implementation=impl), x, *params)
@@ -43,17 +46,14 @@ def _train(fn, impl):
 
 
 def _cuda_takes(n, dtype):
-  # Rows the Triton kernels hold in registers gain nothing from a cluster; time 'cuda' where
-  # None may pick it.
-  return n > 16384 and cuda.unavailable() is None and \
-      cuda_kernels.unsupported(n, dtype, dtype, [dtype]) is None
+  return cuda.unavailable() is None and cuda_kernels.unsupported(n, dtype, dtype, [dtype]) is None
 
 
 def cases(quick: bool = False) -> list[Case]:
   on_gpu = registry.platform() == "gpu"
   if on_gpu:
     rows, sizes = GPU_ROWS, GPU_SIZES[:3] if quick else GPU_SIZES
-    impls, check_only = ("xla", "triton", "cuda"), ()
+    impls, check_only = ("xla", "triton", "cuda", DEFAULT), ()
   else:
     rows, sizes = 64, (256, 1000, 4097)
     impls, check_only = ("xla",), ("triton",)

@@ -72,7 +72,13 @@ def forward_blocks(n_rows: int, n_cols: int, kind: str = "rms") -> NormBlocks:
   block_cols = min(pl.next_power_of_2(n_cols), _FWD_MAX_COLS)
   rows = pl.next_power_of_2(n_rows)
   if block_cols <= 512:
-    return NormBlocks(min(16, rows), block_cols, 8)
+    # Short rows, 32 elements per thread: RMSNorm in small programs, one per row block;
+    # LayerNorm, with its second reduction, in programs four times wider on a persistent grid.
+    block_rows = min(8 if kind == "rms" else 32, rows)
+    return NormBlocks(block_rows, block_cols, max(1, block_rows * block_cols // 1024),
+                      None if kind == "rms" else 8 * sms)
+  if kind == "rms" and block_cols == 1024:
+    return NormBlocks(min(4, rows), block_cols, 8)
   if kind == "layer" and block_cols <= 2048:
     return NormBlocks(min(2, rows), block_cols, 4)
   if kind == "layer" and block_cols == 8192:
@@ -445,35 +451,41 @@ def _param_grads_kernel(*refs, kind, has_weight, has_bias, n_rows, n_cols, block
     plgpu.store(ref.at[g, r, cols], a, mask=col_ok)
 
 
-def _sum_partials_kernel(partial_ref, out_ref, *, n_partials, n_cols, block_partials, block_cols):
+def _sum_partials_kernel(*refs, n_partials, n_cols, block_partials, block_cols):
+  partial_refs, out_refs = refs[:len(refs) // 2], refs[len(refs) // 2:]
   g = pl.program_id(0)
   cols = pl.program_id(1) * block_cols + jnp.arange(block_cols, dtype=jnp.int32)
   col_ok = cols < n_cols
+  for partial_ref, out_ref in zip(partial_refs, out_refs):
+    def step(i, acc, partial_ref=partial_ref):
+      idx = i * block_partials + jnp.arange(block_partials, dtype=jnp.int32)
+      mask = (idx < n_partials)[:, None] & col_ok[None, :]
+      tile = plgpu.load(partial_ref.at[g, idx[:, None], cols[None, :]], mask=mask, other=0.0)
+      return acc + jnp.sum(tile, axis=0)
 
-  def step(i, acc):
-    idx = i * block_partials + jnp.arange(block_partials, dtype=jnp.int32)
-    mask = (idx < n_partials)[:, None] & col_ok[None, :]
-    tile = plgpu.load(partial_ref.at[g, idx[:, None], cols[None, :]], mask=mask, other=0.0)
-    return acc + jnp.sum(tile, axis=0)
-
-  total = lax.fori_loop(0, pl.cdiv(n_partials, block_partials), step,
-                        jnp.zeros((block_cols,), partial_ref.dtype))
-  plgpu.store(out_ref.at[g, cols], total.astype(out_ref.dtype), mask=col_ok)
+    total = lax.fori_loop(0, pl.cdiv(n_partials, block_partials), step,
+                          jnp.zeros((block_cols,), partial_ref.dtype))
+    plgpu.store(out_ref.at[g, cols], total.astype(out_ref.dtype), mask=col_ok)
 
 
-def _sum_partials(partials, dtype):
-  """Stage two: ``(G, P, N)`` partials -> ``(G, N)``, summed in a fixed order."""
-  n_groups, n_partials, n_cols = partials.shape
-  block_partials = min(pl.next_power_of_2(n_partials), 32)
-  block_cols = min(pl.next_power_of_2(n_cols), 256)
+def _sum_partials(partials, dtypes):
+  """Stage two: each ``(G, P, N)`` partial -> ``(G, N)``, summed in a fixed order.
+
+  The sums are tiny (P is a few hundred) and latency-bound: one launch does all of them, each
+  program loads all P partials of a narrow column strip at once, and the strips spread over
+  the SMs.
+  """
+  n_groups, n_partials, n_cols = partials[0].shape
+  block_partials = min(pl.next_power_of_2(n_partials), 512)
+  block_cols = min(pl.next_power_of_2(n_cols), max(16, 8192 // block_partials))
   kernel = functools.partial(_sum_partials_kernel, n_partials=n_partials, n_cols=n_cols,
                              block_partials=block_partials, block_cols=block_cols)
   return pl.pallas_call(
-      kernel, out_shape=jax.ShapeDtypeStruct((n_groups, n_cols), dtype),
+      kernel, out_shape=[jax.ShapeDtypeStruct((n_groups, n_cols), d) for d in dtypes],
       grid=(n_groups, pl.cdiv(n_cols, block_cols)),
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
       interpret=registry.interpret_mode(), name="jaxfuse_norm_sum_partials",
-  )(partials)
+  )(*partials)
 
 
 def _param_grads_blocks(n_rows: int, n_cols: int) -> NormBlocks:
@@ -517,6 +529,8 @@ def backward(dy, x, weight, mean, rstd, *, kind, has_bias, bias_dtype=None,
         compiler_params=_compiler_params(pb), interpret=registry.interpret_mode(),
         name=f"jaxfuse_{kind}_norm_param_grads",
     )(dy, x, *stats))
-  dweight = _sum_partials(partials.pop(0), weight.dtype) if has_weight else None
-  dbias = _sum_partials(partials.pop(0), bias_dtype) if has_bias else None
+  dtypes = ([weight.dtype] if has_weight else []) + ([bias_dtype] if has_bias else [])
+  sums = list(_sum_partials(partials, dtypes)) if dtypes else []
+  dweight = sums.pop(0) if has_weight else None
+  dbias = sums.pop(0) if has_bias else None
   return dx, dweight, dbias

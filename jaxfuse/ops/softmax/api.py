@@ -28,8 +28,9 @@ def _preference():
 
 
 # Rows the Triton kernels hold in registers (one tile) are read once by them too; longer rows a
-# Pallas program walks twice, and there the CUDA kernels, which hold a row in a thread-block
-# cluster, win (benchmarks/results, H100, bf16).
+# Pallas program walks twice, and there the CUDA kernels, which hold a row on chip in a
+# thread-block cluster (registers, or shared memory for rows of 64 KiB and more), win
+# (benchmarks/results, H100, bf16).
 _CUDA_FROM = {"forward": 32768, "backward": 16384 + 1, "cross_entropy": 16384 + 1}
 
 
@@ -311,8 +312,9 @@ def softmax_cross_entropy(logits, labels, *, ignore_index: int | None = None,
   if implementation is None and impl == "triton":
     impl = loss_impl = _fastest(vocab, "cross_entropy", cuda_refusal)
     # The loss alone reads each row once and has nothing to hide a cluster's barrier behind:
-    # the CUDA kernel wins it only with clusters of 1 or 2 CTAs (benchmarks/results, H100).
-    if impl == "cuda" and cuda_kernels.forward_tiling(vocab, logits.dtype).cluster > 2:
+    # the CUDA kernel wins it only with clusters of up to 4 CTAs (H100: 0.94 against Triton's
+    # 0.98 ms at 8192x131072 bf16, benchmarks/results/2026-11-22-h100-softmax-profiled.json).
+    if impl == "cuda" and cuda_kernels.cross_entropy_tiling(vocab, logits.dtype).cluster > 4:
       loss_impl = "triton"
   st = _CrossEntropyStatic(label_smoothing, z_loss, reduction, impl, ignore_index, loss_impl)
   return _cross_entropy_jit(logits, labels, st)

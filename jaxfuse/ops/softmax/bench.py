@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxfuse._core import registry
-from jaxfuse._core.bench import Case
+from jaxfuse._core.bench import DEFAULT, Case, implementation_arg
 from jaxfuse.ops.softmax.api import softmax, softmax_cross_entropy
 
 GPU_SOFTMAX = [(16384, n) for n in (1024, 4096, 8192, 16384, 32768)] + [(4096, 131072),
@@ -24,7 +24,7 @@ GPU_CROSS_ENTROPY = [(8192, 131072), (16384, 32768)]
 def _softmax_fn(impl):
   if impl == "jax.nn":
     return jax.nn.softmax
-  return functools.partial(softmax, implementation=impl)
+  return functools.partial(softmax, implementation=implementation_arg(impl))
 
 
 def _softmax_forward(impl):
@@ -51,7 +51,7 @@ def _ce_fn(impl):
     import optax
     return lambda logits, labels: jnp.mean(
         optax.softmax_cross_entropy_with_integer_labels(logits, labels))
-  return functools.partial(softmax_cross_entropy, implementation=impl)
+  return functools.partial(softmax_cross_entropy, implementation=implementation_arg(impl))
 
 
 def _ce_forward(impl):
@@ -73,7 +73,7 @@ def cases(quick: bool = False) -> list[Case]:
   if on_gpu:
     softmax_shapes = GPU_SOFTMAX[:2] if quick else GPU_SOFTMAX
     ce_shapes = GPU_CROSS_ENTROPY[:1] if quick else GPU_CROSS_ENTROPY
-    impls, check_only = ("jax.nn", "xla", "triton", "cuda"), ()
+    impls, check_only = ("jax.nn", "xla", "triton", "cuda", DEFAULT), ()
   else:
     softmax_shapes, ce_shapes = [(64, 1000), (16, 40000)], [(64, 5000)]
     impls, check_only = ("jax.nn", "xla"), ("triton",)

@@ -38,7 +38,11 @@ _NEG_INF = float("-inf")
 
 @dataclasses.dataclass(frozen=True)
 class Blocks:
-  """A tile of ``block_rows`` independent rows by ``block_cols`` along the reduced axis."""
+  """A tile of ``block_rows`` independent rows by ``block_cols`` along the reduced axis.
+
+  ``programs`` walk fixed, strided sets of tiles (a persistent grid); None gives every tile a
+  program of its own.
+  """
   block_rows: int
   block_cols: int
   num_warps: int
@@ -86,6 +90,10 @@ def default_blocks(layout: Layout, direction: str = "forward") -> Blocks:
       return Blocks(1, _CHUNK_COLS, 32, sms)
     return Blocks(16, 512, 16, sms)
   block_cols = min(pl.next_power_of_2(layout.n), _MAX_COLS)
+  if direction == "forward" and layout.post == 1 and 1024 <= block_cols <= 8192:
+    # A row per program, 8 to 16 elements per thread, no persistent grid: 3-6% over the
+    # persistent tiles below (benchmarks/results/2026-11-22-h100-tune-softmax-short.json).
+    return Blocks(1, block_cols, min(16, max(4, block_cols // 512)))
   tile = 1024 if block_cols < 1024 else 8192
   block_rows = max(1, min(tile // block_cols, pl.next_power_of_2(rows), 64))
   if layout.post > 1:
@@ -278,7 +286,7 @@ def _softmax_backward_kernel(y_ref, dy_ref, dx_ref, *, layout, blocks, scale, lo
 def _grid(layout, blocks):
   rows = layout.pre if layout.post == 1 else layout.post
   n_tiles = pl.cdiv(rows, blocks.block_rows) * (1 if layout.post == 1 else layout.pre)
-  target = max(1, min(n_tiles, blocks.programs or 8 * registry.num_multiprocessors()))
+  target = n_tiles if blocks.programs is None else max(1, min(n_tiles, blocks.programs))
   return (pl.cdiv(n_tiles, pl.cdiv(n_tiles, target)),)
 
 

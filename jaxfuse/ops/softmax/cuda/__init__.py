@@ -1,10 +1,11 @@
 """CUDA kernels for softmax, log-softmax and the softmax cross-entropy over long rows
 (``softmax.cu``), through XLA's FFI.
 
-A row is split over a thread-block cluster of up to 16 CTAs that hold it in registers, so the
-softmax forward reads x once, its backward reads y and dy once, and the cross-entropy reads the
-logits once and writes their gradient in the same pass. They take the softmax over the last
-axis without a mask; the Triton kernels cover every other case.
+A row is split over a thread-block cluster of up to 16 CTAs that hold it on chip (in registers,
+or in shared memory as it arrives), so the softmax forward reads x once, its backward reads y
+and dy once, and the cross-entropy reads the logits once and writes their gradient in the same
+pass. They take the softmax over the last axis without a mask; the Triton kernels cover every
+other case.
 """
 
 from __future__ import annotations
@@ -28,18 +29,39 @@ _HANDLERS = {"jaxfuse_softmax_forward": "JaxfuseSoftmaxForward",
              "jaxfuse_cross_entropy": "JaxfuseCrossEntropy"}
 _SUPPORTED = tuple(map(jnp.dtype, (jnp.float16, jnp.bfloat16, jnp.float32)))
 
-# Units per thread, in order of preference, by item size (softmax.cu). A thread keeps its next
-# row in flight while its slice of the current one is at most four 16-byte vectors; the last
-# choice gives that up to hold the longest rows. Measured on the H100 (benchmarks/tune.py
-# softmax_cuda, bf16): the most units per thread, then clusters of 512-thread CTAs.
+# Units per thread, in order of preference, by item size (softmax.cu). Through registers, a
+# thread keeps its next row in flight while its slice of the current one is at most four 16-byte
+# vectors; the last choice gives that up to hold the longest rows. Rows of 64 KiB and more are
+# fed through one shared-memory stage instead (cp.async), with eight vectors a thread: the copy
+# of the next row is in flight while the current one is reduced, without the registers to hold
+# it. Measured on the H100 (benchmarks/tune.py softmax_cuda, bf16): from 32768 columns the
+# staged kernel in CTAs of 256 threads wins by 1-13 points of the copy bandwidth (most at
+# 262144); below, the most units per thread through registers in 512-thread CTAs.
 FORWARD_UNITS = {2: (4, 2, 1), 4: (2, 1, 4)}
+STAGED_UNITS = {2: 8, 4: 4}
+STAGED_FROM_BYTES = 64 * 1024
 BACKWARD_UNITS = {2: (2, 1, 4), 4: (1, 2)}
 _KERNEL_IDS = {"forward": 0, "backward": 1, "cross_entropy": 2}
 
 
 def forward_tiling(n_cols: int, dtype) -> Tiling | None:
-  """Also the cross-entropy's: both hold one row of one array."""
-  return cuda.tiling(n_cols, FORWARD_UNITS[jnp.dtype(dtype).itemsize])
+  width = jnp.dtype(dtype).itemsize
+  if n_cols * width >= STAGED_FROM_BYTES:
+    units = (STAGED_UNITS[width],)
+    # 256-thread CTAs up to clusters of 8, then CTAs of 512 before the non-portable 16.
+    return (cuda.tiling(n_cols, units, max_cluster=8, max_threads=256, stages=1)
+            or cuda.tiling(n_cols, units, stages=1))
+  return cuda.tiling(n_cols, FORWARD_UNITS[width])
+
+
+def cross_entropy_tiling(n_cols: int, dtype) -> Tiling | None:
+  """The cross-entropy computes its gradient in the registers the staged feed would need (it
+  spills there): it stays with registers, in clusters of at most two CTAs, then takes the
+  widest slices to keep clusters small (measured on the H100: 131072 columns at 77.5% of the
+  copy in 4 CTAs of 8 units against 73.5% in 8 of 4)."""
+  width = jnp.dtype(dtype).itemsize
+  return (cuda.tiling(n_cols, FORWARD_UNITS[width], max_cluster=2)
+          or cuda.tiling(n_cols, (STAGED_UNITS[width],)))
 
 
 def backward_tiling(n_cols: int, dtype) -> Tiling | None:
@@ -54,10 +76,11 @@ def unsupported(n_cols: int, dtype, *, directions=("forward", "backward")) -> st
     return (f"the 'cuda' kernels move rows in {cuda.UNIT}-element vectors; the row length "
             f"{n_cols} is not a multiple of {cuda.UNIT}")
   width = jnp.dtype(dtype).itemsize
-  longest = min(cuda.longest_row((FORWARD_UNITS if d == "forward" else BACKWARD_UNITS)[width])
-                for d in directions)
+  units = {"forward": FORWARD_UNITS[width] + (STAGED_UNITS[width],),
+           "backward": BACKWARD_UNITS[width]}
+  longest = min(cuda.longest_row(units[d]) for d in directions)
   if n_cols > longest:
-    return (f"the 'cuda' kernels hold a row in the registers of one cluster, at most {longest} "
+    return (f"the 'cuda' kernels hold a row on chip in one cluster, at most {longest} "
             f"{jnp.dtype(dtype).name} elements; the row length is {n_cols} ('triton' walks "
             f"rows of any length)")
   return None
@@ -66,7 +89,7 @@ def unsupported(n_cols: int, dtype, *, directions=("forward", "backward")) -> st
 @functools.cache
 def _library():
   library = cuda.load(_SOURCE, _HANDLERS)
-  library.jaxfuse_softmax_clusters.argtypes = [ctypes.c_int] * 6
+  library.jaxfuse_softmax_clusters.argtypes = [ctypes.c_int] * 7
   library.jaxfuse_softmax_clusters.restype = ctypes.c_int
   return library
 
@@ -75,17 +98,16 @@ def _library():
 def resident_clusters(kernel: str, dtype, flag: bool, t: Tiling) -> int:
   """Clusters the GPU holds at once: the persistent grid, sized at trace time."""
   count = _library().jaxfuse_softmax_clusters(_KERNEL_IDS[kernel], jnp.dtype(dtype).itemsize,
-                                              flag, t.cluster, t.threads, t.units)
+                                              flag, t.cluster, t.threads, t.units, t.stages)
   if count <= 0:
-    raise NotImplementedError(f"the 'cuda' {kernel} kernel cannot launch clusters of "
-                              f"{t.cluster} CTAs of {t.threads} threads on this GPU")
+    raise NotImplementedError(f"the 'cuda' {kernel} kernel cannot launch {t} on this GPU")
   return count
 
 
 def _grid(kernel, dtype, flag, t: Tiling, n_rows: int) -> dict:
   clusters = max(1, min(n_rows, resident_clusters(kernel, dtype, flag, t)))
   return dict(cluster=np.int64(t.cluster), threads=np.int64(t.threads),
-              units=np.int64(t.units), clusters=np.int64(clusters))
+              units=np.int64(t.units), stages=np.int64(t.stages), clusters=np.int64(clusters))
 
 
 def _rows(x):
@@ -126,7 +148,7 @@ def cross_entropy(logits, labels, *, label_smoothing, z_loss, ignore_index=None,
       valid = valid & (labels != ignore_index)
     return reference.cross_entropy_grad(logits, labels, valid, lse, row_scale,
                                         label_smoothing=label_smoothing, z_loss=z_loss)
-  t = tiling or forward_tiling(vocab, logits.dtype)
+  t = tiling or cross_entropy_tiling(vocab, logits.dtype)
   t.check(vocab)
   with_grad = mode == "fused"
   rows = jax.ShapeDtypeStruct((n_rows,), jnp.float32)

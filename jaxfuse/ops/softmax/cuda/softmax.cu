@@ -14,15 +14,10 @@ namespace jaxfuse {
 namespace {
 
 constexpr int kThreads = 512;
-constexpr int kMaxUnits = 4;
+// 16-byte vectors a thread holds of a row, over all the streams it reads: more would spill.
+constexpr int kMaxVectors = 8;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
-
-// Registers of the rows in flight: a thread prefetches its next row while its slice of the
-// current one takes at most 4 16-byte vectors over all the streams it reads; a larger slice
-// (the longest rows) is loaded after the current row is done.
-template <typename T, int V, int kStreams>
-constexpr bool kPrefetch = V * Unit<T>::kVectors * kStreams <= 4;
 
 // Parts of a row as (max z, sum of exp2(z - max z)[, sum of z]). A part with nothing in it is
 // (-inf, 0[, 0]), and a NaN anywhere makes the sum NaN, which then reaches every output of its
@@ -102,21 +97,23 @@ __device__ __forceinline__ float3 thread_max_sum(const Unit<T> (&xs)[V], const R
   return make_float3(m, sum, total);
 }
 
-template <typename T, bool kLog, int V>
+template <typename T, bool kLog, int V, bool kStaged>
 __global__ void __launch_bounds__(kThreads, 2)
     softmax_forward_kernel(const T* __restrict__ x, T* __restrict__ y, int64_t rows, int n,
-                           float scale2) {
+                           float scale2, int stages) {
   __shared__ ClusterScratch<float3> scratch;
+  extern __shared__ uint4 staging[];
   const RowSlice slice = RowSlice::mine(V, n);
   const RowWalk walk = RowWalk::of_cluster();
-  RowUnits<T, V, kPrefetch<T, V, 1>> xs;
+  auto xs = feed_of<RowFeed<T, V, kStaged, 1>>(x, rows, n, walk, slice, staging, stages);
   int parity = 0;
-  xs.first(x + walk.first * n, slice, walk.first < rows);
-  for (int64_t r = walk.first; r < rows; r += walk.step) {
-    const int64_t after = r + walk.step;
-    xs.prefetch(x + after * n, slice, after < rows);
-    const float3 row =
-        cluster_max_sum<false>(thread_max_sum(xs.now, slice, scale2, false), scratch, parity);
+  xs.start();
+  int64_t i = 0;
+  for (int64_t r = walk.first; r < rows; r += walk.step, ++i) {
+    xs.load(i);
+    const float3 part = thread_max_sum(xs.now, slice, scale2, false);
+    xs.refill(i);
+    const float3 row = cluster_max_sum<false>(part, scratch, parity);
     parity ^= 1;
     const float shift = safe_shift(row.x);
     // log: (z - shift) ln 2 - ln(sum); softmax: exp2(z - shift) / sum, 0 when every z is -inf.
@@ -135,7 +132,6 @@ __global__ void __launch_bounds__(kThreads, 2)
       out.pack(v);
       out.store_streaming(y + r * n + slice.column(k));
     }
-    xs.advance(x + after * n, slice, after < rows);
   }
 }
 
@@ -148,15 +144,16 @@ __global__ void __launch_bounds__(kThreads, 2)
   __shared__ ClusterScratch<float> scratch;
   const RowSlice slice = RowSlice::mine(V, n);
   const RowWalk walk = RowWalk::of_cluster();
-  constexpr bool kAhead = kPrefetch<T, V, 2>;
-  RowUnits<T, V, kAhead> ys, dys;
+  // Two streams through registers: staged feeds would each count their own copy groups.
+  auto ys = feed_of<RowFeed<T, V, false, 2>>(y, rows, n, walk, slice, nullptr, 0);
+  auto dys = feed_of<RowFeed<T, V, false, 2>>(dy, rows, n, walk, slice, nullptr, 0);
   int parity = 0;
-  ys.first(y + walk.first * n, slice, walk.first < rows);
-  dys.first(dy + walk.first * n, slice, walk.first < rows);
-  for (int64_t r = walk.first; r < rows; r += walk.step) {
-    const int64_t after = r + walk.step;
-    ys.prefetch(y + after * n, slice, after < rows);
-    dys.prefetch(dy + after * n, slice, after < rows);
+  ys.start();
+  dys.start();
+  int64_t i = 0;
+  for (int64_t r = walk.first; r < rows; r += walk.step, ++i) {
+    ys.load(i);
+    dys.load(i);
     float mine = 0.f;
 #pragma unroll
     for (int k = 0; k < V; ++k) {
@@ -167,6 +164,8 @@ __global__ void __launch_bounds__(kThreads, 2)
       mine += unit_sum([&](int e) { return kLog ? (yv[e] > -INFINITY ? dyv[e] : 0.f)
                                                 : dyv[e] * yv[e]; });
     }
+    ys.refill(i);
+    dys.refill(i);
     const float c = cluster_reduce(mine, 0.f, Sum{}, scratch, parity);
     parity ^= 1;
 #pragma unroll
@@ -185,8 +184,6 @@ __global__ void __launch_bounds__(kThreads, 2)
       out.pack(yv);
       out.store_streaming(dx + r * n + slice.column(k));
     }
-    ys.advance(y + after * n, slice, after < rows);
-    dys.advance(dy + after * n, slice, after < rows);
   }
 }
 
@@ -206,20 +203,21 @@ struct CrossEntropyArgs {
 // gradient of row_scale * loss, exp(x - lse) (1 + 2 z_loss lse) row_scale - target row_scale
 // with target = (1 - s) onehot(label) + s / V, written from the registers that hold the row.
 // Rows whose label is ignored, or outside [0, V), get a zero loss and gradient.
-template <typename T, bool kGrad, int V>
+template <typename T, bool kGrad, int V, bool kStaged>
 __global__ void __launch_bounds__(kThreads, 2)
     cross_entropy_kernel(const T* __restrict__ logits, T* __restrict__ grad, int64_t rows,
-                         int n, CrossEntropyArgs args) {
+                         int n, CrossEntropyArgs args, int stages) {
   __shared__ ClusterScratch<float3> scratch;
+  extern __shared__ uint4 staging[];
   const RowSlice slice = RowSlice::mine(V, n);
   const RowWalk walk = RowWalk::of_cluster();
   const bool leader = cg::this_cluster().block_rank() == 0 && threadIdx.x == 0;
-  RowUnits<T, V, kPrefetch<T, V, 1>> xs;
+  auto xs = feed_of<RowFeed<T, V, kStaged, 1>>(logits, rows, n, walk, slice, staging, stages);
   int parity = 0;
-  xs.first(logits + walk.first * n, slice, walk.first < rows);
-  for (int64_t r = walk.first; r < rows; r += walk.step) {
-    const int64_t after = r + walk.step;
-    xs.prefetch(logits + after * n, slice, after < rows);
+  xs.start();
+  int64_t i = 0;
+  for (int64_t r = walk.first; r < rows; r += walk.step, ++i) {
+    xs.load(i);
     const int label = __ldg(args.labels + r);
     const bool valid = label >= 0 && label < n && !(args.has_ignore && label == args.ignore_index);
     const float3 mine = thread_max_sum(xs.now, slice, kLog2e, args.smoothing != 0.f);
@@ -236,6 +234,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       for (int e = 0; e < kUnit; ++e) picked = e == offset ? v[e] : picked;
       owner = true;
     }
+    xs.refill(i);
     const float3 row = args.smoothing != 0.f ? cluster_max_sum<true>(mine, scratch, parity)
                                              : cluster_max_sum<false>(mine, scratch, parity);
     parity ^= 1;
@@ -270,65 +269,93 @@ __global__ void __launch_bounds__(kThreads, 2)
         out.store_streaming(grad + r * n + column);
       }
     }
-    xs.advance(logits + after * n, slice, after < rows);
   }
 }
 
-// Calls f(kernel) with the instantiation for (element type, flag, units).
-template <template <typename, bool, int> class Kernel, typename F>
-bool dispatch_kernel(ffi::DataType dtype, bool flag, int64_t units, F&& f) {
+// How a launch holds its rows: `clusters` persistent clusters of `cluster` CTAs of `threads`
+// threads, `units` units per thread, fed through `stages` shared-memory stages (0: registers).
+struct Tiling {
+  int64_t cluster, threads, units, stages, clusters;
+};
+
+// Calls f(kernel, dynamic shared bytes) with the instantiation for (element type, flag,
+// tiling); false when there is none. Kernels reading kStreams arrays are built for the units
+// that keep a thread's slices within kMaxVectors vectors, and staged only when kMayStage.
+template <template <typename, bool, int, bool> class Kernel, int kStreams, bool kMayStage,
+          typename F>
+bool dispatch_kernel(ffi::DataType dtype, bool flag, const Tiling& t, F&& f) {
+  if (t.stages < 0 || (t.stages > 0 && !kMayStage)) return false;
   bool known = true;
-  known &= dispatch_float(dtype, [&](auto t) {
-    using T = decltype(t);
-    known &= dispatch_units<kMaxUnits>(units, [&](auto v) {
-      constexpr int V = decltype(v)::value;
-      if (flag) f(Kernel<T, true, V>::get());
-      else f(Kernel<T, false, V>::get());
+  known &= dispatch_float(dtype, [&](auto type) {
+    using T = decltype(type);
+    constexpr int kMaxUnits = kMaxVectors / (Unit<T>::kVectors * kStreams);
+    known &= dispatch_units<kMaxUnits>(t.units, [&](auto units) {
+      constexpr int V = decltype(units)::value;
+      auto launch = [&](auto staged) {
+        constexpr bool kStaged = decltype(staged)::value;
+        const size_t bytes =
+            kStaged ? StagedFeed<T, V>::bytes(static_cast<int>(t.stages),
+                                              static_cast<int>(t.threads))
+                    : 0;
+        if (flag) f(Kernel<T, true, V, kStaged>::get(), bytes);
+        else f(Kernel<T, false, V, kStaged>::get(), bytes);
+      };
+      if constexpr (kMayStage) {
+        if (t.stages > 0) launch(std::true_type{});
+        else launch(std::false_type{});
+      } else {
+        launch(std::false_type{});
+      }
     });
   });
   return known;
 }
 
-template <typename T, bool kFlag, int V> struct Forward {
-  static auto get() { return softmax_forward_kernel<T, kFlag, V>; }
+template <typename T, bool kFlag, int V, bool kStaged> struct Forward {
+  static auto get() { return softmax_forward_kernel<T, kFlag, V, kStaged>; }
 };
-template <typename T, bool kFlag, int V> struct Backward {
+template <typename T, bool kFlag, int V, bool kStaged> struct Backward {
   static auto get() { return softmax_backward_kernel<T, kFlag, V>; }
 };
-template <typename T, bool kFlag, int V> struct CrossEntropy {
-  static auto get() { return cross_entropy_kernel<T, kFlag, V>; }
+template <typename T, bool kFlag, int V, bool kStaged> struct CrossEntropy {
+  static auto get() { return cross_entropy_kernel<T, kFlag, V, kStaged>; }
 };
+
+dim3 grid_of(const Tiling& t) { return dim3(t.cluster * t.clusters, 1, 1); }
 
 ffi::Error SoftmaxForwardImpl(cudaStream_t stream, ffi::AnyBuffer x,
                               ffi::Result<ffi::AnyBuffer> y, float scale, int64_t log,
-                              int64_t cluster, int64_t threads, int64_t units, int64_t clusters) {
+                              int64_t cluster, int64_t threads, int64_t units, int64_t stages,
+                              int64_t clusters) {
   auto dims = x.dimensions();
   if (dims.size() != 2) return ffi::Error::InvalidArgument("softmax_forward: x must be (R, N)");
+  const Tiling t{cluster, threads, units, stages, clusters};
   cudaError_t err = cudaSuccess;
-  const bool known =
-      dispatch_kernel<Forward>(x.element_type(), log, units, [&](auto kernel) {
-    err = launch_clustered(kernel, dim3(cluster * clusters, 1, 1), threads, cluster, 0, stream,
-                           x.untyped_data(), y->untyped_data(), dims[0],
-                           static_cast<int>(dims[1]), scale * kLog2e);
-  });
-  if (!known) return ffi::Error::InvalidArgument("softmax_forward: unsupported dtype or units");
+  const bool known = dispatch_kernel<Forward, 1, true>(
+      x.element_type(), log, t, [&](auto kernel, size_t bytes) {
+        err = launch_clustered(kernel, grid_of(t), threads, cluster, bytes, stream,
+                               x.untyped_data(), y->untyped_data(), dims[0],
+                               static_cast<int>(dims[1]), scale * kLog2e, stages);
+      });
+  if (!known) return ffi::Error::InvalidArgument("softmax_forward: unsupported dtype or tiling");
   return launch_error("softmax_forward", err);
 }
 
 ffi::Error SoftmaxBackwardImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::AnyBuffer dy,
                                ffi::Result<ffi::AnyBuffer> dx, float scale, int64_t log,
-                               int64_t cluster, int64_t threads, int64_t units,
+                               int64_t cluster, int64_t threads, int64_t units, int64_t stages,
                                int64_t clusters) {
   auto dims = y.dimensions();
   if (dims.size() != 2) return ffi::Error::InvalidArgument("softmax_backward: y must be (R, N)");
+  const Tiling t{cluster, threads, units, stages, clusters};
   cudaError_t err = cudaSuccess;
-  const bool known = dispatch_kernel<Backward>(
-      y.element_type(), log, units, [&](auto kernel) {
-    err = launch_clustered(kernel, dim3(cluster * clusters, 1, 1), threads, cluster, 0, stream,
-                           y.untyped_data(), dy.untyped_data(), dx->untyped_data(), dims[0],
-                           static_cast<int>(dims[1]), scale);
-  });
-  if (!known) return ffi::Error::InvalidArgument("softmax_backward: unsupported dtype or units");
+  const bool known = dispatch_kernel<Backward, 2, false>(
+      y.element_type(), log, t, [&](auto kernel, size_t bytes) {
+        err = launch_clustered(kernel, grid_of(t), threads, cluster, bytes, stream,
+                               y.untyped_data(), dy.untyped_data(), dx->untyped_data(), dims[0],
+                               static_cast<int>(dims[1]), scale);
+      });
+  if (!known) return ffi::Error::InvalidArgument("softmax_backward: unsupported dtype or tiling");
   return launch_error("softmax_backward", err);
 }
 
@@ -339,7 +366,7 @@ ffi::Error CrossEntropyImpl(cudaStream_t stream, ffi::AnyBuffer logits,
                             ffi::Result<ffi::AnyBuffer> lse_or_grad, float smoothing,
                             float z_loss, int64_t ignore_index, int64_t has_ignore,
                             int64_t with_grad, int64_t cluster, int64_t threads, int64_t units,
-                            int64_t clusters) {
+                            int64_t stages, int64_t clusters) {
   auto dims = logits.dimensions();
   if (dims.size() != 2)
     return ffi::Error::InvalidArgument("cross_entropy: logits must be (R, V)");
@@ -347,15 +374,15 @@ ffi::Error CrossEntropyImpl(cudaStream_t stream, ffi::AnyBuffer logits,
       labels.typed_data(), row_scale.typed_data(), row_scale.element_count() == 1 ? 0 : 1,
       loss->typed_data(), with_grad ? nullptr : static_cast<float*>(lse_or_grad->untyped_data()),
       smoothing, z_loss, static_cast<int32_t>(ignore_index), has_ignore != 0};
+  const Tiling t{cluster, threads, units, stages, clusters};
   cudaError_t err = cudaSuccess;
-  const bool known =
-      dispatch_kernel<CrossEntropy>(logits.element_type(), with_grad, units,
-                                               [&](auto kernel) {
-        err = launch_clustered(kernel, dim3(cluster * clusters, 1, 1), threads, cluster, 0,
-                               stream, logits.untyped_data(), lse_or_grad->untyped_data(),
-                               dims[0], static_cast<int>(dims[1]), args);
+  const bool known = dispatch_kernel<CrossEntropy, 1, true>(
+      logits.element_type(), with_grad, t, [&](auto kernel, size_t bytes) {
+        err = launch_clustered(kernel, grid_of(t), threads, cluster, bytes, stream,
+                               logits.untyped_data(), lse_or_grad->untyped_data(), dims[0],
+                               static_cast<int>(dims[1]), args, stages);
       });
-  if (!known) return ffi::Error::InvalidArgument("cross_entropy: unsupported dtype or units");
+  if (!known) return ffi::Error::InvalidArgument("cross_entropy: unsupported dtype or tiling");
   return launch_error("cross_entropy", err);
 }
 
@@ -372,6 +399,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseSoftmaxForward, jaxfuse::SoftmaxForwardImpl
                                   .Attr<int64_t>("cluster")
                                   .Attr<int64_t>("threads")
                                   .Attr<int64_t>("units")
+                                  .Attr<int64_t>("stages")
                                   .Attr<int64_t>("clusters"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseSoftmaxBackward, jaxfuse::SoftmaxBackwardImpl,
@@ -385,6 +413,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseSoftmaxBackward, jaxfuse::SoftmaxBackwardIm
                                   .Attr<int64_t>("cluster")
                                   .Attr<int64_t>("threads")
                                   .Attr<int64_t>("units")
+                                  .Attr<int64_t>("stages")
                                   .Attr<int64_t>("clusters"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseCrossEntropy, jaxfuse::CrossEntropyImpl,
@@ -403,20 +432,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseCrossEntropy, jaxfuse::CrossEntropyImpl,
                                   .Attr<int64_t>("cluster")
                                   .Attr<int64_t>("threads")
                                   .Attr<int64_t>("units")
+                                  .Attr<int64_t>("stages")
                                   .Attr<int64_t>("clusters"));
 
-// For the Python side, which sizes the persistent grids at trace time: clusters of this shape
+// For the Python side, which sizes the persistent grids at trace time: clusters of this tiling
 // resident on the current GPU at once (kernel 0: forward, 1: backward, 2: cross-entropy).
-// Residency depends on registers, the same for every dtype of equal width.
+// Residency depends on registers and shared memory, the same for every dtype of equal width.
 extern "C" int jaxfuse_softmax_clusters(int kernel, int itemsize, int flag, int cluster,
-                                        int threads, int units) {
+                                        int threads, int units, int stages) {
   using namespace jaxfuse;
   int clusters = 0;
-  auto query = [&](auto k) { clusters = max_active_clusters(k, threads, cluster, 0); };
+  auto query = [&](auto k, size_t bytes) {
+    clusters = max_active_clusters(k, threads, cluster, bytes);
+  };
   const ffi::DataType dtype = itemsize == 4 ? ffi::DataType::F32 : ffi::DataType::BF16;
-  if (kernel == 0) dispatch_kernel<Forward>(dtype, flag, units, query);
-  else if (kernel == 1)
-    dispatch_kernel<Backward>(dtype, flag, units, query);
-  else dispatch_kernel<CrossEntropy>(dtype, flag, units, query);
+  const Tiling t{cluster, threads, units, stages, 1};
+  if (kernel == 0) dispatch_kernel<Forward, 1, true>(dtype, flag, t, query);
+  else if (kernel == 1) dispatch_kernel<Backward, 2, false>(dtype, flag, t, query);
+  else dispatch_kernel<CrossEntropy, 1, true>(dtype, flag, t, query);
   return clusters;
 }
