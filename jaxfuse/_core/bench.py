@@ -164,7 +164,7 @@ def _profiled_seconds(batched, input_sets, calls) -> float:
 
 def copies_for(bytes_per_call: float) -> int:
   """Independent calls per timing: enough that a call never reads what an earlier call left
-  in L2 (50 MB on an H100) and that dispatch overlaps device work, within memory."""
+  in L2 (50 MB on an H100), within memory."""
   return int(max(2, min(32, math.ceil(200e6 / max(bytes_per_call, 1.0)))))
 
 
