@@ -100,8 +100,11 @@ def backward_blocks(n_rows: int, n_cols: int, kind: str = "rms") -> NormBlocks:
     if _backward_strategy(chunks, n_cols, accumulators) == "chunks":
       return chunks
     return NormBlocks(1, 8192, 16, 2 * sms)
-  if block_cols <= 256:
-    return NormBlocks(min(16, pl.next_power_of_2(n_rows)), block_cols, 4, 2 * sms)
+  if block_cols <= 1024:
+    # Small tiles of 16 elements a thread, so the next tile fits beside them and is prefetched,
+    # four programs to an SM; _sum_partials reduces their many partial sums cheaply.
+    block_rows = max(1, min(2048 // block_cols, 32, pl.next_power_of_2(n_rows)))
+    return NormBlocks(block_rows, block_cols, 4, 4 * sms)
   block_rows = max(1, min(4096 // block_cols, 16, pl.next_power_of_2(n_rows)))
   num_warps = max(8, min(16, block_rows * block_cols // 512))
   return NormBlocks(block_rows, block_cols, num_warps, (1 if block_cols >= 8192 else 2) * sms)

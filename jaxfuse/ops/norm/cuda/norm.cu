@@ -4,17 +4,27 @@
 //
 // Both kernels are persistent: cluster c walks rows c, c + clusters, ... of every group, and
 // loads its next row before it reduces the current one, so each CTA keeps a row's loads in
-// flight through its reduction, cluster barrier and stores. Per-thread state that lives for a
-// whole group (the parameter slices, the backward's weight-gradient sums) sits in shared
-// memory, leaving the registers to the two rows in flight: two 512-thread CTAs fit an SM.
+// flight through its reduction, cluster barrier and stores. The next row waits in registers,
+// or for the forward's longest rows in a shared-memory stage (cp.async), which leaves the
+// registers free to hold twice as wide a slice of the current one. Per-thread state that lives
+// for a whole group (the parameter slices, the backward's weight-gradient sums) sits in shared
+// memory, leaving the registers to the rows: two 512-thread CTAs fit an SM.
 #include "rows.cuh"
 
 namespace jaxfuse {
 namespace {
 
 constexpr int kThreads = 512;
-// Units per thread the kernels are built for: more would spill the two rows' registers.
-constexpr int kForwardUnits = 4, kBackwardUnits = 2;
+// Units per thread the backward is built for: more would spill its two rows' registers.
+constexpr int kBackwardUnits = 2;
+// 16-byte vectors of x a forward thread holds: through registers, four, so that the next row
+// fits beside them; staged through shared memory, at least four (narrower slices gain nothing
+// from staging) and at most eight.
+constexpr int kRegisterVectors = 4, kMinStagedVectors = 4, kMaxStagedVectors = 8;
+// A staged forward CTA has at most 256 threads, three to an SM: 80 registers a thread hold a
+// slice of eight vectors without spilling, and three CTAs' parameter slices and stage (64 KiB
+// each for a bf16 RMSNorm) fill the SM's shared memory.
+constexpr int kStagedThreads = 256;
 
 // Shared-memory arrays private to each thread, laid out so that a warp's accesses of element
 // (k, i) are consecutive words: [(k * width + i) * threads + t].
@@ -64,30 +74,33 @@ struct UnitSums {
   }
 };
 
-template <typename TX, typename TY, typename TP, bool kLayer, int V>
-__global__ void __launch_bounds__(kThreads, 2) norm_forward_kernel(
-    const TX* __restrict__ x, const TP* __restrict__ weight, const TP* __restrict__ bias,
-    TY* __restrict__ y, float* __restrict__ mean_out, float* __restrict__ rstd_out,
-    int64_t groups, int64_t rows_per_group, int n, float eps, bool has_weight, bool has_bias) {
+template <typename TX, typename TY, typename TP, bool kLayer, int V, bool kStaged>
+__global__ void __launch_bounds__(kStaged ? kStagedThreads : kThreads, kStaged ? 3 : 2)
+    norm_forward_kernel(const TX* __restrict__ x, const TP* __restrict__ weight,
+                        const TP* __restrict__ bias, TY* __restrict__ y,
+                        float* __restrict__ mean_out, float* __restrict__ rstd_out,
+                        int64_t groups, int64_t rows_per_group, int n, float eps,
+                        bool has_weight, bool has_bias, int stages) {
   using Stat = std::conditional_t<kLayer, float3, float>;
   __shared__ ClusterScratch<Stat> scratch;
   extern __shared__ uint4 shared[];
   const int param_words = V * Unit<TP>::kVectors * blockDim.x;
   const ParamSlice<TP> w_slice{{shared}}, b_slice{{shared + (has_weight ? param_words : 0)}};
-  cg::cluster_group cluster = cg::this_cluster();
-  const int64_t clusters = gridDim.x / cluster.num_blocks();
-  const int64_t me = blockIdx.x / cluster.num_blocks();
+  uint4* staging = shared + (has_weight + has_bias) * param_words;
+  const RowWalk walk = RowWalk::of_cluster();
   const RowSlice slice = RowSlice::mine(V, n);
   int parity = 0;
 
   for (int64_t group = 0; group < groups; ++group) {
     if (has_weight) w_slice.load(weight + group * n, slice, V);
     if (has_bias) b_slice.load(bias + group * n, slice, V);
-    const TX* x_group = x + group * rows_per_group * n;
-    Unit<TX> xs[V], next[V];
-    load_row(x_group + me * n, slice, me < rows_per_group, xs);
-    for (int64_t r = me; r < rows_per_group; r += clusters) {
-      load_row(x_group + (r + clusters) * n, slice, r + clusters < rows_per_group, next);
+    auto xs = feed_of<RowFeed<TX, V, kStaged, 1>>(x + group * rows_per_group * n,
+                                                  rows_per_group, n, walk, slice, staging,
+                                                  stages);
+    xs.start();
+    int64_t i = 0;
+    for (int64_t r = walk.first; r < rows_per_group; r += walk.step, ++i) {
+      xs.load(i);
       Stat partial;
       if constexpr (kLayer) {
         // This thread's own mean and M2, exactly, in two passes over its registers.
@@ -95,7 +108,7 @@ __global__ void __launch_bounds__(kThreads, 2) norm_forward_kernel(
 #pragma unroll
         for (int k = 0; k < V; ++k) {
           float v[kUnit];
-          xs[k].unpack(v);
+          xs.now[k].unpack(v);
           sum += unit_sum([&](int e) { return v[e]; });
           count += slice.holds(k) ? kUnit : 0;
         }
@@ -105,7 +118,7 @@ __global__ void __launch_bounds__(kThreads, 2) norm_forward_kernel(
         for (int k = 0; k < V; ++k) {
           if (!slice.holds(k)) continue;
           float v[kUnit];
-          xs[k].unpack(v);
+          xs.now[k].unpack(v);
           m2 += unit_sum([&](int e) { return (v[e] - mean) * (v[e] - mean); });
         }
         partial = make_float3(count, mean, m2);
@@ -114,10 +127,11 @@ __global__ void __launch_bounds__(kThreads, 2) norm_forward_kernel(
 #pragma unroll
         for (int k = 0; k < V; ++k) {
           float v[kUnit];
-          xs[k].unpack(v);
+          xs.now[k].unpack(v);
           partial += unit_sum([&](int e) { return v[e] * v[e]; });
         }
       }
+      xs.refill(i);
       Stat total;
       if constexpr (kLayer) total = cluster_moments(partial, scratch, parity);
       else total = cluster_reduce(partial, 0.f, Sum{}, scratch, parity);
@@ -135,7 +149,7 @@ __global__ void __launch_bounds__(kThreads, 2) norm_forward_kernel(
       for (int k = 0; k < V; ++k) {
         if (!slice.holds(k)) continue;
         float v[kUnit], w[kUnit], b[kUnit];
-        xs[k].unpack(v);
+        xs.now[k].unpack(v);
         if (has_weight) w_slice.get(k, w); else fill(w, 1.f);
         if (has_bias) b_slice.get(k, b); else fill(b, 0.f);
 #pragma unroll
@@ -144,12 +158,10 @@ __global__ void __launch_bounds__(kThreads, 2) norm_forward_kernel(
         out.pack(v);
         out.store_streaming(y + row * n + slice.column(k));
       }
-      if (cluster.block_rank() == 0 && threadIdx.x == 0) {
+      if (cg::this_cluster().block_rank() == 0 && threadIdx.x == 0) {
         if (kLayer) mean_out[row] = mean;
         rstd_out[row] = rstd;
       }
-#pragma unroll
-      for (int k = 0; k < V; ++k) xs[k] = next[k];
     }
   }
 }
@@ -249,8 +261,8 @@ __global__ void __launch_bounds__(kThreads, 2) norm_backward_kernel(
   }
 }
 
-// Dynamic shared memory of a CTA: the parameter slices (forward), or the weight slice and the
-// float32 gradient sums (backward).
+// Dynamic shared memory of a CTA: the parameter slices (forward, before its stages), or the
+// weight slice and the float32 gradient sums (backward).
 size_t forward_smem(int threads, int units, int param_size, bool has_weight, bool has_bias) {
   return static_cast<size_t>(threads) * units * kUnit * param_size * (has_weight + has_bias);
 }
@@ -259,11 +271,37 @@ size_t backward_smem(int threads, int units, int param_size, bool has_weight, bo
          (param_size * has_weight + sizeof(float) * (has_weight + has_bias));
 }
 
+// Calls f(kernel, staging bytes) with the forward built for these types and `units`, fed
+// through registers (stages 0) or `stages` shared-memory stages; false when none is built.
+template <typename TX, typename TY, typename TP, typename F>
+bool dispatch_forward(bool layer, int64_t units, int64_t stages, int threads, F&& f) {
+  constexpr int kVectors = Unit<TX>::kVectors;
+  bool known = stages >= 0;
+  const bool dispatched = dispatch_units<kMaxStagedVectors / kVectors>(units, [&](auto v) {
+    constexpr int V = decltype(v)::value;
+    auto with = [&](auto staged, size_t bytes) {
+      constexpr bool kStaged = decltype(staged)::value;
+      if (layer) f(norm_forward_kernel<TX, TY, TP, true, V, kStaged>, bytes);
+      else f(norm_forward_kernel<TX, TY, TP, false, V, kStaged>, bytes);
+    };
+    if (stages > 0) {
+      if (threads > kStagedThreads) known = false;
+      else if constexpr (V * kVectors >= kMinStagedVectors)
+        with(std::true_type{}, StagedFeed<TX, V>::bytes(static_cast<int>(stages), threads));
+      else known = false;
+    } else {
+      if constexpr (V * kVectors <= kRegisterVectors) with(std::false_type{}, 0);
+      else known = false;
+    }
+  });
+  return known && dispatched;
+}
+
 ffi::Error NormForwardImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer weight,
                            ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> y,
                            ffi::Result<ffi::AnyBuffer> mean, ffi::Result<ffi::AnyBuffer> rstd,
                            float eps, int64_t cluster, int64_t threads, int64_t units,
-                           int64_t clusters, int64_t layer, int64_t has_weight,
+                           int64_t stages, int64_t clusters, int64_t layer, int64_t has_weight,
                            int64_t has_bias) {
   auto dims = x.dimensions();
   if (dims.size() != 3) return ffi::Error::InvalidArgument("norm_forward: x must be (G, R, N)");
@@ -274,28 +312,24 @@ ffi::Error NormForwardImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer
     using TX = decltype(tx);
     known &= dispatch_same_or_f32<TX>(y->element_type(), [&](auto ty) {
       known &= dispatch_same_or_f32<TX>(weight.element_type(), [&](auto tp) {
-        known &= dispatch_units<kForwardUnits>(units, [&](auto v) {
-          using TY = decltype(ty);
-          using TP = decltype(tp);
-          constexpr int V = decltype(v)::value;
-          auto launch = [&](auto kernel) {
-            err = launch_clustered(
-                kernel, dim3(cluster * clusters, 1, 1), threads, cluster,
-                forward_smem(threads, V, sizeof(TP), has_weight, has_bias), stream,
-                static_cast<const TX*>(x.untyped_data()),
-                static_cast<const TP*>(weight.untyped_data()),
-                static_cast<const TP*>(bias.untyped_data()), static_cast<TY*>(y->untyped_data()),
-                static_cast<float*>(mean->untyped_data()),
-                static_cast<float*>(rstd->untyped_data()), dims[0], dims[1], n, eps,
-                has_weight != 0, has_bias != 0);
-          };
-          if (layer) launch(norm_forward_kernel<TX, TY, TP, true, V>);
-          else launch(norm_forward_kernel<TX, TY, TP, false, V>);
-        });
+        using TY = decltype(ty);
+        using TP = decltype(tp);
+        known &= dispatch_forward<TX, TY, TP>(
+            layer, units, stages, static_cast<int>(threads), [&](auto kernel, size_t staging) {
+              err = launch_clustered(
+                  kernel, dim3(cluster * clusters, 1, 1), threads, cluster,
+                  forward_smem(threads, units, sizeof(TP), has_weight, has_bias) + staging,
+                  stream, static_cast<const TX*>(x.untyped_data()),
+                  static_cast<const TP*>(weight.untyped_data()),
+                  static_cast<const TP*>(bias.untyped_data()),
+                  static_cast<TY*>(y->untyped_data()), static_cast<float*>(mean->untyped_data()),
+                  static_cast<float*>(rstd->untyped_data()), dims[0], dims[1], n, eps,
+                  has_weight != 0, has_bias != 0, static_cast<int>(stages));
+            });
       });
     });
   });
-  if (!known) return ffi::Error::InvalidArgument("norm_forward: unsupported dtypes or units");
+  if (!known) return ffi::Error::InvalidArgument("norm_forward: unsupported dtypes or tiling");
   return launch_error("norm_forward", err);
 }
 
@@ -359,6 +393,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseNormForward, jaxfuse::NormForwardImpl,
                                   .Attr<int64_t>("cluster")
                                   .Attr<int64_t>("threads")
                                   .Attr<int64_t>("units")
+                                  .Attr<int64_t>("stages")
                                   .Attr<int64_t>("clusters")
                                   .Attr<int64_t>("layer")
                                   .Attr<int64_t>("has_weight")
@@ -388,7 +423,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseNormBackward, jaxfuse::NormBackwardImpl,
 // on registers and shared memory, the same for every dtype of equal width.
 extern "C" int jaxfuse_norm_clusters(int backward, int x_itemsize, int other_itemsize,
                                      int param_itemsize, int layer, int cluster, int threads,
-                                     int units, int has_weight, int has_bias) {
+                                     int units, int stages, int has_weight, int has_bias) {
   using namespace jaxfuse;
   int clusters = 0;
   auto by_width = [](int itemsize, auto f) {
@@ -412,12 +447,9 @@ extern "C" int jaxfuse_norm_clusters(int backward, int x_itemsize, int other_ite
           });
         } else {
           const size_t smem = forward_smem(threads, units, sizeof(TP), has_weight, has_bias);
-          dispatch_units<kForwardUnits>(units, [&](auto v) {
-            constexpr int V = decltype(v)::value;
-            clusters = layer ? max_active_clusters(norm_forward_kernel<TX, TO, TP, true, V>,
-                                                   threads, cluster, smem)
-                             : max_active_clusters(norm_forward_kernel<TX, TO, TP, false, V>,
-                                                   threads, cluster, smem);
+          dispatch_forward<TX, TO, TP>(layer, units, stages, threads,
+                                       [&](auto kernel, size_t staging) {
+            clusters = max_active_clusters(kernel, threads, cluster, smem + staging);
           });
         }
       });
