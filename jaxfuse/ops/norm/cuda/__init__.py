@@ -18,6 +18,7 @@ import numpy as np
 
 from jaxfuse._core import cuda
 from jaxfuse._core.cuda import Tiling
+from jaxfuse.ops.norm import triton
 
 _SOURCE = Path(__file__).with_name("norm.cu")
 _HANDLERS = {"jaxfuse_norm_forward": "JaxfuseNormForward",
@@ -145,6 +146,13 @@ def backward(dy, x, weight, mean, rstd, *, kind, has_bias, bias_dtype=None,
           cluster=np.int64(t.cluster), threads=np.int64(t.threads), units=np.int64(t.units),
           clusters=np.int64(clusters), layer=np.int64(kind == "layer"),
           has_weight=np.int64(has_weight), has_bias=np.int64(has_bias))
-  # Stage two: XLA sums the per-cluster partials in a fixed order.
-  return (dx, dweight.sum(axis=1).astype(weight.dtype) if has_weight else None,
-          dbias.sum(axis=1).astype(bias_dtype) if has_bias else None)
+  # Stage two: the per-cluster partials are summed in a fixed order, as Triton's are.
+  partials, dtypes = [], []
+  if has_weight:
+    partials.append(dweight)
+    dtypes.append(weight.dtype)
+  if has_bias:
+    partials.append(dbias)
+    dtypes.append(bias_dtype)
+  sums = list(triton.sum_partials(partials, dtypes)) if partials else []
+  return (dx, sums.pop(0) if has_weight else None, sums.pop(0) if has_bias else None)

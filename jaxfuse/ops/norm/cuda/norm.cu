@@ -167,8 +167,8 @@ __global__ void __launch_bounds__(kStaged ? kStagedThreads : kThreads, kStaged ?
 }
 
 // Each CTA owns one column slice of every row its cluster walks, so it sums its slice of
-// dweight and dbias over those rows and writes one float32 partial per (group, cluster); XLA
-// sums the partials in a fixed order, so the gradients are deterministic.
+// dweight and dbias over those rows and writes one float32 partial per (group, cluster); a
+// second kernel (Triton's sum_partials) sums them in a fixed order: deterministic gradients.
 template <typename TX, typename TDY, typename TP, bool kLayer, int V>
 __global__ void __launch_bounds__(kThreads, 2) norm_backward_kernel(
     const TDY* __restrict__ dy, const TX* __restrict__ x, const TP* __restrict__ weight,
