@@ -102,7 +102,7 @@ def backward_blocks(n_rows: int, n_cols: int, kind: str = "rms") -> NormBlocks:
     return NormBlocks(1, 8192, 16, 2 * sms)
   if block_cols <= 1024:
     # Small tiles of 16 elements a thread, so the next tile fits beside them and is prefetched,
-    # four programs to an SM; sum_partials reduces their many partial sums cheaply.
+    # four programs to an SM; _sum_partials reduces their many partial sums cheaply.
     block_rows = max(1, min(2048 // block_cols, 32, pl.next_power_of_2(n_rows)))
     return NormBlocks(block_rows, block_cols, 4, 4 * sms)
   block_rows = max(1, min(4096 // block_cols, 16, pl.next_power_of_2(n_rows)))
@@ -471,7 +471,7 @@ def _sum_partials_kernel(*refs, n_partials, n_cols, block_partials, block_cols):
     plgpu.store(out_ref.at[g, cols], total.astype(out_ref.dtype), mask=col_ok)
 
 
-def sum_partials(partials, dtypes):
+def _sum_partials(partials, dtypes):
   """Stage two: each ``(G, P, N)`` partial -> ``(G, N)``, summed in a fixed order.
 
   The sums are tiny (P is a few hundred) and latency-bound: one launch does all of them, each
@@ -489,6 +489,17 @@ def sum_partials(partials, dtypes):
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
       interpret=registry.interpret_mode(), name="jaxfuse_norm_sum_partials",
   )(*partials)
+
+
+def sum_param_partials(dweight_partial, dbias_partial, weight_dtype, bias_dtype):
+  """Stage two of either backward: ``(G, P, N)`` float32 partials of dweight and dbias (None
+  where absent) -> ``(dweight, dbias)`` in the parameters' dtypes, in one launch."""
+  pairs = [(p, d) for p, d in ((dweight_partial, weight_dtype), (dbias_partial, bias_dtype))
+           if p is not None]
+  sums = list(_sum_partials([p for p, _ in pairs], [d for _, d in pairs])) if pairs else []
+  dweight = sums.pop(0) if dweight_partial is not None else None
+  dbias = sums.pop(0) if dbias_partial is not None else None
+  return dweight, dbias
 
 
 def _param_grads_blocks(n_rows: int, n_cols: int) -> NormBlocks:
@@ -532,8 +543,6 @@ def backward(dy, x, weight, mean, rstd, *, kind, has_bias, bias_dtype=None,
         compiler_params=_compiler_params(pb), interpret=registry.interpret_mode(),
         name=f"jaxfuse_{kind}_norm_param_grads",
     )(dy, x, *stats))
-  dtypes = ([weight.dtype] if has_weight else []) + ([bias_dtype] if has_bias else [])
-  sums = list(sum_partials(partials, dtypes)) if dtypes else []
-  dweight = sums.pop(0) if has_weight else None
-  dbias = sums.pop(0) if has_bias else None
-  return dx, dweight, dbias
+  return (dx, *sum_param_partials(partials[0] if has_weight else None,
+                                  partials[-1] if has_bias else None,
+                                  weight.dtype if has_weight else None, bias_dtype))

@@ -147,12 +147,6 @@ def backward(dy, x, weight, mean, rstd, *, kind, has_bias, bias_dtype=None,
           clusters=np.int64(clusters), layer=np.int64(kind == "layer"),
           has_weight=np.int64(has_weight), has_bias=np.int64(has_bias))
   # Stage two: the per-cluster partials are summed in a fixed order, as Triton's are.
-  partials, dtypes = [], []
-  if has_weight:
-    partials.append(dweight)
-    dtypes.append(weight.dtype)
-  if has_bias:
-    partials.append(dbias)
-    dtypes.append(bias_dtype)
-  sums = list(triton.sum_partials(partials, dtypes)) if partials else []
-  return (dx, sums.pop(0) if has_weight else None, sums.pop(0) if has_bias else None)
+  return (dx, *triton.sum_param_partials(dweight if has_weight else None,
+                                         dbias if has_bias else None,
+                                         weight.dtype if has_weight else None, bias_dtype))

@@ -21,9 +21,9 @@ constexpr int kBackwardUnits = 2;
 // fits beside them; staged through shared memory, at least four (narrower slices gain nothing
 // from staging) and at most eight.
 constexpr int kRegisterVectors = 4, kMinStagedVectors = 4, kMaxStagedVectors = 8;
-// A staged forward CTA has at most 256 threads, three to an SM: 80 registers a thread hold a
-// slice of eight vectors without spilling, and three CTAs' parameter slices and stage (64 KiB
-// each for a bf16 RMSNorm) fill the SM's shared memory.
+// A staged forward CTA has at most 256 threads and is built for three or more to an SM: 80
+// registers a thread hold a slice of eight vectors without spilling, and the CTAs' parameter
+// slices and stages, not their registers, then bound how many share an SM.
 constexpr int kStagedThreads = 256;
 
 // Shared-memory arrays private to each thread, laid out so that a warp's accesses of element
@@ -89,6 +89,7 @@ __global__ void __launch_bounds__(kStaged ? kStagedThreads : kThreads, kStaged ?
   uint4* staging = shared + (has_weight + has_bias) * param_words;
   const RowWalk walk = RowWalk::of_cluster();
   const RowSlice slice = RowSlice::mine(V, n);
+  const bool leader = cg::this_cluster().block_rank() == 0 && threadIdx.x == 0;
   int parity = 0;
 
   for (int64_t group = 0; group < groups; ++group) {
@@ -158,7 +159,7 @@ __global__ void __launch_bounds__(kStaged ? kStagedThreads : kThreads, kStaged ?
         out.pack(v);
         out.store_streaming(y + row * n + slice.column(k));
       }
-      if (cg::this_cluster().block_rank() == 0 && threadIdx.x == 0) {
+      if (leader) {
         if (kLayer) mean_out[row] = mean;
         rstd_out[row] = rstd;
       }
@@ -168,7 +169,8 @@ __global__ void __launch_bounds__(kStaged ? kStagedThreads : kThreads, kStaged ?
 
 // Each CTA owns one column slice of every row its cluster walks, so it sums its slice of
 // dweight and dbias over those rows and writes one float32 partial per (group, cluster); a
-// second kernel (Triton's sum_partials) sums them in a fixed order: deterministic gradients.
+// second kernel (Triton's sum_param_partials) sums them in a fixed order, so the gradients
+// are deterministic.
 template <typename TX, typename TDY, typename TP, bool kLayer, int V>
 __global__ void __launch_bounds__(kThreads, 2) norm_backward_kernel(
     const TDY* __restrict__ dy, const TX* __restrict__ x, const TP* __restrict__ weight,
