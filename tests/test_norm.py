@@ -511,3 +511,52 @@ def test_gpu_default_takes_cuda_for_long_rows(rng):
   text = jax.jit(jax.grad(lambda x, w: jaxfuse.rms_norm(x, w).sum(), (0, 1))).lower(x, w)
   text = text.as_text()
   assert "jaxfuse_norm_forward" in text and "jaxfuse_norm_backward" in text
+
+
+def _built_forward_tilings(n, dtype):
+  """Every (units, stages) the 'cuda' forward is built for (norm.cu: through registers up to
+  four 16-byte vectors a thread, staged from four to eight in CTAs of at most 256 threads), at
+  the smallest cluster that holds the row and at twice it."""
+  from jaxfuse._core import cuda
+  from jaxfuse.ops.norm import cuda as cuda_kernels
+  vectors = jnp.dtype(dtype).itemsize // 2  # 16-byte vectors in one 8-element unit
+  for units in (1, 2, 4, 8):
+    for stages in (0, 1, 2):
+      if units * vectors > (4 if stages == 0 else 8) or (stages and units * vectors < 4):
+        continue
+      max_threads = cuda_kernels.STAGED_THREADS if stages else cuda.MAX_THREADS
+      smallest = cuda.tiling(n, (units,), max_threads=max_threads)
+      for cluster in (smallest.cluster, 2 * smallest.cluster):
+        yield cuda.tiling(n, (units,), min_cluster=cluster, max_threads=max_threads,
+                          stages=stages)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=lambda d: jnp.dtype(d).name)
+def test_gpu_cuda_every_built_tiling(rng, kind, dtype):
+  """Each forward instantiation (registers or 1-2 shared-memory stages) and each backward
+  units-per-thread, on poisoned memory: more rows than resident clusters, so every stage is
+  refilled, and a row that ends inside a CTA."""
+  from jaxfuse._core import cuda
+  from jaxfuse._core.testing import poison_device_memory
+  from jaxfuse.ops.norm import cuda as cuda_kernels
+  rows, n = 1500, 20008
+  x = random(rng, (1, rows, n), dtype, offset=1.5 if kind == "layer" else 0.0)
+  w, b = params(rng, kind, (1, n), dtype)
+  dy = random(rng, x.shape, dtype)
+  y_ref, grads_ref = reference(kind, x[0], w[0], None if b is None else b[0], dy[0], nd=1)
+  stats = None
+  for t in _built_forward_tilings(n, dtype):
+    poison_device_memory(8 * x.size)
+    y, mean, rstd = cuda_kernels.forward(x, w, b, kind=kind, eps=EPS[kind], out_dtype=dtype,
+                                         tiling=t)
+    assert_close(y[0], y_ref, dtype, name=str(t))
+    stats = stats or (mean, rstd)
+  for units in (1, 2):
+    t = cuda.tiling(n, (units,))
+    poison_device_memory(8 * x.size)
+    grads = cuda_kernels.backward(dy, x, w, *stats, kind=kind, has_bias=b is not None,
+                                  bias_dtype=dtype, tiling=t)
+    for g, r in zip([g for g in grads if g is not None], [r for r in grads_ref if r is not None]):
+      assert_close(g.reshape(r.shape), r, dtype, factor=4, name=str(t))

@@ -45,12 +45,22 @@ def causal_keep(t, s, offset):
   return np.arange(s)[None, :] <= np.arange(t)[:, None] + offset
 
 
-def check(y, expected, dtype=None, factor=1.0):
+def check(y, expected, dtype=None, factor=1.0, floor=0.0):
   y = np.asarray(jnp.asarray(y, jnp.float64) if jnp.asarray(y).dtype == jnp.float64
                  else jnp.asarray(y, jnp.float32))
   assert np.array_equal(np.isneginf(y), np.isneginf(expected))
   finite = np.isfinite(expected)
-  assert_close(y[finite], expected[finite], dtype or jnp.float32, factor=factor)
+  assert_close(y[finite], expected[finite], dtype or jnp.float32, factor=factor, floor=floor)
+
+
+def gradient_floor(name, y, dy, scale=1.0):
+  """The size of the terms a gradient is the difference of: scale * y * dy minus
+  scale * y * sum(y * dy) for softmax, scale * dy minus scale * exp(y) * sum(dy) for
+  log-softmax. Where a short row's gradient nearly cancels (one dominant probability), their
+  rounding in float32 bounds the error, not the gradient's own size."""
+  dy = np.asarray(dy, np.float64)
+  terms = dy if name == "log_softmax" else np.where(np.isfinite(y), y, 0.0) * dy
+  return abs(scale) * float(np.linalg.norm(terms))
 
 
 SHAPES = [((1,), -1), ((3,), 0), ((7, 1000), -1), ((2, 3, 4097), -1), ((2, 65537), -1),
@@ -66,7 +76,7 @@ def test_matches_float64_any_axis(rng, impl, name, shape, axis):
   y, vjp = jax.vjp(lambda x: FNS[name](x, axis=axis, scale=0.7, implementation=impl), x)
   expected, grad = reference(name, x, axis, 0.7, dy=dy)
   check(y, expected)
-  check(vjp(dy)[0], grad, factor=10)
+  check(vjp(dy)[0], grad, factor=10, floor=gradient_floor(name, expected, dy, 0.7))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -110,7 +120,7 @@ def test_masks_of_any_broadcast_shape(rng, impl, name, mask_shape):
   check(y, expected)
   dx = np.asarray(vjp(dy)[0])
   assert np.all(dx[~np.broadcast_to(full, x.shape)] == 0)
-  check(dx, grad, factor=10)
+  check(dx, grad, factor=10, floor=gradient_floor(name, expected, np.where(keep, dy, 0.0)))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -127,7 +137,8 @@ def test_causal_alignments(rng, impl, name, t, s, offset):
   fill = -np.inf if name == "log_softmax" else 0.0
   expected = np.where(keep & full, expected, fill)
   check(y, expected)
-  check(vjp(dy)[0], np.where(keep & full, grad, 0.0), factor=10)
+  check(vjp(dy)[0], np.where(keep & full, grad, 0.0), factor=10,
+        floor=gradient_floor(name, expected, np.where(keep & full, dy, 0.0)))
 
 
 @pytest.mark.parametrize("impl", IMPLS)

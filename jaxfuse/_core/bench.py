@@ -205,7 +205,7 @@ def _leading_rows(a):
 
 def _error(actual, expected) -> float:
   pairs = list(zip(jax.tree.leaves(actual), jax.tree.leaves(expected)))
-  return max(relative_error(_leading_rows(a), _leading_rows(e)) for a, e in pairs)
+  return max(relative_error(a, e) for a, e in pairs)
 
 
 class _Progress:
@@ -256,26 +256,30 @@ def _run_case(case, impls, ceilings, time_it, progress):
   key = jax.random.key(hash((case.op, case.label)) % (1 << 31))
   inputs = case.make_inputs(key)
   reference_note = ""
+  # Only the checked leading rows of each output are kept, of the references and of every
+  # implementation's outputs, so that float64 copies of gigabyte arrays do not pile up.
+  checked = lambda tree: jax.tree.map(_leading_rows, tree)
   try:
     with x64():
       wide = _upcast(inputs)
-      ref_fwd = case.forward("xla")(*wide)
-      ref_train = case.train("xla")(*wide) if case.train else None
+      ref_fwd = checked(case.forward("xla")(*wide))
+      ref_train = checked(case.train("xla")(*wide)) if case.train else None
+      del wide
   except Exception as e:  # noqa: BLE001  (no reference: time the case, say why errors are empty)
-    wide = ref_fwd = ref_train = None
+    ref_fwd = ref_train = None
     reference_note = f"no float64 reference: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
   rows = []
   for impl in impls:
     progress.step(f"{case.op} {case.label} {impl}")
     row = Row(case.op, case.label, case.size, impl, case.unit)
     try:
-      forward = jax.jit(case.forward(impl))(*inputs)
+      forward = checked(jax.jit(case.forward(impl))(*inputs))
       row.note = reference_note
       if ref_fwd is not None:
         row.forward_error = _error(forward, ref_fwd)
       if case.train:
         train = jax.jit(case.train(impl)).lower(*inputs).compile()
-        trained = train(*inputs)
+        trained = checked(train(*inputs))
         if ref_train is not None:
           row.train_error = _error(trained, ref_train)
         mem = train.memory_analysis()
@@ -285,7 +289,7 @@ def _run_case(case, impls, ceilings, time_it, progress):
     except Exception as e:  # noqa: BLE001  (a broken kernel is reported, the sweep goes on)
       row.note = f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
     rows.append(row)
-  del ref_fwd, ref_train, wide
+  del ref_fwd, ref_train
   if not time_it:
     return rows
   in_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(inputs))

@@ -40,8 +40,10 @@ def random(rng: np.random.Generator, shape, dtype, *, scale: float = 1.0, offset
                      dtype)
 
 
-def relative_error(actual, expected) -> float:
-  """``‖actual − expected‖ / ‖expected‖`` in float64; NaN anywhere in ``actual`` gives inf."""
+def relative_error(actual, expected, floor: float = 0.0) -> float:
+  """``‖actual − expected‖ / max(‖expected‖, floor)`` in float64; NaN anywhere in ``actual``
+  gives inf. ``floor``: the size of terms whose difference ``expected`` is, where their
+  rounding, not ``expected``'s own size, bounds the error."""
   a = np.asarray(jnp.asarray(actual, jnp.float32) if jnp.asarray(actual).dtype != jnp.float64
                  else actual, np.float64)
   e = np.asarray(expected, np.float64)
@@ -53,16 +55,18 @@ def relative_error(actual, expected) -> float:
   a_off, e_off = a[~finite], e[~finite]
   if not np.all((a_off == e_off) | (np.isnan(a_off) & np.isnan(e_off))):
     return float("inf")
-  denom = np.linalg.norm(e[finite])
+  denom = max(np.linalg.norm(e[finite]), floor)
   diff = np.linalg.norm((a - e)[finite])
   return float(diff / denom) if denom > 0 else float(diff)
 
 
-def assert_close(actual, expected, dtype=None, *, factor: float = 1.0, name: str = "output"):
-  """Asserts the relative error of ``actual`` against float64 ``expected`` is within tolerance."""
+def assert_close(actual, expected, dtype=None, *, factor: float = 1.0, name: str = "output",
+                 floor: float = 0.0):
+  """Asserts the relative error of ``actual`` against float64 ``expected`` is within tolerance
+  (see :func:`relative_error` for ``floor``)."""
   dtype = jnp.dtype(dtype or jnp.asarray(actual).dtype)
   bound = TOLERANCE[dtype] * factor
-  err = relative_error(actual, expected)
+  err = relative_error(actual, expected, floor)
   assert err <= bound, f"{name}: relative error {err:.3e} > {bound:.1e} ({dtype})"
   return err
 

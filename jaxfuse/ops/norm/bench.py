@@ -3,6 +3,10 @@
 Bytes counted: forward reads x and writes y (2 passes); the training step reads x twice (forward
 and backward), writes y, reads dy and writes dx (5 passes). Parameters and statistics are
 negligible next to them and not counted.
+
+The ``*_f32_params`` ops are the mixed-precision layer of a training model (flax's default
+``param_dtype``): bf16 x with float32 weight and bias, so y and dy are float32 (``jnp``'s
+promotion) and a pass over them moves twice x's bytes.
 """
 
 from __future__ import annotations
@@ -18,15 +22,16 @@ from jaxfuse.ops.norm import cuda as cuda_kernels
 from jaxfuse.ops.norm.api import layer_norm, rms_norm
 
 GPU_SIZES = (256, 1024, 2048, 4096, 8192, 16384, 65536)
+GPU_MIXED_SIZES = (4096, 65536)
 GPU_ROWS = 16384
 
 
-def _inputs(key, rows, n, dtype, with_bias):
+def _inputs(key, rows, n, dtype, param_dtype, with_bias):
   kx, kw, kb, kd = jax.random.split(key, 4)
   x = jax.random.normal(kx, (rows, n), dtype)
-  w = 1.0 + 0.1 * jax.random.normal(kw, (n,), dtype)
-  dy = jax.random.normal(kd, (rows, n), dtype)
-  b = 0.1 * jax.random.normal(kb, (n,), dtype) if with_bias else None
+  w = 1.0 + 0.1 * jax.random.normal(kw, (n,), param_dtype)
+  dy = jax.random.normal(kd, (rows, n), jnp.result_type(dtype, param_dtype))
+  b = 0.1 * jax.random.normal(kb, (n,), param_dtype) if with_bias else None
   return (x, w, b, dy) if with_bias else (x, w, dy)
 
 
@@ -45,29 +50,37 @@ def _train(fn, impl):
   return step
 
 
-def _cuda_takes(n, dtype):
-  return cuda.unavailable() is None and cuda_kernels.unsupported(n, dtype, dtype, [dtype]) is None
+def _cuda_takes(n, dtype, param_dtype):
+  out_dtype = jnp.result_type(dtype, param_dtype)
+  return (cuda.unavailable() is None
+          and cuda_kernels.unsupported(n, dtype, out_dtype, [param_dtype]) is None)
 
 
 def cases(quick: bool = False) -> list[Case]:
   on_gpu = registry.platform() == "gpu"
   if on_gpu:
-    rows, sizes = GPU_ROWS, GPU_SIZES[:3] if quick else GPU_SIZES
+    rows = GPU_ROWS
+    sizes, mixed_sizes = (GPU_SIZES[:3], ()) if quick else (GPU_SIZES, GPU_MIXED_SIZES)
     impls, check_only = ("xla", "triton", "cuda", DEFAULT), ()
   else:
-    rows, sizes = 64, (256, 1000, 4097)
+    rows, sizes, mixed_sizes = 64, (256, 1000, 4097), (1000,)
     impls, check_only = ("xla",), ("triton",)
   dtype = jnp.bfloat16
   out = []
-  for op, fn, with_bias in (("rms_norm", rms_norm, False), ("layer_norm", layer_norm, True)):
-    for n in sizes:
-      pass_bytes = rows * n * jnp.dtype(dtype).itemsize
-      out.append(Case(
-          op=op, label=f"{rows}x{n} {jnp.dtype(dtype).name}", size=n,
-          make_inputs=functools.partial(_inputs, rows=rows, n=n, dtype=dtype,
-                                        with_bias=with_bias),
-          forward=functools.partial(_forward, fn), train=functools.partial(_train, fn),
-          forward_work=2 * pass_bytes, train_work=5 * pass_bytes,
-          implementations=[i for i in impls if i != "cuda" or _cuda_takes(n, dtype)],
-          check_only=check_only))
+  for param_dtype, suffix, op_sizes in ((dtype, "", sizes),
+                                        (jnp.float32, "_f32_params", mixed_sizes)):
+    # In passes of x's bytes: y and dy take result_type(x, params).
+    wide = jnp.dtype(jnp.result_type(dtype, param_dtype)).itemsize // jnp.dtype(dtype).itemsize
+    for op, fn, with_bias in (("rms_norm", rms_norm, False), ("layer_norm", layer_norm, True)):
+      for n in op_sizes:
+        pass_bytes = rows * n * jnp.dtype(dtype).itemsize
+        out.append(Case(
+            op=op + suffix, label=f"{rows}x{n} {jnp.dtype(dtype).name}", size=n,
+            make_inputs=functools.partial(_inputs, rows=rows, n=n, dtype=dtype,
+                                          param_dtype=param_dtype, with_bias=with_bias),
+            forward=functools.partial(_forward, fn), train=functools.partial(_train, fn),
+            forward_work=(1 + wide) * pass_bytes, train_work=(3 + 2 * wide) * pass_bytes,
+            implementations=[i for i in impls
+                             if i != "cuda" or _cuda_takes(n, dtype, param_dtype)],
+            check_only=check_only))
   return out

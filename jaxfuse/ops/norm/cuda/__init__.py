@@ -42,14 +42,20 @@ _SUPPORTED = tuple(map(jnp.dtype, (jnp.float16, jnp.bfloat16, jnp.float32)))
 # Staged (32768 columns and more), CTAs of 128 threads up to clusters of 8, then of 256: their
 # small stages and parameter slices let more CTAs share an SM (65536 columns: RMSNorm 95.6% of
 # the copy against 87.6% through registers, LayerNorm 86.8% against 79.0%; two stages, or the
-# parameters read from global memory at each row, measured slower).
-def forward_tiling(n_cols: int, x_dtype) -> Tiling | None:
+# parameters read from global memory at each row, measured slower). float32 parameters beside
+# 16-bit x double the parameter slices, so there the slices are halved and the clusters doubled
+# (up to 16 CTAs) to keep as many CTAs on an SM. bf16 x, float32 weights, 65536 columns: 6-7
+# points of the copy over the widest slices for LayerNorm and for RMSNorm's float32 output, a
+# point under for RMSNorm's bf16 output (2026-11-23-h100-norm-f32-params.json has the default).
+def forward_tiling(n_cols: int, x_dtype, param_dtype=None) -> Tiling | None:
   width = jnp.dtype(x_dtype).itemsize
   staged = None
   if n_cols * width >= STAGED_FROM_BYTES:
-    units = (STAGED_UNITS[width],)
-    staged = (cuda.tiling(n_cols, units, max_cluster=8, max_threads=128, stages=1)
-              or cuda.tiling(n_cols, units, max_threads=STAGED_THREADS, stages=1))
+    units = STAGED_UNITS[width]
+    if param_dtype is not None and jnp.dtype(param_dtype).itemsize > width:
+      staged = cuda.tiling(n_cols, (units // 2,), max_threads=128, stages=1)
+    staged = (staged or cuda.tiling(n_cols, (units,), max_cluster=8, max_threads=128, stages=1)
+              or cuda.tiling(n_cols, (units,), max_threads=STAGED_THREADS, stages=1))
   return staged or cuda.tiling(n_cols, FORWARD_UNITS[width])
 
 
@@ -110,10 +116,10 @@ def resident_clusters(direction: str, kind: str, x_dtype, other_dtype, param_dty
 def forward(x, weight, bias, *, kind, eps, out_dtype, tiling: Tiling | None = None):
   """``x (G, R, N)``, ``weight``/``bias`` ``(G, N)`` or None -> ``(y, mean | None, rstd)``."""
   n_groups, n_rows, n_cols = x.shape
-  t = tiling or forward_tiling(n_cols, x.dtype)
-  t.check(n_cols)
   has_weight, has_bias = weight is not None, bias is not None
   weight, bias = _params(x, weight, bias)
+  t = tiling or forward_tiling(n_cols, x.dtype, weight.dtype if has_weight or has_bias else None)
+  t.check(n_cols)
   clusters = min(n_rows, resident_clusters("forward", kind, x.dtype, out_dtype, weight.dtype, t,
                                            has_weight, has_bias))
   stat = jax.ShapeDtypeStruct((n_groups, n_rows), jnp.float32)
