@@ -44,9 +44,10 @@ _SUPPORTED = tuple(map(jnp.dtype, (jnp.float16, jnp.bfloat16, jnp.float32)))
 # the copy against 87.6% through registers, LayerNorm 86.8% against 79.0%; two stages, or the
 # parameters read from global memory at each row, measured slower). float32 parameters beside
 # 16-bit x double the parameter slices, so there the slices are halved and the clusters doubled
-# (up to 16 CTAs) to keep as many CTAs on an SM. bf16 x, float32 weights, 65536 columns: 6-7
-# points of the copy over the widest slices for LayerNorm and for RMSNorm's float32 output, a
-# point under for RMSNorm's bf16 output (2026-11-23-h100-norm-f32-params.json has the default).
+# (up to 16 CTAs) to keep as many CTAs on an SM. bf16 x, float32 weights, 65536 columns, in
+# probes against the widest slices: 6-7 points of the copy more for RMSNorm's float32 output
+# and LayerNorm's bf16 output, even for LayerNorm's float32 output, a point less for RMSNorm's
+# bf16 output (benchmarks/results/2026-11-23-h100-norm-f32-params.json records the default).
 def forward_tiling(n_cols: int, x_dtype, param_dtype=None) -> Tiling | None:
   width = jnp.dtype(x_dtype).itemsize
   staged = None
