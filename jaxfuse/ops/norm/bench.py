@@ -69,8 +69,9 @@ def cases(quick: bool = False) -> list[Case]:
   out = []
   for param_dtype, suffix, op_sizes in ((dtype, "", sizes),
                                         (jnp.float32, "_f32_params", mixed_sizes)):
-    # In passes of x's bytes: y and dy take result_type(x, params).
-    wide = jnp.dtype(jnp.result_type(dtype, param_dtype)).itemsize // jnp.dtype(dtype).itemsize
+    # A pass over y or dy (result_type(x, params)), counted in passes of x's bytes.
+    y_passes = (jnp.dtype(jnp.result_type(dtype, param_dtype)).itemsize
+                // jnp.dtype(dtype).itemsize)
     for op, fn, with_bias in (("rms_norm", rms_norm, False), ("layer_norm", layer_norm, True)):
       for n in op_sizes:
         pass_bytes = rows * n * jnp.dtype(dtype).itemsize
@@ -79,7 +80,8 @@ def cases(quick: bool = False) -> list[Case]:
             make_inputs=functools.partial(_inputs, rows=rows, n=n, dtype=dtype,
                                           param_dtype=param_dtype, with_bias=with_bias),
             forward=functools.partial(_forward, fn), train=functools.partial(_train, fn),
-            forward_work=(1 + wide) * pass_bytes, train_work=(3 + 2 * wide) * pass_bytes,
+            forward_work=(1 + y_passes) * pass_bytes,
+            train_work=(3 + 2 * y_passes) * pass_bytes,
             implementations=[i for i in impls
                              if i != "cuda" or _cuda_takes(n, dtype, param_dtype)],
             check_only=check_only))
