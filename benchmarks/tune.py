@@ -176,7 +176,8 @@ def _norm(sweep):
 
 
 def _norm_cuda(sweep):
-  """Cluster shapes of the 'cuda' kernels: (CTAs per row, threads per CTA, units per thread)."""
+  """Cluster shapes of the 'cuda' kernels: (CTAs per row, threads per CTA, units per thread),
+  and for short rows the lanes that hold a row."""
   from jaxfuse.ops.norm import cuda
   from jaxfuse._core.cuda import Tiling as T
 
@@ -188,9 +189,17 @@ def _norm_cuda(sweep):
     return cuda.backward(dy, x, w, mean, rstd, kind=kind, has_bias=kind == "layer",
                          bias_dtype=w.dtype, tiling=tiling)
 
+  # Short rows: (threads, units, lanes), a row to a group of lanes of one warp.
+  def lanes(threads, units, n_lanes):
+    return T(1, threads, units, 0, n_lanes)
+
   # Forward: rows through registers, or staged through one or two shared-memory stages beside
   # the parameter slices (measured slower: the parameters read from global memory at each row).
-  plans = {32768: ([T(2, 512, 4), T(2, 256, 8, 1), T(4, 128, 8, 2), T(8, 64, 8, 1)],
+  plans = {256: ([lanes(256, 4, 8), lanes(256, 1, 32), lanes(128, 2, 16), lanes(64, 1, 32)],
+                 [lanes(256, 1, 32), lanes(128, 2, 16), lanes(64, 1, 32)]),
+           512: ([lanes(256, 4, 16), lanes(128, 2, 32)], [lanes(128, 2, 32)]),
+           1024: ([lanes(128, 4, 32)], []),
+           32768: ([T(2, 512, 4), T(2, 256, 8, 1), T(4, 128, 8, 2), T(8, 64, 8, 1)],
                    [T(8, 256, 2), T(8, 512, 1)]),
            65536: ([T(4, 512, 4), T(4, 256, 8, 1), T(8, 128, 8, 2), T(16, 64, 8, 1)],
                    [T(16, 256, 2), T(16, 512, 1)]),

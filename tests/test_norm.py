@@ -505,6 +505,26 @@ def test_gpu_cuda_refuses_rows_it_cannot_hold(rng, n):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("n", [256, 488])
+def test_gpu_default_layer_norm_backward_takes_cuda_for_short_rows(rng, n):
+  """LayerNorm's default pairs the Triton forward with the CUDA short-row backward; RMSNorm's
+  stays with Triton. The pair matches float64 on poisoned memory."""
+  x = random(rng, (999, n), jnp.bfloat16)
+  w, b = params(rng, "layer", (n,), jnp.bfloat16)
+  dy = random(rng, x.shape, jnp.bfloat16)
+
+  def lowered(kind):
+    args = [a for a in (x, w, b if kind == "layer" else None) if a is not None]
+    step = jax.grad(lambda *a: call(kind, *a).sum(), tuple(range(len(args))))
+    return jax.jit(step).lower(*args).as_text()
+
+  layer = lowered("layer")
+  assert "jaxfuse_norm_backward" in layer and "jaxfuse_norm_forward" not in layer
+  assert "jaxfuse_norm_backward" not in lowered("rms")
+  _check_step_on_poisoned_memory("layer", None, x, w, b, dy)
+
+
+@pytest.mark.gpu
 def test_gpu_default_takes_cuda_for_long_rows(rng):
   x = random(rng, (64, 65536), jnp.bfloat16)
   w = random(rng, (65536,), jnp.bfloat16)
@@ -560,3 +580,55 @@ def test_gpu_cuda_every_built_tiling(rng, kind, dtype):
                                   bias_dtype=dtype, tiling=t)
     for g, r in zip([g for g in grads if g is not None], [r for r in grads_ref if r is not None]):
       assert_close(g.reshape(r.shape), r, dtype, factor=4, name=str(t))
+
+
+def _short_tilings(n, dtype):
+  """Every units-per-thread the short-row kernels are built for that one warp covers n with,
+  on the fewest lanes, in CTAs of 256 and of 64 threads."""
+  from jaxfuse._core import cuda
+  from jaxfuse.ops.norm import cuda as cuda_kernels
+  width = jnp.dtype(dtype).itemsize
+  for direction, built in (("forward", cuda_kernels.SHORT_FORWARD_UNITS[width]),
+                           ("backward", cuda_kernels.SHORT_BACKWARD_UNITS[width])):
+    for units in built:
+      for threads in (256, 64):
+        t = cuda.short_tiling(n, (units,), threads=threads)
+        if t is not None:
+          yield direction, t
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("n", [8, 24, 200, 256, 488, 1000])
+@pytest.mark.parametrize("grid", ["resident", "three CTAs"])
+def test_gpu_cuda_short_rows(rng, monkeypatch, kind, dtype, n, grid):
+  """Each short-row instantiation on poisoned memory, over a prime number of rows: with the
+  resident grid, and with three CTAs, each of which then walks many rows (prefetch, the last
+  partial pass, the parameter sums over many rows per thread)."""
+  from jaxfuse._core.testing import poison_device_memory
+  from jaxfuse.ops.norm import cuda as cuda_kernels
+  if jnp.dtype(dtype).itemsize == 4 and n > 512:
+    pytest.skip("longer than the short-row kernels' float32 rows (512)")
+  if grid == "three CTAs":
+    monkeypatch.setattr(cuda_kernels, "resident_clusters", lambda *args: 3)
+  rows = 1009
+  x = random(rng, (1, rows, n), dtype, offset=1.5 if kind == "layer" else 0.0)
+  w, b = params(rng, kind, (1, n), dtype)
+  dy = random(rng, x.shape, dtype)
+  y_ref, grads_ref = reference(kind, x[0], w[0], None if b is None else b[0], dy[0], nd=1)
+  _, mean, rstd = cuda_kernels.forward(x, w, b, kind=kind, eps=EPS[kind], out_dtype=dtype)
+  tested = 0
+  for direction, t in _short_tilings(n, dtype):
+    poison_device_memory(8 * x.size)
+    if direction == "forward":
+      y, *_ = cuda_kernels.forward(x, w, b, kind=kind, eps=EPS[kind], out_dtype=dtype, tiling=t)
+      assert_close(y[0], y_ref, dtype, name=str(t))
+    else:
+      grads = cuda_kernels.backward(dy, x, w, mean, rstd, kind=kind, has_bias=b is not None,
+                                    bias_dtype=dtype, tiling=t)
+      for g, r in zip([g for g in grads if g is not None],
+                      [r for r in grads_ref if r is not None]):
+        assert_close(g.reshape(r.shape), r, dtype, factor=4, name=str(t))
+    tested += 1
+  assert tested, f"no short tiling for {n} {jnp.dtype(dtype).name}"

@@ -34,14 +34,19 @@ MAX_THREADS = 512
 @dataclasses.dataclass(frozen=True)
 class Tiling:
   """A row is held by ``cluster`` CTAs of ``threads`` threads, ``units`` 8-element units each,
-  fed through ``stages`` shared-memory stages, or through registers when 0 (rows.cuh)."""
+  fed through ``stages`` shared-memory stages, or through registers when 0 (rows.cuh). With
+  ``lanes`` (a power of two up to 32), a short row is held by that many lanes of one warp
+  instead, and each CTA of ``threads`` holds ``threads // lanes`` rows (rows.cuh LaneSlice)."""
   cluster: int
   threads: int
   units: int
   stages: int = 0
+  lanes: int = 0
 
   @property
   def capacity(self) -> int:
+    if self.lanes:
+      return self.lanes * self.units * UNIT
     return self.cluster * self.threads * self.units * UNIT
 
   def check(self, n_cols: int):
@@ -65,6 +70,19 @@ def tiling(n_cols: int, units_choices, *, min_cluster: int = 1, max_cluster: int
     threads = 32 * math.ceil(n_units / (cluster * units) / 32)
     if threads <= max_threads:
       return Tiling(cluster, threads, units, stages)
+  return None
+
+
+def short_tiling(n_cols: int, units_choices, *, threads: int = 256) -> Tiling | None:
+  """The first ``units`` per thread at which one warp holds the row, on the fewest lanes (a
+  power of two) that cover it, then trimmed to the fewest of ``units_choices`` those lanes
+  need, in CTAs of ``threads``."""
+  n_units = math.ceil(n_cols / UNIT)
+  for units in units_choices:
+    lanes = 1 << max(0, math.ceil(n_units / units) - 1).bit_length()
+    if lanes <= 32:
+      units = min(u for u in units_choices if lanes * u >= n_units)
+      return Tiling(1, threads, units, 0, lanes)
   return None
 
 

@@ -1,4 +1,5 @@
-// Row kernels that keep a whole row in registers, split across a thread-block cluster.
+// Row kernels that keep a whole row in registers, split across a thread-block cluster (or, for
+// short rows, held by a group of lanes of one warp: LaneSlice below).
 //
 // A row of N elements is cut into 8-element units. Cluster CTA `rank` of T threads owns the
 // slice of V * T units starting at unit rank * V * T; thread t holds units k * T + t (k < V), so
@@ -143,9 +144,23 @@ struct RowSlice {
   __device__ __forceinline__ bool holds(int k) const { return column(k) < n; }
 };
 
+// Short rows: a row of at most 32 * V units is held by a group of `lanes` lanes of one warp (a
+// power of two), lane j holding units k * lanes + j. A warp holds 32 / lanes rows at once, and a
+// row's statistics take log2(lanes) shuffles and no barrier, where a CTA per row would pay a
+// barrier and leave most of its threads without work.
+struct LaneSlice {
+  int lanes, lane, n;
+
+  __device__ __forceinline__ static LaneSlice mine(int lanes, int n) {
+    return {lanes, static_cast<int>(threadIdx.x) % lanes, n};
+  }
+  __device__ __forceinline__ int column(int k) const { return (k * lanes + lane) * kUnit; }
+  __device__ __forceinline__ bool holds(int k) const { return column(k) < n; }
+};
+
 // A thread's units of one row (zeros for units past the row's end, or for no row at all).
-template <typename T, int V>
-__device__ __forceinline__ void load_row(const T* row, const RowSlice& slice, bool valid,
+template <typename T, int V, typename Slice>
+__device__ __forceinline__ void load_row(const T* row, const Slice& slice, bool valid,
                                          Unit<T> (&units)[V]) {
 #pragma unroll
   for (int k = 0; k < V; ++k) {
@@ -161,6 +176,11 @@ struct RowWalk {
   __device__ __forceinline__ static RowWalk of_cluster() {
     const int64_t ctas = cg::this_cluster().num_blocks();
     return {blockIdx.x / ctas, gridDim.x / ctas};
+  }
+  // Short rows: the groups of `lanes` lanes of every CTA, in order, take consecutive rows.
+  __device__ __forceinline__ static RowWalk of_lanes(int lanes) {
+    const int64_t per_cta = blockDim.x / lanes;
+    return {blockIdx.x * per_cta + threadIdx.x / lanes, gridDim.x * per_cta};
   }
 };
 
@@ -381,6 +401,14 @@ struct Sum {
     return make_float3(a.x + b.x, a.y + b.y, a.z + b.z);
   }
 };
+
+// The sum over a group of `lanes` lanes (a power of two, aligned in its warp) as a butterfly:
+// every lane of the group gets the same bits. Every lane of the warp must take part.
+template <typename S> __device__ __forceinline__ S lane_group_sum(S value, int lanes) {
+  for (int offset = lanes / 2; offset > 0; offset /= 2)
+    value = Sum{}(value, shuffle(value, offset, true));
+  return value;
+}
 
 // Moments (count, mean, M2) of disjoint parts merged exactly: each part's sums of (v - shift)
 // and (v - shift)^2 follow from its moments, they add, and the merged moments follow back.

@@ -27,17 +27,21 @@ def _preference():
   return ("xla",) if registry.platform() == "cpu" else ("triton", "xla")
 
 
-def _fastest(n: int, direction: str, cuda_fits: bool) -> str:
+def _fastest(kind: str, n: int, direction: str, cuda_fits: bool, cuda_short: bool) -> str:
   """The fastest implementation for one direction, from benchmarks/results (H100, bf16).
 
   Up to 16384 features the Triton kernels hold a row block in registers and win both
-  directions. Longer rows must be walked twice by a Pallas program, and there the CUDA
-  kernels, which hold a row in a thread block cluster, win both directions. Both directions
-  share the saved statistics, so any forward pairs with any backward. Where the CUDA kernels
-  cannot run (rows that do not fit a cluster, float64) the two-walk Triton forward still beats
-  XLA's, and XLA's backward beats the two-walk Triton one.
+  directions, but for LayerNorm's backward over rows short enough for the CUDA short-row
+  kernel (``cuda_short``: up to 512 16-bit features, y of x's dtype), where a warp's lanes
+  hold the rows: at 256 features the training step is 2 points of the copy ahead, with half
+  the temporary memory (2026-11-23-h100-norm-short-rows.json). Longer rows must
+  be walked twice by a Pallas program, and there the CUDA kernels, which hold a row in a
+  thread block cluster, win both directions. Both directions share the saved statistics, so
+  any forward pairs with any backward. Where the CUDA kernels cannot run (rows that do not fit
+  a cluster, float64) the two-walk Triton forward still beats XLA's, and XLA's backward beats
+  the two-walk Triton one.
   """
-  if n > 16384 and cuda_fits:
+  if cuda_fits and (n > 16384 or (kind == "layer" and direction == "backward" and cuda_short)):
     return "cuda"
   return "triton" if direction == "forward" or n <= 16384 else "xla"
 
@@ -145,8 +149,10 @@ def _normalize(op, kind, x, weight, bias, eps, normalized_ndim, out_dtype, imple
   forward_impl = backward_impl = impl
   if implementation is None and impl == "triton":
     cuda_fits = cuda.unavailable() is None and cuda_refusal() is None
-    forward_impl = _fastest(n, "forward", cuda_fits)
-    backward_impl = _fastest(n, "backward", cuda_fits)
+    cuda_short = (jnp.dtype(x.dtype).itemsize == 2 and jnp.dtype(out_dtype) == x.dtype
+                  and getattr(cuda_kernels.backward_tiling(n, x.dtype), "lanes", 0) > 0)
+    forward_impl = _fastest(kind, n, "forward", cuda_fits, cuda_short)
+    backward_impl = _fastest(kind, n, "backward", cuda_fits, cuda_short)
   st = _Static(op, kind, eps, norm_ndim, jnp.dtype(out_dtype),
                None if bias is None else jnp.dtype(bias.dtype), forward_impl, backward_impl)
   return _norm_jit(x, weight, bias, st)

@@ -1,9 +1,12 @@
-"""CUDA kernels for RMSNorm and LayerNorm over long rows (``norm.cu``), through XLA's FFI.
+"""CUDA kernels for RMSNorm and LayerNorm (``norm.cu``), through XLA's FFI.
 
-Same calling convention as the Triton kernels: ``x (G, R, N)``, parameters ``(G, N)``. A row is
-split over a thread-block cluster of up to 16 CTAs that hold it in registers, so the forward
-reads x once and the backward reads x and dy once. A single Pallas program cannot hold a row of
-tens of thousands of elements and walks it twice; that second walk is what these kernels save.
+Same calling convention as the Triton kernels: ``x (G, R, N)``, parameters ``(G, N)``. A long
+row is split over a thread-block cluster of up to 16 CTAs that hold it in registers, so the
+forward reads x once and the backward reads x and dy once. A single Pallas program cannot hold
+a row of tens of thousands of elements and walks it twice; that second walk is what these
+kernels save. A short row (what 32 lanes hold: up to 1024 16-bit elements forward and 512
+backward, float32 512 and 256) is held by a group of lanes of one warp, many rows to a CTA,
+each thread loading its next row while it works on the current one.
 """
 
 from __future__ import annotations
@@ -33,6 +36,14 @@ BACKWARD_UNITS = {2: (2, 1), 4: (1,)}
 STAGED_UNITS = {2: 8, 4: 4}
 STAGED_THREADS = 256
 STAGED_FROM_BYTES = 64 * 1024
+# Short rows (norm.cu), units per thread in order of preference, up to what fits beside the next
+# row. Measured on the H100 (benchmarks/tune.py norm_cuda, bf16, 16384 x 256): two units on 16
+# lanes 1-4 points of the copy ahead of one on 32 lanes, both directions, and level with four on
+# 8 lanes forward. Against the Triton kernels there (2026-11-23-h100-norm-short-rows.json): the
+# forward some 12 points behind (70% of the copy against 82%), RMSNorm's backward level,
+# LayerNorm's ahead, which `None` takes (api._fastest).
+SHORT_FORWARD_UNITS = {2: (2, 4, 1), 4: (2, 1)}
+SHORT_BACKWARD_UNITS = {2: (2, 1), 4: (1,)}
 _SUPPORTED = tuple(map(jnp.dtype, (jnp.float16, jnp.bfloat16, jnp.float32)))
 
 
@@ -50,6 +61,8 @@ _SUPPORTED = tuple(map(jnp.dtype, (jnp.float16, jnp.bfloat16, jnp.float32)))
 # bf16 output (benchmarks/results/2026-11-23-h100-norm-f32-params.json records the default).
 def forward_tiling(n_cols: int, x_dtype, param_dtype=None) -> Tiling | None:
   width = jnp.dtype(x_dtype).itemsize
+  if short := cuda.short_tiling(n_cols, SHORT_FORWARD_UNITS[width]):
+    return short
   staged = None
   if n_cols * width >= STAGED_FROM_BYTES:
     units = STAGED_UNITS[width]
@@ -61,7 +74,9 @@ def forward_tiling(n_cols: int, x_dtype, param_dtype=None) -> Tiling | None:
 
 
 def backward_tiling(n_cols: int, x_dtype) -> Tiling | None:
-  return cuda.tiling(n_cols, BACKWARD_UNITS[jnp.dtype(x_dtype).itemsize])
+  width = jnp.dtype(x_dtype).itemsize
+  return (cuda.short_tiling(n_cols, SHORT_BACKWARD_UNITS[width])
+          or cuda.tiling(n_cols, BACKWARD_UNITS[width]))
 
 
 def unsupported(n_cols: int, x_dtype, out_dtype, param_dtypes) -> str | None:
@@ -102,16 +117,24 @@ def _params(x, *params):
 @functools.cache
 def resident_clusters(direction: str, kind: str, x_dtype, other_dtype, param_dtype, t: Tiling,
                       has_weight: bool, has_bias: bool) -> int:
-  """Clusters the GPU holds at once: the persistent grid, sized at trace time."""
+  """Clusters (for short rows, CTAs) the GPU holds at once: the persistent grid, sized at
+  trace time."""
   query = _library().jaxfuse_norm_clusters
-  query.argtypes = [ctypes.c_int] * 11
+  query.argtypes = [ctypes.c_int] * 12
   query.restype = ctypes.c_int
   count = query(direction == "backward", jnp.dtype(x_dtype).itemsize,
                 jnp.dtype(other_dtype).itemsize, jnp.dtype(param_dtype).itemsize,
-                kind == "layer", t.cluster, t.threads, t.units, t.stages, has_weight, has_bias)
+                kind == "layer", t.cluster, t.threads, t.units, t.stages, t.lanes, has_weight,
+                has_bias)
   if count <= 0:
     raise NotImplementedError(f"the 'cuda' norm {direction} cannot launch {t} on this GPU")
   return count
+
+
+def _grid(n_rows: int, t: Tiling, resident: int) -> int:
+  """Clusters (for short rows, CTAs) to launch: as many as are resident, none without a row."""
+  rows_at_once = t.threads // t.lanes if t.lanes else 1
+  return max(1, min(resident, -(-n_rows // rows_at_once)))
 
 
 def forward(x, weight, bias, *, kind, eps, out_dtype, tiling: Tiling | None = None):
@@ -121,14 +144,14 @@ def forward(x, weight, bias, *, kind, eps, out_dtype, tiling: Tiling | None = No
   weight, bias = _params(x, weight, bias)
   t = tiling or forward_tiling(n_cols, x.dtype, weight.dtype if has_weight or has_bias else None)
   t.check(n_cols)
-  clusters = min(n_rows, resident_clusters("forward", kind, x.dtype, out_dtype, weight.dtype, t,
-                                           has_weight, has_bias))
+  clusters = _grid(n_rows, t, resident_clusters("forward", kind, x.dtype, out_dtype,
+                                                weight.dtype, t, has_weight, has_bias))
   stat = jax.ShapeDtypeStruct((n_groups, n_rows), jnp.float32)
   y, mean, rstd = jax.ffi.ffi_call(
       "jaxfuse_norm_forward", (jax.ShapeDtypeStruct(x.shape, out_dtype), stat, stat))(
           x, weight, bias, eps=np.float32(eps), cluster=np.int64(t.cluster),
           threads=np.int64(t.threads), units=np.int64(t.units), stages=np.int64(t.stages),
-          clusters=np.int64(clusters), layer=np.int64(kind == "layer"),
+          lanes=np.int64(t.lanes), clusters=np.int64(clusters), layer=np.int64(kind == "layer"),
           has_weight=np.int64(has_weight), has_bias=np.int64(has_bias))
   return y, (mean if kind == "layer" else None), rstd
 
@@ -141,8 +164,8 @@ def backward(dy, x, weight, mean, rstd, *, kind, has_bias, bias_dtype=None,
   t = tiling or backward_tiling(n_cols, x.dtype)
   t.check(n_cols)
   (kernel_weight,) = _params(x, weight)
-  clusters = min(n_rows, resident_clusters("backward", kind, x.dtype, dy.dtype,
-                                           kernel_weight.dtype, t, has_weight, has_bias))
+  clusters = _grid(n_rows, t, resident_clusters("backward", kind, x.dtype, dy.dtype,
+                                                kernel_weight.dtype, t, has_weight, has_bias))
   partial = jax.ShapeDtypeStruct((n_groups, clusters, n_cols), jnp.float32)
   unused = jax.ShapeDtypeStruct((1,), jnp.float32)
   dx, dweight, dbias = jax.ffi.ffi_call(
@@ -151,7 +174,7 @@ def backward(dy, x, weight, mean, rstd, *, kind, has_bias, bias_dtype=None,
        partial if has_bias else unused))(
           dy, x, kernel_weight, x if mean is None else mean, rstd,
           cluster=np.int64(t.cluster), threads=np.int64(t.threads), units=np.int64(t.units),
-          clusters=np.int64(clusters), layer=np.int64(kind == "layer"),
+          lanes=np.int64(t.lanes), clusters=np.int64(clusters), layer=np.int64(kind == "layer"),
           has_weight=np.int64(has_weight), has_bias=np.int64(has_bias))
   # Stage two: the per-cluster partials are summed in a fixed order, as Triton's are.
   return (dx, *triton.sum_param_partials(dweight if has_weight else None,

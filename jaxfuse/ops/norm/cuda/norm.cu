@@ -9,6 +9,10 @@
 // registers free to hold twice as wide a slice of the current one. Per-thread state that lives
 // for a whole group (the parameter slices, the backward's weight-gradient sums) sits in shared
 // memory, leaving the registers to the rows: two 512-thread CTAs fit an SM.
+//
+// Rows of at most 32 lanes' units go to the short-row kernels below instead, where a group of
+// lanes holds a row and a CTA many rows: a cluster kernel would give such a row a whole CTA and
+// a barrier.
 #include "rows.cuh"
 
 namespace jaxfuse {
@@ -167,6 +171,40 @@ __global__ void __launch_bounds__(kStaged ? kStagedThreads : kThreads, kStaged ?
   }
 }
 
+// The backward's arithmetic, shared by the cluster and short-row kernels: this thread's part
+// of a row's sums of w * dy (LayerNorm) and of x_hat * w * dy over the units it holds, where
+// weight_of(k, w) gives unit k's weights ...
+template <bool kLayer, typename TX, typename TDY, int V, typename Slice, typename WeightOf>
+__device__ __forceinline__ float2 thread_row_sums(const Unit<TX> (&xs)[V],
+                                                  const Unit<TDY> (&dys)[V], const Slice& slice,
+                                                  WeightOf weight_of, float mean, float rstd) {
+  float2 partial = make_float2(0.f, 0.f);
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+    if (!slice.holds(k)) continue;
+    float x[kUnit], dy[kUnit], w[kUnit];
+    xs[k].unpack(x);
+    dys[k].unpack(dy);
+    weight_of(k, w);
+    if (kLayer) partial.x += unit_sum([&](int e) { return dy[e] * w[e]; });
+    partial.y += unit_sum([&](int e) { return dy[e] * w[e] * (x[e] - mean) * rstd; });
+  }
+  return partial;
+}
+
+// ... and, for one unit, from the row's c1 and c2 (those sums over n), dx in place of x, with
+// the dweight terms dy * x_hat added to dw.
+__device__ __forceinline__ void unit_gradients(float (&x)[kUnit], const float (&dy)[kUnit],
+                                               const float (&w)[kUnit], float mean, float rstd,
+                                               float c1, float c2, float (&dw)[kUnit]) {
+#pragma unroll
+  for (int e = 0; e < kUnit; ++e) {
+    const float x_hat = (x[e] - mean) * rstd;
+    dw[e] += dy[e] * x_hat;
+    x[e] = rstd * (dy[e] * w[e] - c1 - x_hat * c2);
+  }
+}
+
 // Each CTA owns one column slice of every row its cluster walks, so it sums its slice of
 // dweight and dbias over those rows and writes one float32 partial per (group, cluster); a
 // second kernel (Triton's sum_param_partials) sums them in a fixed order, so the gradients
@@ -196,6 +234,9 @@ __global__ void __launch_bounds__(kThreads, 2) norm_backward_kernel(
       if (has_weight) dw_sum.zero(k);
       if (has_bias) db_sum.zero(k);
     }
+    auto weight_of = [&](int k, float (&w)[kUnit]) {
+      if (has_weight) w_slice.get(k, w); else fill(w, 1.f);
+    };
     const int64_t group_offset = group * rows_per_group * n;
     Unit<TX> xs[V], next_xs[V];
     Unit<TDY> dys[V], next_dys[V];
@@ -207,18 +248,7 @@ __global__ void __launch_bounds__(kThreads, 2) norm_backward_kernel(
       load_row(x + group_offset + (r + clusters) * n, slice, more, next_xs);
       load_row(dy + group_offset + (r + clusters) * n, slice, more, next_dys);
       const float mean = kLayer ? mean_in[row] : 0.f, rstd = rstd_in[row];
-      // Sums over the row of w * dy (LayerNorm) and of x_hat * w * dy.
-      float2 partial = make_float2(0.f, 0.f);
-#pragma unroll
-      for (int k = 0; k < V; ++k) {
-        if (!slice.holds(k)) continue;
-        float xv[kUnit], dyv[kUnit], w[kUnit];
-        xs[k].unpack(xv);
-        dys[k].unpack(dyv);
-        if (has_weight) w_slice.get(k, w); else fill(w, 1.f);
-        if (kLayer) partial.x += unit_sum([&](int e) { return dyv[e] * w[e]; });
-        partial.y += unit_sum([&](int e) { return dyv[e] * w[e] * (xv[e] - mean) * rstd; });
-      }
+      const float2 partial = thread_row_sums<kLayer>(xs, dys, slice, weight_of, mean, rstd);
       const float2 total = cluster_reduce(partial, make_float2(0.f, 0.f), Sum{}, scratch, parity);
       parity ^= 1;
       const float c1 = kLayer ? total.x * inv_n : 0.f, c2 = total.y * inv_n;
@@ -228,13 +258,9 @@ __global__ void __launch_bounds__(kThreads, 2) norm_backward_kernel(
         float xv[kUnit], dyv[kUnit], w[kUnit], dw[kUnit];
         xs[k].unpack(xv);
         dys[k].unpack(dyv);
-        if (has_weight) w_slice.get(k, w); else fill(w, 1.f);
-#pragma unroll
-        for (int e = 0; e < kUnit; ++e) {
-          const float x_hat = (xv[e] - mean) * rstd;
-          dw[e] = dyv[e] * x_hat;
-          xv[e] = rstd * (dyv[e] * w[e] - c1 - x_hat * c2);
-        }
+        weight_of(k, w);
+        fill(dw, 0.f);
+        unit_gradients(xv, dyv, w, mean, rstd, c1, c2, dw);
         if (has_weight) dw_sum.add(k, dw);
         if (has_bias) db_sum.add(k, dyv);
         Unit<TX> out;
@@ -263,30 +289,217 @@ __global__ void __launch_bounds__(kThreads, 2) norm_backward_kernel(
   }
 }
 
+// ---- Short rows (rows.cuh LaneSlice): a group of lanes holds a row, a CTA many rows.
+//
+// Each thread keeps its parameters in registers for the whole group and loads the next row it
+// walks while it works on the current one; a row's statistics are shuffles within its group.
+// A group past the last row computes on zeros and stores nothing, so that its warp's shuffles
+// stay whole.
+constexpr int kShortThreads = 256;
+
+template <typename TX, typename TY, typename TP, bool kLayer, int V>
+__global__ void __launch_bounds__(kShortThreads)
+    norm_forward_short_kernel(const TX* __restrict__ x, const TP* __restrict__ weight,
+                              const TP* __restrict__ bias, TY* __restrict__ y,
+                              float* __restrict__ mean_out, float* __restrict__ rstd_out,
+                              int64_t groups, int64_t rows_per_group, int n, float eps,
+                              bool has_weight, bool has_bias, int lanes) {
+  const LaneSlice slice = LaneSlice::mine(lanes, n);
+  const RowWalk walk = RowWalk::of_lanes(lanes);
+  // Rows of one warp differ by its groups' places in it; the warp walks while any is a row.
+  const int64_t place = (threadIdx.x % 32) / lanes;
+  const float inv_n = 1.f / n;
+  for (int64_t group = 0; group < groups; ++group) {
+    Unit<TP> w[V], b[V];
+    load_row(weight + group * n, slice, has_weight, w);
+    load_row(bias + group * n, slice, has_bias, b);
+    const TX* xg = x + group * rows_per_group * n;
+    Unit<TX> xs[V], next[V];
+    load_row(xg + walk.first * n, slice, walk.first < rows_per_group, next);
+    for (int64_t r = walk.first; r - place < rows_per_group; r += walk.step) {
+#pragma unroll
+      for (int k = 0; k < V; ++k) xs[k] = next[k];
+      load_row(xg + (r + walk.step) * n, slice, r + walk.step < rows_per_group, next);
+      // LayerNorm: the mean, then M2 about it, both exact over the row in registers.
+      float sum = 0.f;
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        float v[kUnit];
+        xs[k].unpack(v);
+        sum += unit_sum([&](int e) { return kLayer ? v[e] : v[e] * v[e]; });
+      }
+      sum = lane_group_sum(sum, lanes);
+      float mean = 0.f, square = sum;
+      if constexpr (kLayer) {
+        mean = sum * inv_n;
+        square = 0.f;
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+          if (!slice.holds(k)) continue;
+          float v[kUnit];
+          xs[k].unpack(v);
+          square += unit_sum([&](int e) { return (v[e] - mean) * (v[e] - mean); });
+        }
+        square = lane_group_sum(square, lanes);
+      }
+      const float rstd = rsqrtf(square * inv_n + eps);
+      if (r >= rows_per_group) continue;
+      const int64_t row = group * rows_per_group + r;
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        if (!slice.holds(k)) continue;
+        float v[kUnit], wv[kUnit], bv[kUnit];
+        xs[k].unpack(v);
+        if (has_weight) w[k].unpack(wv); else fill(wv, 1.f);
+        if (has_bias) b[k].unpack(bv); else fill(bv, 0.f);
+#pragma unroll
+        for (int e = 0; e < kUnit; ++e) v[e] = (v[e] - mean) * rstd * wv[e] + bv[e];
+        Unit<TY> out;
+        out.pack(v);
+        out.store_streaming(y + row * n + slice.column(k));
+      }
+      if (slice.lane == 0) {
+        if (kLayer) mean_out[row] = mean;
+        rstd_out[row] = rstd;
+      }
+    }
+  }
+}
+
+// Each thread sums dweight and dbias over the rows its group walks, in registers; at the end
+// of a parameter group the CTA adds its groups' sums in a fixed order through shared memory and
+// writes one float32 partial per (group, CTA), which Triton's sum_param_partials then sums in
+// a fixed order: the gradients are deterministic.
+template <typename TX, typename TDY, typename TP, bool kLayer, int V>
+__global__ void __launch_bounds__(kShortThreads) norm_backward_short_kernel(
+    const TDY* __restrict__ dy, const TX* __restrict__ x, const TP* __restrict__ weight,
+    const float* __restrict__ mean_in, const float* __restrict__ rstd_in, TX* __restrict__ dx,
+    float* __restrict__ dweight_partial, float* __restrict__ dbias_partial, int64_t groups,
+    int64_t rows_per_group, int n, bool has_weight, bool has_bias, int lanes) {
+  extern __shared__ float4 group_sums[];  // [CTA's lane group][its row's columns]
+  const LaneSlice slice = LaneSlice::mine(lanes, n);
+  const RowWalk walk = RowWalk::of_lanes(lanes);
+  const int64_t place = (threadIdx.x % 32) / lanes;
+  const int lane_groups = blockDim.x / lanes, width = V * lanes * kUnit;
+  float4* my_sums = group_sums + (threadIdx.x / lanes) * (width / 4);
+  const float inv_n = 1.f / n;
+  for (int64_t group = 0; group < groups; ++group) {
+    Unit<TP> w[V];
+    load_row(weight + group * n, slice, has_weight, w);
+    auto weight_of = [&](int k, float (&wv)[kUnit]) {
+      if (has_weight) w[k].unpack(wv); else fill(wv, 1.f);
+    };
+    float dw[V][kUnit], db[V][kUnit];
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      fill(dw[k], 0.f);
+      fill(db[k], 0.f);
+    }
+    const int64_t offset = group * rows_per_group;
+    Unit<TX> xs[V], next_xs[V];
+    Unit<TDY> dys[V], next_dys[V];
+    float mean, rstd, next_mean, next_rstd;
+    // Row r and its statistics (zeros past the last row) into the next buffers.
+    auto fetch = [&](int64_t r) {
+      const bool valid = r < rows_per_group;
+      load_row(x + (offset + r) * n, slice, valid, next_xs);
+      load_row(dy + (offset + r) * n, slice, valid, next_dys);
+      next_mean = kLayer && valid ? mean_in[offset + r] : 0.f;
+      next_rstd = valid ? rstd_in[offset + r] : 0.f;
+    };
+    fetch(walk.first);
+    for (int64_t r = walk.first; r - place < rows_per_group; r += walk.step) {
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        xs[k] = next_xs[k];
+        dys[k] = next_dys[k];
+      }
+      mean = next_mean;
+      rstd = next_rstd;
+      fetch(r + walk.step);
+      // Past the last row x and dy are zeros, which add nothing to the parameter sums.
+      const float2 partial = thread_row_sums<kLayer>(xs, dys, slice, weight_of, mean, rstd);
+      const float2 total = lane_group_sum(partial, lanes);
+      const float c1 = kLayer ? total.x * inv_n : 0.f, c2 = total.y * inv_n;
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        if (!slice.holds(k)) continue;
+        float xv[kUnit], dyv[kUnit], wv[kUnit];
+        xs[k].unpack(xv);
+        dys[k].unpack(dyv);
+        weight_of(k, wv);
+        unit_gradients(xv, dyv, wv, mean, rstd, c1, c2, dw[k]);
+#pragma unroll
+        for (int e = 0; e < kUnit; ++e) db[k][e] += dyv[e];
+        if (r < rows_per_group) {
+          Unit<TX> out;
+          out.pack(xv);
+          out.store_streaming(dx + (offset + r) * n + slice.column(k));
+        }
+      }
+    }
+    const int64_t partial_row = (group * gridDim.x + blockIdx.x) * n;
+    auto reduce = [&](const float (&sums)[V][kUnit], float* out) {
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        const int unit = slice.column(k) / 4;
+        my_sums[unit] = make_float4(sums[k][0], sums[k][1], sums[k][2], sums[k][3]);
+        my_sums[unit + 1] = make_float4(sums[k][4], sums[k][5], sums[k][6], sums[k][7]);
+      }
+      __syncthreads();
+      const float* table = reinterpret_cast<const float*>(group_sums);
+      for (int c = threadIdx.x; c < n; c += blockDim.x) {
+        float total = 0.f;
+        for (int g = 0; g < lane_groups; ++g) total += table[g * width + c];
+        out[partial_row + c] = total;
+      }
+      __syncthreads();
+    };
+    if (has_weight) reduce(dw, dweight_partial);
+    if (has_bias) reduce(db, dbias_partial);
+  }
+}
+
 // Dynamic shared memory of a CTA: the parameter slices (forward, before its stages), or the
-// weight slice and the float32 gradient sums (backward).
+// weight slice and the float32 gradient sums (backward); for short rows, the backward's table
+// of its lane groups' float32 sums.
 size_t forward_smem(int threads, int units, int param_size, bool has_weight, bool has_bias) {
   return static_cast<size_t>(threads) * units * kUnit * param_size * (has_weight + has_bias);
 }
-size_t backward_smem(int threads, int units, int param_size, bool has_weight, bool has_bias) {
+size_t backward_smem(int threads, int units, int param_size, bool has_weight, bool has_bias,
+                     int lanes) {
+  if (lanes > 0) return static_cast<size_t>(threads) * units * kUnit * sizeof(float);
   return static_cast<size_t>(threads) * units * kUnit *
          (param_size * has_weight + sizeof(float) * (has_weight + has_bias));
 }
 
-// Calls f(kernel, staging bytes) with the forward built for these types and `units`, fed
-// through registers (stages 0) or `stages` shared-memory stages; false when none is built.
+// Short rows hold their row and the next one in registers: the forward in at most four 16-byte
+// vectors of x a thread, the backward, with two streams and its parameter sums, in two.
+constexpr int kShortForwardVectors = 4, kShortBackwardVectors = 2;
+
+// Calls f(kernel, dynamic shared memory bytes, short_rows) with the forward built for these
+// types and `units`: for short rows (lanes > 0, short_rows a std::true_type), through
+// registers (stages 0) or through `stages` shared-memory stages; false when none is built.
 template <typename TX, typename TY, typename TP, typename F>
-bool dispatch_forward(bool layer, int64_t units, int64_t stages, int threads, F&& f) {
+bool dispatch_forward(bool layer, int64_t units, int64_t stages, int threads, int lanes,
+                      bool has_weight, bool has_bias, F&& f) {
   constexpr int kVectors = Unit<TX>::kVectors;
   bool known = stages >= 0;
+  const size_t params = forward_smem(threads, units, sizeof(TP), has_weight, has_bias);
   const bool dispatched = dispatch_units<kMaxStagedVectors / kVectors>(units, [&](auto v) {
     constexpr int V = decltype(v)::value;
     auto with = [&](auto staged, size_t bytes) {
       constexpr bool kStaged = decltype(staged)::value;
-      if (layer) f(norm_forward_kernel<TX, TY, TP, true, V, kStaged>, bytes);
-      else f(norm_forward_kernel<TX, TY, TP, false, V, kStaged>, bytes);
+      if (layer) f(norm_forward_kernel<TX, TY, TP, true, V, kStaged>, params + bytes, std::false_type{});
+      else f(norm_forward_kernel<TX, TY, TP, false, V, kStaged>, params + bytes, std::false_type{});
     };
-    if (stages > 0) {
+    if (lanes > 0) {
+      if (stages != 0 || threads > kShortThreads) known = false;
+      else if constexpr (V * kVectors <= kShortForwardVectors) {
+        if (layer) f(norm_forward_short_kernel<TX, TY, TP, true, V>, 0, std::true_type{});
+        else f(norm_forward_short_kernel<TX, TY, TP, false, V>, 0, std::true_type{});
+      } else known = false;
+    } else if (stages > 0) {
       if (threads > kStagedThreads) known = false;
       else if constexpr (V * kVectors >= kMinStagedVectors)
         with(std::true_type{}, StagedFeed<TX, V>::bytes(static_cast<int>(stages), threads));
@@ -299,12 +512,34 @@ bool dispatch_forward(bool layer, int64_t units, int64_t stages, int threads, F&
   return known && dispatched;
 }
 
+// Calls f(kernel, short_rows) with the backward built for these types and `units`, for short
+// rows (a std::true_type) when lanes > 0; false when none is built.
+template <typename TX, typename TDY, typename TP, typename F>
+bool dispatch_backward(bool layer, int64_t units, int threads, int lanes, F&& f) {
+  constexpr int kVectors = Unit<TX>::kVectors;
+  bool known = true;
+  const bool dispatched = dispatch_units<kBackwardUnits>(units, [&](auto v) {
+    constexpr int V = decltype(v)::value;
+    if (lanes > 0) {
+      if (threads > kShortThreads) known = false;
+      else if constexpr (V * kVectors <= kShortBackwardVectors) {
+        if (layer) f(norm_backward_short_kernel<TX, TDY, TP, true, V>, std::true_type{});
+        else f(norm_backward_short_kernel<TX, TDY, TP, false, V>, std::true_type{});
+      } else known = false;
+    } else {
+      if (layer) f(norm_backward_kernel<TX, TDY, TP, true, V>, std::false_type{});
+      else f(norm_backward_kernel<TX, TDY, TP, false, V>, std::false_type{});
+    }
+  });
+  return known && dispatched;
+}
+
 ffi::Error NormForwardImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer weight,
                            ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> y,
                            ffi::Result<ffi::AnyBuffer> mean, ffi::Result<ffi::AnyBuffer> rstd,
                            float eps, int64_t cluster, int64_t threads, int64_t units,
-                           int64_t stages, int64_t clusters, int64_t layer, int64_t has_weight,
-                           int64_t has_bias) {
+                           int64_t stages, int64_t lanes, int64_t clusters, int64_t layer,
+                           int64_t has_weight, int64_t has_bias) {
   auto dims = x.dimensions();
   if (dims.size() != 3) return ffi::Error::InvalidArgument("norm_forward: x must be (G, R, N)");
   const int n = static_cast<int>(dims[2]);
@@ -317,16 +552,18 @@ ffi::Error NormForwardImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer
         using TY = decltype(ty);
         using TP = decltype(tp);
         known &= dispatch_forward<TX, TY, TP>(
-            layer, units, stages, static_cast<int>(threads), [&](auto kernel, size_t staging) {
+            layer, units, stages, static_cast<int>(threads), static_cast<int>(lanes),
+            has_weight, has_bias, [&](auto kernel, size_t smem, auto short_rows) {
+              // The last argument: a short-row kernel's lanes, a cluster kernel's stages.
               err = launch_clustered(
-                  kernel, dim3(cluster * clusters, 1, 1), threads, cluster,
-                  forward_smem(threads, units, sizeof(TP), has_weight, has_bias) + staging,
-                  stream, static_cast<const TX*>(x.untyped_data()),
+                  kernel, dim3(cluster * clusters, 1, 1), threads, cluster, smem, stream,
+                  static_cast<const TX*>(x.untyped_data()),
                   static_cast<const TP*>(weight.untyped_data()),
                   static_cast<const TP*>(bias.untyped_data()),
                   static_cast<TY*>(y->untyped_data()), static_cast<float*>(mean->untyped_data()),
                   static_cast<float*>(rstd->untyped_data()), dims[0], dims[1], n, eps,
-                  has_weight != 0, has_bias != 0, static_cast<int>(stages));
+                  has_weight != 0, has_bias != 0,
+                  static_cast<int>(decltype(short_rows)::value ? lanes : stages));
             });
       });
     });
@@ -340,8 +577,8 @@ ffi::Error NormBackwardImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuff
                             ffi::Result<ffi::AnyBuffer> dx,
                             ffi::Result<ffi::AnyBuffer> dweight_partial,
                             ffi::Result<ffi::AnyBuffer> dbias_partial, int64_t cluster,
-                            int64_t threads, int64_t units, int64_t clusters, int64_t layer,
-                            int64_t has_weight, int64_t has_bias) {
+                            int64_t threads, int64_t units, int64_t lanes, int64_t clusters,
+                            int64_t layer, int64_t has_weight, int64_t has_bias) {
   auto dims = x.dimensions();
   if (dims.size() != 3) return ffi::Error::InvalidArgument("norm_backward: x must be (G, R, N)");
   const int n = static_cast<int>(dims[2]);
@@ -351,27 +588,29 @@ ffi::Error NormBackwardImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuff
     using TX = decltype(tx);
     known &= dispatch_same_or_f32<TX>(dy.element_type(), [&](auto tdy) {
       known &= dispatch_same_or_f32<TX>(weight.element_type(), [&](auto tp) {
-        known &= dispatch_units<kBackwardUnits>(units, [&](auto v) {
-          using TDY = decltype(tdy);
-          using TP = decltype(tp);
-          constexpr int V = decltype(v)::value;
-          auto launch = [&](auto kernel) {
-            err = launch_clustered(
-                kernel, dim3(cluster * clusters, 1, 1), threads, cluster,
-                backward_smem(threads, V, sizeof(TP), has_weight, has_bias), stream,
-                static_cast<const TDY*>(dy.untyped_data()),
-                static_cast<const TX*>(x.untyped_data()),
-                static_cast<const TP*>(weight.untyped_data()),
-                static_cast<const float*>(mean.untyped_data()),
-                static_cast<const float*>(rstd.untyped_data()),
-                static_cast<TX*>(dx->untyped_data()),
-                static_cast<float*>(dweight_partial->untyped_data()),
-                static_cast<float*>(dbias_partial->untyped_data()), dims[0], dims[1], n,
-                has_weight != 0, has_bias != 0);
-          };
-          if (layer) launch(norm_backward_kernel<TX, TDY, TP, true, V>);
-          else launch(norm_backward_kernel<TX, TDY, TP, false, V>);
-        });
+        using TDY = decltype(tdy);
+        using TP = decltype(tp);
+        known &= dispatch_backward<TX, TDY, TP>(
+            layer, units, static_cast<int>(threads), static_cast<int>(lanes),
+            [&](auto kernel, auto short_rows) {
+              // A short-row kernel takes its lanes last.
+              auto launch = [&](auto... last) {
+                err = launch_clustered(
+                  kernel, dim3(cluster * clusters, 1, 1), threads, cluster,
+                  backward_smem(threads, units, sizeof(TP), has_weight, has_bias, lanes), stream,
+                  static_cast<const TDY*>(dy.untyped_data()),
+                  static_cast<const TX*>(x.untyped_data()),
+                  static_cast<const TP*>(weight.untyped_data()),
+                  static_cast<const float*>(mean.untyped_data()),
+                  static_cast<const float*>(rstd.untyped_data()),
+                  static_cast<TX*>(dx->untyped_data()),
+                  static_cast<float*>(dweight_partial->untyped_data()),
+                  static_cast<float*>(dbias_partial->untyped_data()), dims[0], dims[1], n,
+                  has_weight != 0, has_bias != 0, last...);
+              };
+              if constexpr (decltype(short_rows)::value) launch(static_cast<int>(lanes));
+              else launch();
+            });
       });
     });
   });
@@ -396,6 +635,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseNormForward, jaxfuse::NormForwardImpl,
                                   .Attr<int64_t>("threads")
                                   .Attr<int64_t>("units")
                                   .Attr<int64_t>("stages")
+                                  .Attr<int64_t>("lanes")
                                   .Attr<int64_t>("clusters")
                                   .Attr<int64_t>("layer")
                                   .Attr<int64_t>("has_weight")
@@ -415,6 +655,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseNormBackward, jaxfuse::NormBackwardImpl,
                                   .Attr<int64_t>("cluster")
                                   .Attr<int64_t>("threads")
                                   .Attr<int64_t>("units")
+                                  .Attr<int64_t>("lanes")
                                   .Attr<int64_t>("clusters")
                                   .Attr<int64_t>("layer")
                                   .Attr<int64_t>("has_weight")
@@ -425,7 +666,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseNormBackward, jaxfuse::NormBackwardImpl,
 // on registers and shared memory, the same for every dtype of equal width.
 extern "C" int jaxfuse_norm_clusters(int backward, int x_itemsize, int other_itemsize,
                                      int param_itemsize, int layer, int cluster, int threads,
-                                     int units, int stages, int has_weight, int has_bias) {
+                                     int units, int stages, int lanes, int has_weight,
+                                     int has_bias) {
   using namespace jaxfuse;
   int clusters = 0;
   auto by_width = [](int itemsize, auto f) {
@@ -439,19 +681,15 @@ extern "C" int jaxfuse_norm_clusters(int backward, int x_itemsize, int other_ite
         using TO = std::conditional_t<sizeof(decltype(to)) == sizeof(TX), TX, float>;
         using TP = std::conditional_t<sizeof(decltype(tp)) == sizeof(TX), TX, float>;
         if (backward) {
-          const size_t smem = backward_smem(threads, units, sizeof(TP), has_weight, has_bias);
-          dispatch_units<kBackwardUnits>(units, [&](auto v) {
-            constexpr int V = decltype(v)::value;
-            clusters = layer ? max_active_clusters(norm_backward_kernel<TX, TO, TP, true, V>,
-                                                   threads, cluster, smem)
-                             : max_active_clusters(norm_backward_kernel<TX, TO, TP, false, V>,
-                                                   threads, cluster, smem);
+          const size_t smem =
+              backward_smem(threads, units, sizeof(TP), has_weight, has_bias, lanes);
+          dispatch_backward<TX, TO, TP>(layer, units, threads, lanes, [&](auto kernel, auto) {
+            clusters = max_active_clusters(kernel, threads, cluster, smem);
           });
         } else {
-          const size_t smem = forward_smem(threads, units, sizeof(TP), has_weight, has_bias);
-          dispatch_forward<TX, TO, TP>(layer, units, stages, threads,
-                                       [&](auto kernel, size_t staging) {
-            clusters = max_active_clusters(kernel, threads, cluster, smem + staging);
+          dispatch_forward<TX, TO, TP>(layer, units, stages, threads, lanes, has_weight,
+                                       has_bias, [&](auto kernel, size_t smem, auto) {
+            clusters = max_active_clusters(kernel, threads, cluster, smem);
           });
         }
       });
