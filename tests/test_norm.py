@@ -478,10 +478,12 @@ def test_gpu_cuda_against_float64(rng, kind, shape, wshape, x_dtype, w_dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", KINDS)
-def test_gpu_cuda_vmapped_weights_deterministic(rng, kind):
-  """Per-example weights become groups of rows; the gradients repeat bit for bit."""
-  x = random(rng, (3, 17, 32768), jnp.bfloat16)
-  w, b = params(rng, kind, (3, 32768), jnp.bfloat16)
+@pytest.mark.parametrize("n", [256, 32768])
+def test_gpu_cuda_vmapped_weights_deterministic(rng, kind, n):
+  """Per-example weights become groups of rows (short rows and long); the gradients repeat
+  bit for bit."""
+  x = random(rng, (3, 17, n), jnp.bfloat16)
+  w, b = params(rng, kind, (3, n), jnp.bfloat16)
   dy = random(rng, x.shape, jnp.bfloat16)
   present = [a for a in (x, w, b) if a is not None]
 
@@ -600,35 +602,39 @@ def _short_tilings(n, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("n", [8, 24, 200, 256, 488, 1000])
+@pytest.mark.parametrize("n", [8, 24, 64, 200, 256, 488, 1000])
 @pytest.mark.parametrize("grid", ["resident", "three CTAs"])
 def test_gpu_cuda_short_rows(rng, monkeypatch, kind, dtype, n, grid):
-  """Each short-row instantiation on poisoned memory, over a prime number of rows: with the
-  resident grid, and with three CTAs, each of which then walks many rows (prefetch, the last
-  partial pass, the parameter sums over many rows per thread)."""
+  """Each short-row instantiation on poisoned memory, over two parameter groups of a prime
+  number of rows: with the resident grid, and with three CTAs a group, each of which then walks
+  many rows (prefetch, the last partial pass, the parameter sums over many rows per thread)."""
   from jaxfuse._core.testing import poison_device_memory
   from jaxfuse.ops.norm import cuda as cuda_kernels
   if jnp.dtype(dtype).itemsize == 4 and n > 512:
     pytest.skip("longer than the short-row kernels' float32 rows (512)")
   if grid == "three CTAs":
-    monkeypatch.setattr(cuda_kernels, "resident_clusters", lambda *args: 3)
-  rows = 1009
-  x = random(rng, (1, rows, n), dtype, offset=1.5 if kind == "layer" else 0.0)
-  w, b = params(rng, kind, (1, n), dtype)
+    # Shared out over the two groups: three CTAs each.
+    monkeypatch.setattr(cuda_kernels, "resident_clusters", lambda *args: 6)
+  groups, rows = 2, 1009
+  x = random(rng, (groups, rows, n), dtype, offset=1.5 if kind == "layer" else 0.0)
+  w, b = params(rng, kind, (groups, n), dtype)
   dy = random(rng, x.shape, dtype)
-  y_ref, grads_ref = reference(kind, x[0], w[0], None if b is None else b[0], dy[0], nd=1)
+  refs = [reference(kind, x[g], w[g], None if b is None else b[g], dy[g], nd=1)
+          for g in range(groups)]
   _, mean, rstd = cuda_kernels.forward(x, w, b, kind=kind, eps=EPS[kind], out_dtype=dtype)
   tested = 0
   for direction, t in _short_tilings(n, dtype):
     poison_device_memory(8 * x.size)
     if direction == "forward":
       y, *_ = cuda_kernels.forward(x, w, b, kind=kind, eps=EPS[kind], out_dtype=dtype, tiling=t)
-      assert_close(y[0], y_ref, dtype, name=str(t))
+      for g, (y_ref, _) in enumerate(refs):
+        assert_close(y[g], y_ref, dtype, name=f"{t} group {g}")
     else:
       grads = cuda_kernels.backward(dy, x, w, mean, rstd, kind=kind, has_bias=b is not None,
                                     bias_dtype=dtype, tiling=t)
-      for g, r in zip([g for g in grads if g is not None],
-                      [r for r in grads_ref if r is not None]):
-        assert_close(g.reshape(r.shape), r, dtype, factor=4, name=str(t))
+      for g, (_, grads_ref) in enumerate(refs):
+        for got, r in zip([a[g] for a in grads if a is not None],
+                          [r for r in grads_ref if r is not None]):
+          assert_close(got.reshape(r.shape), r, dtype, factor=4, name=f"{t} group {g}")
     tested += 1
   assert tested, f"no short tiling for {n} {jnp.dtype(dtype).name}"

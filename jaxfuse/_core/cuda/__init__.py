@@ -50,6 +50,10 @@ class Tiling:
     return self.cluster * self.threads * self.units * UNIT
 
   def check(self, n_cols: int):
+    if self.lanes and (self.lanes & (self.lanes - 1) or self.lanes > 32 or self.cluster != 1
+                       or self.threads % 32):
+      raise ValueError(f"{self}: a short-row tiling takes a power of two up to 32 lanes, whole "
+                       f"warps and no cluster")
     if self.capacity < n_cols:
       raise ValueError(f"{self} holds {self.capacity} elements of a row, fewer than its {n_cols}")
 

@@ -131,10 +131,18 @@ def resident_clusters(direction: str, kind: str, x_dtype, other_dtype, param_dty
   return count
 
 
-def _grid(n_rows: int, t: Tiling, resident: int) -> int:
-  """Clusters (for short rows, CTAs) to launch: as many as are resident, none without a row."""
-  rows_at_once = t.threads // t.lanes if t.lanes else 1
-  return max(1, min(resident, -(-n_rows // rows_at_once)))
+MAX_GROUP_BLOCKS = 65535  # CUDA's limit on a grid's y dimension (norm.cu grid())
+
+
+def _grid(n_groups: int, n_rows: int, t: Tiling, resident: int) -> int:
+  """Clusters to launch along x: as many as are resident, none without a row. Short rows take
+  one row of CTAs per parameter group along y (norm.cu grid()), so the resident CTAs are
+  shared out over the groups: a vmapped step of few rows a group still fills the GPU."""
+  if not t.lanes:
+    return max(1, min(resident, n_rows))
+  rows_at_once = t.threads // t.lanes
+  per_group = -(-resident // min(n_groups, MAX_GROUP_BLOCKS))
+  return max(1, min(per_group, -(-n_rows // rows_at_once)))
 
 
 def forward(x, weight, bias, *, kind, eps, out_dtype, tiling: Tiling | None = None):
@@ -144,8 +152,9 @@ def forward(x, weight, bias, *, kind, eps, out_dtype, tiling: Tiling | None = No
   weight, bias = _params(x, weight, bias)
   t = tiling or forward_tiling(n_cols, x.dtype, weight.dtype if has_weight or has_bias else None)
   t.check(n_cols)
-  clusters = _grid(n_rows, t, resident_clusters("forward", kind, x.dtype, out_dtype,
-                                                weight.dtype, t, has_weight, has_bias))
+  clusters = _grid(n_groups, n_rows, t,
+                   resident_clusters("forward", kind, x.dtype, out_dtype, weight.dtype, t,
+                                     has_weight, has_bias))
   stat = jax.ShapeDtypeStruct((n_groups, n_rows), jnp.float32)
   y, mean, rstd = jax.ffi.ffi_call(
       "jaxfuse_norm_forward", (jax.ShapeDtypeStruct(x.shape, out_dtype), stat, stat))(
@@ -164,8 +173,9 @@ def backward(dy, x, weight, mean, rstd, *, kind, has_bias, bias_dtype=None,
   t = tiling or backward_tiling(n_cols, x.dtype)
   t.check(n_cols)
   (kernel_weight,) = _params(x, weight)
-  clusters = _grid(n_rows, t, resident_clusters("backward", kind, x.dtype, dy.dtype,
-                                                kernel_weight.dtype, t, has_weight, has_bias))
+  clusters = _grid(n_groups, n_rows, t,
+                   resident_clusters("backward", kind, x.dtype, dy.dtype, kernel_weight.dtype, t,
+                                     has_weight, has_bias))
   partial = jax.ShapeDtypeStruct((n_groups, clusters, n_cols), jnp.float32)
   unused = jax.ShapeDtypeStruct((1,), jnp.float32)
   dx, dweight, dbias = jax.ffi.ffi_call(

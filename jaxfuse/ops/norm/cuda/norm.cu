@@ -1,8 +1,9 @@
-// RMSNorm and LayerNorm for long rows, each row held in the registers of one thread-block
-// cluster (see rows.cuh): the forward reads x once and writes y once, the backward reads x and
-// dy once and writes dx once, where a single Pallas program must walk such rows twice.
+// RMSNorm and LayerNorm, each row held in registers: a long row in one thread-block cluster
+// (see rows.cuh), a short one in a group of a warp's lanes. The forward reads x once and writes
+// y once, the backward reads x and dy once and writes dx once, where a single Pallas program
+// must walk long rows twice.
 //
-// Both kernels are persistent: cluster c walks rows c, c + clusters, ... of every group, and
+// The cluster kernels are persistent: cluster c walks rows c, c + clusters, ... of every group, and
 // loads its next row before it reduces the current one, so each CTA keeps a row's loads in
 // flight through its reduction, cluster barrier and stores. The next row waits in registers,
 // or for the forward's longest rows in a shared-memory stage (cp.async), which leaves the
@@ -12,7 +13,10 @@
 //
 // Rows of at most 32 lanes' units go to the short-row kernels below instead, where a group of
 // lanes holds a row and a CTA many rows: a cluster kernel would give such a row a whole CTA and
-// a barrier.
+// a barrier. Their grid's second dimension spreads the parameter groups (vmapped weights, or
+// the per-example gradients of a vmapped backward), whose rows may be few.
+#include <algorithm>
+
 #include "rows.cuh"
 
 namespace jaxfuse {
@@ -309,7 +313,7 @@ __global__ void __launch_bounds__(kShortThreads)
   // Rows of one warp differ by its groups' places in it; the warp walks while any is a row.
   const int64_t place = (threadIdx.x % 32) / lanes;
   const float inv_n = 1.f / n;
-  for (int64_t group = 0; group < groups; ++group) {
+  for (int64_t group = blockIdx.y; group < groups; group += gridDim.y) {
     Unit<TP> w[V], b[V];
     load_row(weight + group * n, slice, has_weight, w);
     load_row(bias + group * n, slice, has_bias, b);
@@ -383,7 +387,7 @@ __global__ void __launch_bounds__(kShortThreads) norm_backward_short_kernel(
   const int lane_groups = blockDim.x / lanes, width = V * lanes * kUnit;
   float4* my_sums = group_sums + (threadIdx.x / lanes) * (width / 4);
   const float inv_n = 1.f / n;
-  for (int64_t group = 0; group < groups; ++group) {
+  for (int64_t group = blockIdx.y; group < groups; group += gridDim.y) {
     Unit<TP> w[V];
     load_row(weight + group * n, slice, has_weight, w);
     auto weight_of = [&](int k, float (&wv)[kUnit]) {
@@ -478,8 +482,9 @@ size_t backward_smem(int threads, int units, int param_size, bool has_weight, bo
 constexpr int kShortForwardVectors = 4, kShortBackwardVectors = 2;
 
 // Calls f(kernel, dynamic shared memory bytes, short_rows) with the forward built for these
-// types and `units`: for short rows (lanes > 0, short_rows a std::true_type), through
-// registers (stages 0) or through `stages` shared-memory stages; false when none is built.
+// types and `units`: the short-row kernel when lanes > 0 (short_rows a std::true_type), else a
+// cluster kernel fed through registers (stages 0) or `stages` shared-memory stages; false when
+// none is built.
 template <typename TX, typename TY, typename TP, typename F>
 bool dispatch_forward(bool layer, int64_t units, int64_t stages, int threads, int lanes,
                       bool has_weight, bool has_bias, F&& f) {
@@ -534,6 +539,15 @@ bool dispatch_backward(bool layer, int64_t units, int threads, int lanes, F&& f)
   return known && dispatched;
 }
 
+// The grid: `clusters` clusters along x; for short rows, one row of them per parameter group
+// along y, up to CUDA's limit, beyond which a CTA walks every gridDim.y-th group. The Python
+// side sizes `clusters` with the same rule (cuda/__init__.py _grid).
+constexpr int64_t kMaxGroupBlocks = 65535;
+dim3 grid(int64_t cluster, int64_t clusters, int64_t lanes, int64_t groups) {
+  const int64_t group_blocks = lanes > 0 ? std::min(groups, kMaxGroupBlocks) : 1;
+  return dim3(static_cast<unsigned>(cluster * clusters), static_cast<unsigned>(group_blocks), 1);
+}
+
 ffi::Error NormForwardImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer weight,
                            ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> y,
                            ffi::Result<ffi::AnyBuffer> mean, ffi::Result<ffi::AnyBuffer> rstd,
@@ -556,7 +570,7 @@ ffi::Error NormForwardImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer
             has_weight, has_bias, [&](auto kernel, size_t smem, auto short_rows) {
               // The last argument: a short-row kernel's lanes, a cluster kernel's stages.
               err = launch_clustered(
-                  kernel, dim3(cluster * clusters, 1, 1), threads, cluster, smem, stream,
+                  kernel, grid(cluster, clusters, lanes, dims[0]), threads, cluster, smem, stream,
                   static_cast<const TX*>(x.untyped_data()),
                   static_cast<const TP*>(weight.untyped_data()),
                   static_cast<const TP*>(bias.untyped_data()),
@@ -596,7 +610,7 @@ ffi::Error NormBackwardImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuff
               // A short-row kernel takes its lanes last.
               auto launch = [&](auto... last) {
                 err = launch_clustered(
-                  kernel, dim3(cluster * clusters, 1, 1), threads, cluster,
+                  kernel, grid(cluster, clusters, lanes, dims[0]), threads, cluster,
                   backward_smem(threads, units, sizeof(TP), has_weight, has_bias, lanes), stream,
                   static_cast<const TDY*>(dy.untyped_data()),
                   static_cast<const TX*>(x.untyped_data()),
