@@ -584,6 +584,35 @@ def test_gpu_cuda_every_built_tiling(rng, kind, dtype):
       assert_close(g.reshape(r.shape), r, dtype, factor=4, name=str(t))
 
 
+@pytest.mark.parametrize("n", [1, 8, 9, 64, 200, 256, 257, 1000, 1024, 1032, 4096])
+def test_short_tilings_cover_their_rows(n):
+  """Host-side rules, no GPU needed: a short-row tiling holds the row on a power of two of at
+  most 32 lanes with the fewest units those lanes need, or there is none and the row goes to
+  the cluster kernels."""
+  from jaxfuse._core import cuda
+  from jaxfuse.ops.norm import cuda as cuda_kernels
+  for choices in cuda_kernels.SHORT_FORWARD_UNITS.values():
+    t = cuda.short_tiling(n, choices)
+    n_units = -(-n // cuda.UNIT)
+    if t is None:
+      assert n_units > 32 * max(choices)
+      continue
+    t.check(n)
+    assert t.lanes & (t.lanes - 1) == 0 and t.lanes <= 32 and t.cluster == 1
+    assert t.units in choices and t.lanes * t.units >= n_units
+    assert all(t.lanes * u < n_units for u in choices if u < t.units)
+
+
+def test_malformed_short_tilings_are_refused():
+  from jaxfuse._core.cuda import Tiling
+  for bad in (Tiling(2, 256, 2, 0, 16), Tiling(1, 256, 2, 0, 12), Tiling(1, 100, 2, 0, 16),
+              Tiling(1, 256, 2, 0, 64)):
+    with pytest.raises(ValueError, match="short-row tiling"):
+      bad.check(8)
+  with pytest.raises(ValueError, match="fewer than"):
+    Tiling(1, 256, 1, 0, 8).check(72)
+
+
 def _short_tilings(n, dtype):
   """Every units-per-thread the short-row kernels are built for that one warp covers n with,
   on the fewest lanes, in CTAs of 256 and of 64 threads."""
