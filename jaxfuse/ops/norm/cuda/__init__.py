@@ -52,8 +52,11 @@ _SUPPORTED = tuple(map(jnp.dtype, (jnp.float16, jnp.bfloat16, jnp.float32)))
 # row costs more than the loads a CTA overlaps with it, so fewer, larger CTAs per row win.
 # Staged (32768 columns and more), CTAs of 128 threads up to clusters of 8, then of 256: their
 # small stages and parameter slices let more CTAs share an SM (65536 columns: RMSNorm 95.6% of
-# the copy against 87.6% through registers, LayerNorm 86.8% against 79.0%; two stages, or the
-# parameters read from global memory at each row, measured slower). float32 parameters beside
+# the copy against 87.6% through registers, LayerNorm 86.8% against 79.0%; two stages, the
+# parameters read from global memory at each row, or 8 CTAs of 256 threads at 4 units (83%)
+# measured slower). LayerNorm's two parameter slices beside the stage take 49 KiB per 128-thread
+# CTA, so four CTAs share an SM against RMSNorm's six: Nsight Compute reads 3.9 active warps per
+# scheduler against 5.8, the likeliest cause of its lower rate. float32 parameters beside
 # 16-bit x double the parameter slices, so there the slices are halved and the clusters doubled
 # (up to 16 CTAs) to keep as many CTAs on an SM. bf16 x, float32 weights, 65536 columns, in
 # probes against the widest slices: 6-7 points of the copy more for RMSNorm's float32 output
