@@ -1,4 +1,5 @@
-"""Command line: ``jaxfuse bench [family-or-op ...] [--json PATH] [--plot PATH]``."""
+"""Command line: ``jaxfuse bench [family-or-op ...] [--json PATH] [--plot PATH]`` and
+``jaxfuse build [--arch sm_90]``."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ FAMILIES = {
     "softmax": "jaxfuse.ops.softmax.bench",
     "attention": "jaxfuse.ops.attention.bench",
 }
+# Families with CUDA kernels: each module declares its ``LIBRARY``.
+CUDA_LIBRARIES = ("jaxfuse.ops.norm.cuda", "jaxfuse.ops.softmax.cuda")
 
 
 def _cases(names, quick):
@@ -39,7 +42,12 @@ def main(argv=None) -> int:
   b.add_argument("--quick", action="store_true", help="a few sizes only")
   b.add_argument("--impl", help="comma-separated implementations to run (default: all)")
   b.add_argument("--sizes", help="comma-separated problem sizes (the plots' x values) to keep")
+  c = sub.add_parser("build", help="build the CUDA kernels now (for an image to bake in), "
+                                   "into $JAXFUSE_CACHE or ~/.cache/jaxfuse")
+  c.add_argument("--arch", help="GPU architecture, e.g. sm_90 (default: this machine's GPU)")
   args = parser.parse_args(argv)
+  if args.command == "build":
+    return _build(args.arch)
 
   cases, unknown = _cases(args.ops, args.quick)
   if unknown:
@@ -63,8 +71,36 @@ def main(argv=None) -> int:
   if args.plot:
     bench.save_plot(args.plot, rows, ceilings)
     print(f"saved {args.plot}")
-  # A kernel that broke fails the job; an implementation this machine lacks does not.
-  return 1 if any(r.note.startswith("FAILED") for r in rows) else 0
+  # A jaxfuse kernel that is wrong or broke fails the job; an implementation this machine
+  # lacks, or a comparator that is not installed, does not.
+  failed = [r for r in rows if r.note.startswith("FAILED")]
+  for r in failed:
+    print(f"FAILED: {r.op} {r.label} {r.implementation}: {r.note}", file=sys.stderr)
+  return 1 if failed else 0
+
+
+def _build(arch: str | None) -> int:
+  from jaxfuse._core.cuda import build
+  if arch is None:
+    reason = build.unavailable()
+    if reason is not None:
+      print(f"jaxfuse build: {reason}; name the architecture with --arch to build without "
+            f"a GPU", file=sys.stderr)
+      return 1
+    arch = build.gpu_arch()
+  elif build.find_toolchain() is None:
+    print("jaxfuse build: nvcc was not found (set JAXFUSE_NVCC, put CUDA's bin directory on "
+          "PATH, or pip install nvidia-cuda-nvcc and nvidia-cuda-runtime)", file=sys.stderr)
+    return 1
+  for module in CUDA_LIBRARIES:
+    library = importlib.import_module(module).LIBRARY
+    try:
+      path = build.build(library.source, arch)
+    except RuntimeError as e:
+      print(f"jaxfuse build: {e}", file=sys.stderr)
+      return 1
+    print(f"{library.source.name} for {arch}: {path}")
+  return 0
 
 
 if __name__ == "__main__":

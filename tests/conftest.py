@@ -1,4 +1,5 @@
-"""Test set-up: eight fake CPU devices for the sharding tests, fresh random seeds, GPU marker."""
+"""Test set-up: eight fake CPU devices for the sharding tests, seeds from the test's id, GPU
+marker."""
 
 import os
 
@@ -7,11 +8,11 @@ os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 
-import secrets  # noqa: E402
-
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+
+from jaxfuse._core.testing import seed_for  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
@@ -25,7 +26,6 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def rng(request):
-  """A freshly seeded generator; the seed is printed on failure to replay a case."""
-  seed = secrets.randbits(32)
-  print(f"{request.node.name}: numpy seed {seed}")
-  return np.random.default_rng(seed)
+  """A generator seeded from the test's id: every run of a test sees the same inputs, and
+  each test (each parametrization) its own."""
+  return np.random.default_rng(seed_for(request.node.nodeid))

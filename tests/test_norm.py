@@ -168,13 +168,14 @@ def test_layernorm_large_mean(rng, impl, kind):
   """A large offset must not cancel the variance (rows this long take the looped kernel, which
   keeps per-element Welford statistics and merges them; the last chunk is partial).
 
-  float32 holds 1e4 + noise to ~6e-4 of the noise, which bounds any float32 algorithm; the
-  one-pass E[x^2] - E[x]^2 formula is off by orders of magnitude more.
+  A float32 mean of 40000 values near 1e4 is off by about 1e-3 of the noise in the worst
+  row (XLA's own reduction, 1.3e-3), which bounds any float32 algorithm; the one-pass
+  E[x^2] - E[x]^2 formula is off by orders of magnitude more.
   """
   x = random(rng, (3, 40000), jnp.float32, scale=1.0, offset=1e4)
   w, b = params(rng, kind, (40000,))
   y = call(kind, x, w, b, implementation=impl)
-  assert_close(y, reference(kind, x, w, b)[0], factor=100)
+  assert_close(y, reference(kind, x, w, b)[0], factor=300)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -421,8 +422,20 @@ def _check_step_on_poisoned_memory(kind, impl, x, w, b, dy):
   grads = vjp(dy)
   y_ref, grads_ref = reference(kind, x, w, b, dy)
   assert_close(y, y_ref)
-  for g, r in zip(grads, [r for r in grads_ref if r is not None]):
-    assert_close(g, r, factor=4)
+  floors = [dx_floor(kind, x, w, dy)] + [0.0] * (len(grads) - 1)
+  for g, r, floor in zip(grads, [r for r in grads_ref if r is not None], floors):
+    assert_close(g, r, factor=4, floor=floor)
+
+
+def dx_floor(kind, x, w, dy):
+  """Per row, the size of the terms dx is the difference of, ``rstd * dy * w``: where a short
+  row's dx nearly cancels (one feature: dx = rstd * g * (1 - x_hat^2) ~ eps), their rounding,
+  not dx's own size, bounds the error."""
+  x, dy = np.asarray(x, np.float64), np.asarray(dy, np.float64)
+  centred = x - x.mean(-1, keepdims=True) if kind == "layer" else x
+  rstd = 1.0 / np.sqrt((centred ** 2).mean(-1, keepdims=True) + EPS[kind])
+  g = dy if w is None else dy * np.asarray(w, np.float64)
+  return rstd * np.linalg.norm(g, axis=-1, keepdims=True)
 
 
 @pytest.mark.gpu

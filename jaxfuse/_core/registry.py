@@ -4,15 +4,34 @@ Every public op takes ``implementation=`` with one of :data:`IMPLEMENTATIONS` or
 declares the backends it has and, for each, a function that returns ``None`` when the backend can
 run on this machine or a sentence saying why not. A backend named by the user that cannot run
 raises :class:`NotImplementedError` with that sentence; ``None`` picks the first runnable backend
-of the op's preference order. There is no silent fallback.
+of the op's preference order, passing over (and logging, on the ``jaxfuse`` logger) those that
+cannot run, with their reasons. There is no silent fallback from a named backend.
+
+JAX 0.11 deprecated Pallas's Triton backend and will remove it: where
+``jax.experimental.pallas.triton`` cannot be imported, ``'triton'`` reports itself unavailable
+and every op runs on its other backends. JAX warns each time it lowers a Triton kernel; users
+who leave ``implementation=None`` should not see that for a choice jaxfuse made, so it is
+filtered once jaxfuse runs one, and naming ``'triton'`` gives jaxfuse's own warning instead.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+import os
+import sys
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
+
+try:
+  from jax.experimental.pallas import triton as pallas_triton
+except ImportError:  # a JAX without Pallas's Triton backend
+  pallas_triton = None
+
+logger = logging.getLogger("jaxfuse")
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 IMPLEMENTATIONS = ("xla", "triton", "mosaic", "cuda", "cudnn")
 
@@ -50,6 +69,10 @@ def interpret_mode() -> bool:
 
 
 def triton_unavailable() -> str | None:
+  if pallas_triton is None:
+    return (f"the 'triton' implementation runs on Pallas's Triton backend, which this JAX "
+            f"({jax.__version__}) does not have (jax.experimental.pallas.triton cannot be "
+            f"imported)")
   if platform() == "cpu":
     return None
   capability = cuda_compute_capability()
@@ -66,6 +89,66 @@ def xla_available() -> str | None:
   return None
 
 
+# Pallas's Triton kernels index each dimension in int32 (the lowering widens only the offsets
+# it forms from them): every dimension must leave room for the blocks that reach past its end
+# (a prefetched block of rows, a chunk of columns).
+TRITON_MAX_EXTENT = 2**31 - 2**20
+
+
+def triton_extents_refusal(view: str, extents) -> str | None:
+  """Why a Triton kernel cannot index an array viewed as ``extents``, or None."""
+  if max(extents) > TRITON_MAX_EXTENT:
+    return (f"the 'triton' kernels index each dimension in int32; {view} {tuple(extents)} has "
+            f"one of more than {TRITON_MAX_EXTENT} elements")
+  return None
+
+
+def check_triton_extents(op: str, view: str, extents):
+  if reason := triton_extents_refusal(view, extents):
+    raise NotImplementedError(f"{op}(implementation='triton'): {reason}")
+
+
+_TRITON_DEPRECATION = "The Pallas Triton backend is deprecated"
+
+
+def using_triton(named: bool):
+  """Called as an op picks its Triton kernels: JAX's deprecation warning, raised when the
+  enclosing jit lowers them, is filtered, and a user who named ``'triton'`` is told once by a
+  warning of jaxfuse's own."""
+  warnings.filterwarnings("ignore", message=_TRITON_DEPRECATION, category=DeprecationWarning)
+  if named and platform() == "gpu":
+    _warn_named_triton()
+
+
+@functools.cache
+def _warn_named_triton():
+  warnings.warn("implementation='triton' runs on Pallas's Triton backend, which JAX 0.11 "
+                "deprecated; implementation=None picks jaxfuse's fastest kernel without it "
+                "where one is as fast", DeprecationWarning, stacklevel=_caller_level())
+
+
+def _caller_level() -> int:
+  """warnings.warn's stacklevel of the first frame outside jaxfuse, for the function that
+  calls this one."""
+  frame, level = sys._getframe(2), 2
+  while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+    frame, level = frame.f_back, level + 1
+  return level
+
+
+def runs(op: str, name: str, check: Availability) -> bool:
+  """Whether backend ``name`` can run, by ``check()``; a reason it cannot is logged once."""
+  reason = check()
+  if reason is not None:
+    _passed_over(op, name, reason)
+  return reason is None
+
+
+@functools.cache
+def _passed_over(op: str, name: str, reason: str):
+  logger.info("%s(implementation=None) passed over %r: %s", op, name, reason)
+
+
 def resolve(op: str, implementation: str | None, backends: Mapping[str, Availability],
             preference: Sequence[str]) -> str:
   """Validates ``implementation`` for ``op`` and returns the backend name to run.
@@ -78,7 +161,7 @@ def resolve(op: str, implementation: str | None, backends: Mapping[str, Availabi
   """
   if implementation is None:
     for name in preference:
-      if backends[name]() is None:
+      if runs(op, name, backends[name]):
         return name
     raise NotImplementedError(f"{op}: no implementation can run on this machine")
   if not isinstance(implementation, str):

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import zlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-# Relative-error bounds (‖out − ref‖ / ‖ref‖ against float64) by the dtype of the result.
+# Relative-error bounds (‖out − ref‖ / ‖ref‖ of the worst row, against float64) by the dtype
+# of the result.
 TOLERANCE = {
     jnp.dtype(jnp.float64): 1e-12,
     jnp.dtype(jnp.float32): 1e-5,
@@ -40,35 +42,63 @@ def random(rng: np.random.Generator, shape, dtype, *, scale: float = 1.0, offset
                      dtype)
 
 
-def relative_error(actual, expected, floor: float = 0.0) -> float:
-  """``‖actual − expected‖ / max(‖expected‖, floor)`` in float64; NaN anywhere in ``actual``
-  gives inf. ``floor``: the size of terms whose difference ``expected`` is, where their
-  rounding, not ``expected``'s own size, bounds the error."""
+def rows_of(a, axis: int = -1) -> np.ndarray:
+  """``a`` as 2-D float64 rows: its 1-D slices along ``axis`` (a scalar is one row of one)."""
+  a = np.asarray(a, np.float64)
+  if a.ndim == 0:
+    return a.reshape(1, 1)
+  a = np.moveaxis(a, axis, -1)
+  return a.reshape(-1, a.shape[-1])
+
+
+def relative_error(actual, expected, floor=0.0, *, axis: int = -1) -> float:
+  """The worst row's ``‖actual − expected‖ / max(‖expected‖, floor)`` in float64, rows being
+  the 1-D slices along ``axis``, so that one wrong row among many cannot hide in an
+  array-wide norm. Non-finite values must match the reference's exactly (NaN for NaN, the
+  same infinities), else the error is inf. ``floor``: the size of terms whose difference
+  ``expected`` is, where their rounding, not ``expected``'s own size, bounds the error; a
+  scalar, or one per row (shaped like ``expected`` with ``axis`` of size 1, as
+  ``np.linalg.norm(terms, axis=axis, keepdims=True)`` gives)."""
   a = np.asarray(jnp.asarray(actual, jnp.float32) if jnp.asarray(actual).dtype != jnp.float64
                  else actual, np.float64)
   e = np.asarray(expected, np.float64)
   if a.shape != e.shape:
     raise AssertionError(f"shape {a.shape} != reference shape {e.shape}")
-  if not np.all(np.isfinite(a) == np.isfinite(e)):
-    return float("inf")
+  if e.size == 0:
+    return 0.0
+  floor = np.asarray(floor, np.float64)
+  if floor.ndim:
+    one_per_row = list(e.shape)
+    one_per_row[axis] = 1
+    floor = rows_of(np.broadcast_to(floor, one_per_row), axis)[:, 0]
+  a, e = rows_of(a, axis), rows_of(e, axis)
   finite = np.isfinite(e)
+  if not np.array_equal(np.isfinite(a), finite):
+    return float("inf")
   a_off, e_off = a[~finite], e[~finite]
   if not np.all((a_off == e_off) | (np.isnan(a_off) & np.isnan(e_off))):
     return float("inf")
-  denom = max(np.linalg.norm(e[finite]), floor)
-  diff = np.linalg.norm((a - e)[finite])
-  return float(diff / denom) if denom > 0 else float(diff)
+  a, e = np.where(finite, a, 0.0), np.where(finite, e, 0.0)
+  diff = np.linalg.norm(a - e, axis=1)
+  denom = np.maximum(np.linalg.norm(e, axis=1), floor)
+  per_row = np.where(denom > 0, diff / np.where(denom > 0, denom, 1.0), diff)
+  return float(per_row.max())
 
 
 def assert_close(actual, expected, dtype=None, *, factor: float = 1.0, name: str = "output",
-                 floor: float = 0.0):
-  """Asserts the relative error of ``actual`` against float64 ``expected`` is within tolerance
-  (see :func:`relative_error` for ``floor``)."""
+                 floor=0.0, axis: int = -1):
+  """Asserts the worst row's relative error of ``actual`` against float64 ``expected`` is
+  within the tolerance of ``dtype`` (default: ``actual``'s); see :func:`relative_error`."""
   dtype = jnp.dtype(dtype or jnp.asarray(actual).dtype)
   bound = TOLERANCE[dtype] * factor
-  err = relative_error(actual, expected, floor)
-  assert err <= bound, f"{name}: relative error {err:.3e} > {bound:.1e} ({dtype})"
+  err = relative_error(actual, expected, floor, axis=axis)
+  assert err <= bound, f"{name}: worst row's relative error {err:.3e} > {bound:.1e} ({dtype})"
   return err
+
+
+def seed_for(test_id: str) -> int:
+  """A 32-bit seed from a test's id: the same inputs every run, different ones per test."""
+  return zlib.crc32(test_id.encode())
 
 
 def poison_device_memory(nbytes: int):

@@ -18,7 +18,9 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <type_traits>
 
@@ -552,6 +554,151 @@ bool dispatch_units(int64_t units, F&& f) {
   }
   if constexpr (2 * V <= kMax) return dispatch_units<kMax, 2 * V>(units, f);
   return false;
+}
+
+// ---- Host side: checks of what an FFI handler is handed.
+//
+// XLA passes a handler whatever buffers and attributes its caller declared, and nothing on the
+// way knows what the kernels need. So each handler checks every operand's size against the
+// others and every attribute against what the kernels are built for, before anything launches:
+// a mismatch comes back to Python as an error naming it, never as an out-of-bounds access.
+
+inline std::string dtype_name(ffi::DataType dtype) {
+  switch (dtype) {
+    case ffi::DataType::F32: return "float32";
+    case ffi::DataType::BF16: return "bfloat16";
+    case ffi::DataType::F16: return "float16";
+    case ffi::DataType::S32: return "int32";
+    default: return "XLA dtype " + std::to_string(static_cast<int>(dtype));
+  }
+}
+
+inline std::string shape_string(ffi::AnyBuffer::Dimensions dims) {
+  std::string text = "(";
+  for (size_t i = 0; i < dims.size(); ++i) text += (i ? ", " : "") + std::to_string(dims[i]);
+  return text + (dims.size() == 1 ? ",)" : ")");
+}
+
+// The product of sizes, or -1 where it would overflow int64 (so that it equals no real count).
+inline int64_t product(std::initializer_list<int64_t> sizes) {
+  int64_t total = 1;
+  for (const int64_t size : sizes)
+    if (size < 0 || __builtin_mul_overflow(total, size, &total)) return -1;
+  return total;
+}
+
+// One call's checks: the first that fails becomes the handler's InvalidArgument error. A
+// message is formatted only when its check fails, so a well-formed call pays no formatting.
+class Checks {
+ public:
+  explicit Checks(const char* op) : op_(op) {}
+
+  template <typename Message> bool require(bool ok, Message&& message) {
+    if (!ok && failure_.empty()) failure_ = message();
+    return ok;
+  }
+  bool rank(const char* name, const ffi::AnyBuffer& buffer, size_t rank, const char* layout) {
+    return require(buffer.dimensions().size() == rank, [&] {
+      return std::string(name) + " must be " + layout + ", got shape " +
+             shape_string(buffer.dimensions());
+    });
+  }
+  bool same_shape(const char* name, const ffi::AnyBuffer& buffer, const char* like,
+                  ffi::AnyBuffer::Dimensions dims) {
+    const ffi::AnyBuffer::Dimensions mine = buffer.dimensions();
+    bool same = mine.size() == dims.size();
+    for (size_t i = 0; same && i < dims.size(); ++i) same = mine[i] == dims[i];
+    return require(same, [&] {
+      return std::string(name) + " has shape " + shape_string(mine) + ", which must match " +
+             like + " " + shape_string(dims);
+    });
+  }
+  // `formula` says where `expected` comes from, e.g. "G * R".
+  bool count(const char* name, int64_t actual, int64_t expected, const char* formula = nullptr) {
+    return require(actual == expected, [&] {
+      return std::string(name) + " has " + std::to_string(actual) + " elements, not " +
+             (formula ? std::string(formula) + " = " : "") + std::to_string(expected);
+    });
+  }
+  bool dtype(const char* name, ffi::DataType actual, std::initializer_list<ffi::DataType> allowed,
+             const char* rule) {
+    bool found = false;
+    for (const ffi::DataType d : allowed) found |= d == actual;
+    return require(found, [&] {
+      return std::string(name) + " is " + dtype_name(actual) + ", but must be " + rule;
+    });
+  }
+  bool range(const char* name, int64_t value, int64_t lo, int64_t hi) {
+    return require(lo <= value && value <= hi, [&] {
+      return std::string(name) + "=" + std::to_string(value) + " is outside [" +
+             std::to_string(lo) + ", " + std::to_string(hi) + "]";
+    });
+  }
+  bool flag(const char* name, int64_t value) { return range(name, value, 0, 1); }
+  bool at_least(const char* name, float value, float lo) {
+    return require(std::isfinite(value) && value >= lo, [&] {
+      return std::string(name) + "=" + std::to_string(value) + " must be finite and >= " +
+             std::to_string(lo);
+    });
+  }
+
+  bool ok() const { return failure_.empty(); }
+  ffi::Error error() const {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, op_ + ": " + failure_);
+  }
+
+ private:
+  std::string op_, failure_;
+};
+
+// How a launch holds its rows (cuda/__init__.py Tiling): `cluster` CTAs of `threads` threads,
+// `units` units a thread, fed through `stages` shared-memory stages (0: registers); or, with
+// `lanes`, a group of that many lanes of one warp per row. `clusters` clusters (for short rows,
+// CTAs) along the grid's x.
+struct Tiling {
+  int64_t cluster, threads, units, stages, lanes, clusters;
+
+  int64_t capacity() const {
+    return lanes ? lanes * units * kUnit : cluster * threads * units * kUnit;
+  }
+  std::string describe() const {
+    return "cluster=" + std::to_string(cluster) + " threads=" + std::to_string(threads) +
+           " units=" + std::to_string(units) + " stages=" + std::to_string(stages) +
+           " lanes=" + std::to_string(lanes) + " clusters=" + std::to_string(clusters);
+  }
+};
+
+// A staged feed's stages: wait_copies names up to three pending copy groups, so four is the
+// most that overlap (the bound also keeps a CTA's dynamic shared memory well within an int).
+constexpr int64_t kMaxStages = 4;
+constexpr int64_t kMaxUnitsPerThread = 8;
+constexpr int64_t kMaxGridX = 2147483647;  // CUDA's limit on a grid's x dimension
+
+// The tiling's attributes within what any kernel is built for (each kernel's dispatch then
+// refuses combinations it lacks), and rows of n elements, a positive multiple of 8, within its
+// capacity. False on the first failure, so later checks may rely on earlier ones.
+inline bool check_tiling(Checks& checks, int64_t n, const Tiling& t, int64_t max_threads) {
+  return checks.require(n > 0 && n % kUnit == 0, [&] {
+           return "rows of " + std::to_string(n) + " elements: the kernels take a positive "
+                  "multiple of " + std::to_string(kUnit);
+         }) &&
+         checks.range("cluster", t.cluster, 1, kMaxCluster) &&
+         checks.require(t.threads > 0 && t.threads <= max_threads && t.threads % 32 == 0, [&] {
+           return "threads=" + std::to_string(t.threads) + " must be a positive multiple of "
+                  "32 up to " + std::to_string(max_threads);
+         }) &&
+         checks.range("units", t.units, 1, kMaxUnitsPerThread) &&
+         checks.range("stages", t.stages, 0, kMaxStages) &&
+         checks.require(t.lanes == 0 || (t.lanes > 0 && t.lanes <= 32 &&
+                                         (t.lanes & (t.lanes - 1)) == 0 && t.cluster == 1), [&] {
+           return "lanes=" + std::to_string(t.lanes) + " must be 0 or a power of two up to 32 "
+                  "with cluster=1 (got cluster=" + std::to_string(t.cluster) + ")";
+         }) &&
+         checks.range("clusters", t.clusters, 1, kMaxGridX / t.cluster) &&
+         checks.require(t.capacity() >= n, [&] {
+           return t.describe() + " holds " + std::to_string(t.capacity()) +
+                  " elements of a row, fewer than its " + std::to_string(n);
+         });
 }
 
 }  // namespace jaxfuse

@@ -15,6 +15,11 @@ Masks (causal with an offset, local window, segment ids, sequence lengths) are c
 positions inside the kernel, and only on the blocks at the edges of the band: blocks wholly
 inside it skip the mask. Exponentials are base 2, with log2(e) folded into the score scale.
 Head dimensions are padded to a power of two in registers only.
+
+Every array (q, k, v, the outputs, lse and delta, segment ids) is indexed with one int32 index
+per dimension, never through a flat offset formed in a kernel: Pallas' Triton lowering scales
+each index by its stride, in 64 bits for arrays larger than 2^32 bytes, so large batches and
+long sequences past 2^31 elements are addressed exactly.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
+from jaxfuse._core.registry import pallas_triton as plgpu  # None where JAX has no Triton
 
 from jaxfuse._core import registry
 from jaxfuse.ops.attention.reference import MaskSpec

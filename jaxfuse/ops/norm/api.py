@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
-from jaxfuse._core import cuda, registry
+from jaxfuse._core import registry
 from jaxfuse._core.sharding import parallel_call
 from jaxfuse._core.validation import (canonical_dtype, check_array, check_positive_float,
                                       describe)
@@ -18,7 +18,7 @@ from jaxfuse.ops.norm import cuda as cuda_kernels
 from jaxfuse.ops.norm import reference, triton
 
 _BACKENDS = {"xla": registry.xla_available, "triton": registry.triton_unavailable,
-             "cuda": cuda.unavailable}
+             "cuda": cuda_kernels.unavailable}
 _KERNELS = {"triton": triton, "cuda": cuda_kernels}
 
 
@@ -27,7 +27,7 @@ def _preference():
   return ("xla",) if registry.platform() == "cpu" else ("triton", "xla")
 
 
-def _fastest(kind: str, n: int, direction: str, cuda_fits: bool, cuda_short: bool) -> str:
+def _fastest(kind: str, n: int, direction: str, cuda_runs, triton_runs, cuda_short: bool) -> str:
   """The fastest implementation for one direction, from benchmarks/results (H100, bf16).
 
   Up to 16384 features the Triton kernels hold a row block in registers and win both
@@ -39,11 +39,17 @@ def _fastest(kind: str, n: int, direction: str, cuda_fits: bool, cuda_short: boo
   thread block cluster, win both directions. Both directions share the saved statistics, so
   any forward pairs with any backward. Where the CUDA kernels cannot run (rows that do not fit
   a cluster, float64) the two-walk Triton forward still beats XLA's, and XLA's backward beats
-  the two-walk Triton one.
+  the two-walk Triton one. Without Triton the CUDA kernels come first: their training steps
+  beat XLA's at every recorded size (2026-11-23-h100-norm.json). ``cuda_runs()`` and
+  ``triton_runs()`` say whether those kernels can take this call (the first builds them on
+  first use), asked only where they would be chosen.
   """
-  if cuda_fits and (n > 16384 or (kind == "layer" and direction == "backward" and cuda_short)):
+  if ((n > 16384 or (kind == "layer" and direction == "backward" and cuda_short)
+       or not triton_runs()) and cuda_runs()):
     return "cuda"
-  return "triton" if direction == "forward" or n <= 16384 else "xla"
+  if (direction == "forward" or n <= 16384) and triton_runs():
+    return "triton"
+  return "xla"
 
 
 def rms_norm(x, weight=None, *, eps: float = 1e-6, normalized_ndim: int | None = None,
@@ -60,9 +66,8 @@ def rms_norm(x, weight=None, *, eps: float = 1e-6, normalized_ndim: int | None =
     out_dtype: output dtype; default ``jnp.result_type(x, weight)``. Pass ``weight.dtype`` for
       the "output takes the weight's dtype" convention.
     implementation: ``'xla'``, ``'triton'`` (a Pallas kernel; interpreted on the CPU),
-      ``'cuda'`` (CUDA kernels built with nvcc on first use, for Hopper GPUs: rows of up to
-      131072 elements, a multiple of 8, of float16/bfloat16/float32) or ``None`` for the
-      fastest available here.
+      ``'cuda'`` (CUDA kernels built with nvcc on first use, for Hopper GPUs:
+      {cuda_limits}) or ``None`` for the fastest available here.
 
   Returns:
     An array of ``x.shape``. Statistics are accumulated in float32 (float64 for float64
@@ -93,6 +98,10 @@ def layer_norm(x, weight=None, bias=None, *, eps: float = 1e-5,
   """
   return _normalize("layer_norm", "layer", x, weight, bias, eps, normalized_ndim, out_dtype,
                     implementation)
+
+
+# The limits the 'cuda' kernels enforce, from the constants they enforce them by.
+rms_norm.__doc__ = rms_norm.__doc__.replace("{cuda_limits}", cuda_kernels.limits())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,23 +148,35 @@ def _normalize(op, kind, x, weight, bias, eps, normalized_ndim, out_dtype, imple
                      f"normalizing its last {norm_ndim} axes)")
   out_dtype = canonical_dtype(op, "out_dtype", out_dtype) or \
       jnp.result_type(x, *(p for _, p in params))
-  impl = registry.resolve(op, implementation, _BACKENDS, _preference())
   n = math.prod(x.shape[x.ndim - norm_ndim:])
-  cuda_refusal = lambda: cuda_kernels.unsupported(n, x.dtype, out_dtype,
-                                                  [p.dtype for _, p in params])
-  if impl == "cuda" and (reason := cuda_refusal()):
-    raise NotImplementedError(f"{op}(implementation='cuda') cannot take x {describe(x)}: "
-                              f"{reason}")
-  forward_impl = backward_impl = impl
-  if implementation is None and impl == "triton":
-    cuda_fits = cuda.unavailable() is None and cuda_refusal() is None
-    cuda_short = (jnp.dtype(x.dtype).itemsize == 2 and jnp.dtype(out_dtype) == x.dtype
-                  and getattr(cuda_kernels.backward_tiling(n, x.dtype), "lanes", 0) > 0)
-    forward_impl = _fastest(kind, n, "forward", cuda_fits, cuda_short)
-    backward_impl = _fastest(kind, n, "backward", cuda_fits, cuda_short)
+  forward_impl, backward_impl = _implementations(
+      op, kind, implementation, n, x.size // n, x.dtype, out_dtype, [p.dtype for _, p in params],
+      lambda: f"x {describe(x)}")
   st = _Static(op, kind, eps, norm_ndim, jnp.dtype(out_dtype),
                None if bias is None else jnp.dtype(bias.dtype), forward_impl, backward_impl)
   return _norm_jit(x, weight, bias, st)
+
+
+def _implementations(op, kind, implementation, n, rows, x_dtype, out_dtype, param_dtypes, what):
+  """The (forward, backward) implementations for ``rows`` rows of ``n`` features: the named
+  one, or by measurement for ``None`` among those that run here (see :func:`_fastest`)."""
+  impl = registry.resolve(op, implementation, _BACKENDS, _preference())
+  cuda_refusal = lambda: cuda_kernels.unsupported(n, x_dtype, out_dtype, param_dtypes)
+  if impl == "cuda" and (reason := cuda_refusal()):
+    raise NotImplementedError(f"{op}(implementation='cuda') cannot take {what()}: {reason}")
+  forward_impl = backward_impl = impl
+  if implementation is None and registry.platform() == "gpu":
+    cuda_runs = lambda: (cuda_refusal() is None
+                         and registry.runs(op, "cuda", cuda_kernels.unavailable))
+    triton_runs = lambda: registry.runs(
+        op, "triton", lambda: registry.triton_unavailable() or triton.unsupported((1, rows, n)))
+    cuda_short = (jnp.dtype(x_dtype).itemsize == 2 and jnp.dtype(out_dtype) == x_dtype
+                  and getattr(cuda_kernels.backward_tiling(n, x_dtype), "lanes", 0) > 0)
+    forward_impl = _fastest(kind, n, "forward", cuda_runs, triton_runs, cuda_short)
+    backward_impl = _fastest(kind, n, "backward", cuda_runs, triton_runs, cuda_short)
+  if "triton" in (forward_impl, backward_impl):
+    registry.using_triton(named=implementation == "triton")
+  return forward_impl, backward_impl
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

@@ -19,6 +19,11 @@ each chunk keeps accumulators of its own. Rows too long for that ('split') get d
 kernel and the weight gradients from a column-parallel kernel over row ranges. Stage two sums
 the per-program partials in a fixed order in a small kernel. No atomics: the same inputs give
 the same bits.
+
+Every array is indexed with one int32 index per dimension, never through a flat offset formed in
+a kernel: Pallas' Triton lowering scales each index by its stride, in 64 bits for arrays larger
+than 2^32 bytes, so inputs of more than 2^31 elements are addressed exactly (see
+:func:`unsupported` for the limit of that rule).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
+from jaxfuse._core.registry import pallas_triton as plgpu  # None where JAX has no Triton
 
 from jaxfuse._core import registry
 from jaxfuse._core.pipelining import pipelined_loop
@@ -119,6 +124,18 @@ def _programs(blocks, n_rows, n_groups):
   return pl.cdiv(n_row_blocks, pl.cdiv(n_row_blocks, target))
 
 
+_VIEW = "x viewed as (groups, rows, features)"
+
+
+def unsupported(shape) -> str | None:
+  """Why the kernels cannot take x viewed as ``(groups, rows, features)``, or None."""
+  return registry.triton_extents_refusal(_VIEW, shape)
+
+
+def _check_extents(kind, shape):
+  registry.check_triton_extents(f"{kind}_norm", _VIEW, shape)
+
+
 def _compiler_params(blocks):
   return plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=1)
 
@@ -139,12 +156,16 @@ class _RowBlocks:
     self.g, self.p = pl.program_id(0), pl.program_id(1)
     self.n_programs = pl.num_programs(1)
     self.n_rows, self.block_rows = n_rows, block_rows
-    self.n_steps = (pl.cdiv(n_rows, block_rows) - self.p + self.n_programs - 1) // self.n_programs
+    self.n_row_blocks = pl.cdiv(n_rows, block_rows)
+    self.n_steps = (self.n_row_blocks - self.p + self.n_programs - 1) // self.n_programs
 
   def rows(self, step):
     """Row indices of a step and their mask; steps past the end are fully masked."""
-    rows = (self.p + step * self.n_programs) * self.block_rows + jnp.arange(
-        self.block_rows, dtype=jnp.int32)
+    # A step past the end (the prefetch after the last) stops at the end: with a program per
+    # row block it would reach twice the row count, where int32 rows of a large x wrap to
+    # negative indices that pass the mask.
+    block = jnp.minimum(self.p + step * self.n_programs, self.n_row_blocks)
+    rows = block * self.block_rows + jnp.arange(self.block_rows, dtype=jnp.int32)
     return rows, rows < self.n_rows
 
   def loop(self, load, body, init):
@@ -264,6 +285,7 @@ def _forward_kernel(*refs, kind, has_weight, has_bias, eps, n_rows, n_cols, bloc
 def forward(x, weight, bias, *, kind, eps, out_dtype, blocks: NormBlocks | None = None):
   """``x (G, R, N)``, ``weight``/``bias`` ``(G, N)`` or None -> ``(y, mean | None, rstd)``."""
   n_groups, n_rows, n_cols = x.shape
+  _check_extents(kind, x.shape)
   blocks = blocks or forward_blocks(n_rows, n_cols, kind)
   cdt = compute_dtype(x.dtype, None if weight is None else weight.dtype)
   stat = jax.ShapeDtypeStruct((n_groups, n_rows), cdt)
@@ -516,6 +538,7 @@ def backward(dy, x, weight, mean, rstd, *, kind, has_bias, bias_dtype=None,
              blocks: NormBlocks | None = None):
   """Returns ``(dx, dweight | None, dbias | None)`` for ``(G, R, N)`` inputs."""
   n_groups, n_rows, n_cols = x.shape
+  _check_extents(kind, x.shape)
   blocks = blocks or backward_blocks(n_rows, n_cols, kind)
   has_weight = weight is not None
   strategy = _backward_strategy(blocks, n_cols, has_weight + has_bias)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_batching import custom_vmap
 
-from jaxfuse._core import cuda, registry
+from jaxfuse._core import registry
 from jaxfuse._core.batching import fold_into_batch
 from jaxfuse._core.sharding import parallel_call
 from jaxfuse._core.validation import (check_array, check_choice, describe, static_float,
@@ -19,7 +19,7 @@ from jaxfuse.ops.softmax import cuda as cuda_kernels
 from jaxfuse.ops.softmax import reference, triton
 
 _BACKENDS = {"xla": registry.xla_available, "triton": registry.triton_unavailable,
-             "cuda": cuda.unavailable}
+             "cuda": cuda_kernels.unavailable}
 _KERNELS = {"triton": triton, "cuda": cuda_kernels}
 
 
@@ -27,18 +27,28 @@ def _preference():
   return ("xla",) if registry.platform() == "cpu" else ("triton", "xla")
 
 
-# Rows the Triton kernels hold in registers (one tile) are read once by them too; longer rows a
-# Pallas program walks twice, and there the CUDA kernels, which hold a row on chip in a
-# thread-block cluster (registers, or shared memory for rows of 64 KiB and more), win
-# (benchmarks/results, H100, bf16).
+# Row lengths from which None takes the CUDA kernels, by direction (benchmarks/results, H100,
+# bf16, 2026-11-22-h100-softmax-profiled.json). Rows the Triton kernels hold in registers (one
+# tile) are read once by them too; longer rows a Pallas program walks twice, and there the CUDA
+# kernels, which hold a row on chip in a thread-block cluster (registers, or shared memory for
+# rows of 64 KiB and more), win. Without Triton they are weighed against XLA's fusions, which
+# hold shorter rows better (4096: 96% of the copy against 91%) and longer ones far worse
+# (16384: 43% against 94%).
 _CUDA_FROM = {"forward": 32768, "backward": 16384 + 1, "cross_entropy": 16384 + 1}
+_CUDA_WITHOUT_TRITON_FROM = {"forward": 16384, "backward": 16384, "cross_entropy": 16384}
 
 
-def _fastest(n: int, direction: str, cuda_refusal) -> str:
-  """'cuda' for long rows it can take, else 'triton'; ``cuda_refusal()`` says why it cannot."""
-  if n >= _CUDA_FROM[direction] and cuda.unavailable() is None and cuda_refusal() is None:
+def _fastest(op: str, n: int, direction: str, cuda_refusal, extents) -> str:
+  """'cuda' for long rows it can take, else 'triton' where it runs, else 'xla';
+  ``cuda_refusal()`` says why the CUDA kernels cannot take the call, and ``extents`` is the
+  array as the Triton kernels view it."""
+  triton_runs = registry.runs(
+      op, "triton", lambda: registry.triton_unavailable() or triton.unsupported(extents))
+  cuda_from = (_CUDA_FROM if triton_runs else _CUDA_WITHOUT_TRITON_FROM)[direction]
+  if (n >= cuda_from and cuda_refusal() is None
+      and registry.runs(op, "cuda", cuda_kernels.unavailable)):
     return "cuda"
-  return "triton"
+  return "triton" if triton_runs else "xla"
 
 
 def softmax(x, axis: int = -1, *, scale: float = 1.0, mask=None, is_causal: bool = False,
@@ -55,8 +65,8 @@ def softmax(x, axis: int = -1, *, scale: float = 1.0, mask=None, is_causal: bool
       queries with the last T of S keys (decoding with a cache).
     causal_offset: see ``is_causal``.
     implementation: ``'xla'``, ``'triton'``, ``'cuda'`` (CUDA kernels built with nvcc on first
-      use, for Hopper GPUs: the last axis, no mask, rows of up to 262144 elements, a multiple
-      of 8, of float16/bfloat16/float32) or ``None`` (fastest available here).
+      use, for Hopper GPUs: the last axis, no mask, {cuda_limits}) or ``None`` (fastest
+      available here).
 
   Returns:
     An array like ``x``. A fully masked row is all zeros and has zero gradient. Accumulation
@@ -127,9 +137,14 @@ def _softmax_entry(op, log, x, axis, scale, mask, is_causal, causal_offset, impl
     raise NotImplementedError(f"{op}(implementation='cuda') cannot take x {describe(x)} over "
                               f"axis {axis}{'' if mask is None else ' with a mask'}: {reason}")
   forward_impl = backward_impl = impl
-  if implementation is None and impl == "triton":
-    forward_impl = _fastest(x.shape[axis], "forward", lambda: cuda_refusal(("forward",)))
-    backward_impl = _fastest(x.shape[axis], "backward", lambda: cuda_refusal(("backward",)))
+  if implementation is None and registry.platform() == "gpu":
+    extents = (layout.pre, layout.n, layout.post)
+    forward_impl = _fastest(op, x.shape[axis], "forward", lambda: cuda_refusal(("forward",)),
+                            extents)
+    backward_impl = _fastest(op, x.shape[axis], "backward", lambda: cuda_refusal(("backward",)),
+                             extents)
+  if "triton" in (forward_impl, backward_impl):
+    registry.using_triton(named=implementation == "triton")
   st = _SoftmaxStatic(op, log, layout, scale, forward_impl, backward_impl)
   return _softmax_jit(x, mask, st)
 
@@ -273,8 +288,8 @@ def softmax_cross_entropy(logits, labels, *, ignore_index: int | None = None,
     z_loss: coefficient of ``lse**2`` (>= 0).
     reduction: ``'mean'`` over counted rows (0 when none), ``'sum'``, or ``'none'`` for the
       per-row losses (ignored rows 0).
-    implementation: ``'xla'``, ``'triton'``, ``'cuda'`` (vocabularies of up to 262144 classes,
-      a multiple of 8, of float16/bfloat16/float32 logits; see :func:`softmax`) or ``None``.
+    implementation: ``'xla'``, ``'triton'``, ``'cuda'`` (logits' {cuda_limits}; see
+      :func:`softmax`) or ``None``.
 
   Returns:
     A float32 scalar (float64 for float64 logits), or per-row losses for ``'none'``.
@@ -309,13 +324,17 @@ def softmax_cross_entropy(logits, labels, *, ignore_index: int | None = None,
     raise NotImplementedError(f"{op}(implementation='cuda') cannot take logits "
                               f"{describe(logits)}: {reason}")
   loss_impl = impl
-  if implementation is None and impl == "triton":
-    impl = loss_impl = _fastest(vocab, "cross_entropy", cuda_refusal)
+  if implementation is None and registry.platform() == "gpu":
+    impl = loss_impl = _fastest(op, vocab, "cross_entropy", cuda_refusal,
+                                (labels.size, vocab))
     # The loss alone reads each row once and has nothing to hide a cluster's barrier behind:
     # the CUDA kernel wins it only with clusters of up to 4 CTAs (H100: 0.94 against Triton's
     # 0.98 ms at 8192x131072 bf16, benchmarks/results/2026-11-22-h100-softmax-profiled.json).
-    if impl == "cuda" and cuda_kernels.cross_entropy_tiling(vocab, logits.dtype).cluster > 4:
+    if (impl == "cuda" and cuda_kernels.cross_entropy_tiling(vocab, logits.dtype).cluster > 4
+        and registry.triton_unavailable() is None):
       loss_impl = "triton"
+  if "triton" in (impl, loss_impl):
+    registry.using_triton(named=implementation == "triton")
   st = _CrossEntropyStatic(label_smoothing, z_loss, reduction, impl, ignore_index, loss_impl)
   return _cross_entropy_jit(logits, labels, st)
 
@@ -462,3 +481,8 @@ class _CrossEntropyKernels:
 @functools.cache
 def _ce_kernels(st) -> _CrossEntropyKernels:
   return _CrossEntropyKernels(st)
+
+
+# The limits the 'cuda' kernels enforce, from the constants they enforce them by.
+for _op in (softmax, softmax_cross_entropy):
+  _op.__doc__ = _op.__doc__.replace("{cuda_limits}", cuda_kernels.limits())

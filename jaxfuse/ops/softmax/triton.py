@@ -12,6 +12,11 @@ cross-warp reduction, and each walk loads the next chunk before it computes on t
 Masks are read through their own (broadcast) strides, and the causal mask is computed from the
 indices, so neither is ever expanded to the shape of ``x``.
 
+Every array is indexed with one int32 index per dimension, never through a flat offset formed in
+a kernel: Pallas' Triton lowering scales each index by its stride, in 64 bits for arrays larger
+than 2^32 bytes, so arrays of more than 2^31 elements are addressed exactly (see
+:func:`unsupported` and :func:`_mask_operand` for the two limits of that rule).
+
 Cross-entropy: one row of logits at a time (the vocabulary is long), online log-sum-exp in a
 first walk; when the loss is reduced ('mean' or 'sum') the gradient for a unit cotangent is
 written in the second walk of the same kernel, so a training step reads the logits once from
@@ -27,7 +32,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
+from jaxfuse._core.registry import pallas_triton as plgpu  # None where JAX has no Triton
 
 from jaxfuse._core import registry
 from jaxfuse._core.pipelining import pipelined_loop
@@ -161,9 +166,11 @@ class _Tiles:
     keep = in_bounds
     layout = self.layout
     if mask_ref is not None:
-      offset = sum(self.coordinate(d, where) * s for d, s in enumerate(layout.mask_strides) if s)
-      offset = jnp.broadcast_to(jnp.asarray(offset, jnp.int32), in_bounds.shape)
-      keep = keep & (plgpu.load(mask_ref.at[offset], mask=in_bounds, other=0) != 0)
+      # An index per dimension the mask varies along: a flat offset summed here in int32 would
+      # wrap past 2^31 elements.
+      index = tuple(jnp.broadcast_to(self.coordinate(d, where), in_bounds.shape)
+                    for d in _mask_dims(layout)) or jnp.zeros(in_bounds.shape, jnp.int32)
+      keep = keep & (plgpu.load(mask_ref.at[index], mask=in_bounds, other=0) != 0)
     if layout.causal:
       ndim = len(layout.shape)
       q = self.coordinate(ndim - 2, where)
@@ -283,6 +290,34 @@ def _softmax_backward_kernel(y_ref, dy_ref, dx_ref, *, layout, blocks, scale, lo
                    lambda j, loaded, carry: write(rows, j, *loaded, c), None)
 
 
+def unsupported(extents) -> str | None:
+  """Why the kernels cannot take an array viewed as ``extents`` (``(pre, n, post)`` for
+  softmax, ``(rows, classes)`` for cross-entropy), or None."""
+  return registry.triton_extents_refusal("the view", extents)
+
+
+def _check_extents(op, extents):
+  registry.check_triton_extents(op, "the view", extents)
+
+
+def _mask_dims(layout):
+  """The dimensions of x the mask varies along (it broadcasts along the others)."""
+  return tuple(d for d, s in enumerate(layout.mask_strides) if s)
+
+
+def _mask_operand(mask, layout):
+  """The flat int8 mask as an array of its varying dimensions, indexed one dimension at a time.
+
+  The lowering offsets arrays of up to 2^32 bytes in int32: an int8 mask of 2^31 to 2^32
+  elements would wrap. Held in int16 it passes 2^32 bytes and gets 64-bit offsets (a conversion
+  pass over the mask, only at those sizes); larger masks get them as they are.
+  """
+  mask = mask.reshape(tuple(layout.shape[d] for d in _mask_dims(layout)) or (1,))
+  if 2**31 < mask.size <= 2**32:
+    mask = mask.astype(jnp.int16)
+  return mask
+
+
 def _grid(layout, blocks):
   rows = layout.pre if layout.post == 1 else layout.post
   n_tiles = pl.cdiv(rows, blocks.block_rows) * (1 if layout.post == 1 else layout.pre)
@@ -291,7 +326,9 @@ def _grid(layout, blocks):
 
 
 def softmax_forward(x, mask, layout: Layout, *, scale, log, blocks: Blocks | None = None):
-  """``x`` of ``layout.shape``; ``mask`` a flat int8 array read with ``layout.mask_strides``."""
+  """``x`` of ``layout.shape``; ``mask`` a flat int8 array holding the mask densely over the
+  dimensions of nonzero ``layout.mask_strides``, in x's order (its own dense strides)."""
+  _check_extents("log_softmax" if log else "softmax", (layout.pre, layout.n, layout.post))
   blocks = blocks or default_blocks(layout)
   x3 = x.reshape(layout.pre, layout.n, layout.post)
   kernel = functools.partial(_softmax_forward_kernel, layout=layout, blocks=blocks, scale=scale,
@@ -300,11 +337,12 @@ def softmax_forward(x, mask, layout: Layout, *, scale, log, blocks: Blocks | Non
       kernel, out_shape=jax.ShapeDtypeStruct(x3.shape, x.dtype), grid=_grid(layout, blocks),
       compiler_params=_params(blocks), interpret=registry.interpret_mode(),
       name=f"jaxfuse_{'log_' if log else ''}softmax_fwd",
-  )(x3, *([] if mask is None else [mask]))
+  )(x3, *([] if mask is None else [_mask_operand(mask, layout)]))
   return y.reshape(x.shape)
 
 
 def softmax_backward(y, dy, layout: Layout, *, scale, log, blocks: Blocks | None = None):
+  _check_extents("log_softmax" if log else "softmax", (layout.pre, layout.n, layout.post))
   blocks = blocks or default_blocks(layout, "backward")
   shape3 = (layout.pre, layout.n, layout.post)
   kernel = functools.partial(_softmax_backward_kernel, layout=layout, blocks=blocks, scale=scale,
@@ -432,6 +470,7 @@ def cross_entropy(logits, labels, *, label_smoothing, z_loss, ignore_index=None,
   training step then holds no row-sized buffer but the loss.
   """
   n_rows, vocab = logits.shape
+  _check_extents("softmax_cross_entropy", logits.shape)
   blocks = blocks or cross_entropy_blocks(n_rows, vocab, mode)
   row = jax.ShapeDtypeStruct((n_rows,), jnp.float32)
   grad = jax.ShapeDtypeStruct(logits.shape, logits.dtype)

@@ -21,7 +21,6 @@ import numpy as np
 
 from jaxfuse._core import cuda
 from jaxfuse._core.cuda import Tiling
-from jaxfuse.ops.norm import triton
 
 _SOURCE = Path(__file__).with_name("norm.cu")
 _HANDLERS = {"jaxfuse_norm_forward": "JaxfuseNormForward",
@@ -45,6 +44,13 @@ STAGED_FROM_BYTES = 64 * 1024
 SHORT_FORWARD_UNITS = {2: (2, 4, 1), 4: (2, 1)}
 SHORT_BACKWARD_UNITS = {2: (2, 1), 4: (1,)}
 _SUPPORTED = tuple(map(jnp.dtype, (jnp.float16, jnp.bfloat16, jnp.float32)))
+LIBRARY = cuda.Library(_SOURCE, _HANDLERS)
+
+
+def unavailable() -> str | None:
+  """Why these kernels cannot run here (no Hopper GPU, no nvcc, a failed build), or None."""
+  return LIBRARY.unavailable()
+
 
 
 # Defaults measured on the H100 (benchmarks/tune.py norm_cuda, bf16, 16384 rows): through
@@ -82,6 +88,18 @@ def backward_tiling(n_cols: int, x_dtype) -> Tiling | None:
           or cuda.tiling(n_cols, BACKWARD_UNITS[width]))
 
 
+def longest_row(x_dtype) -> int:
+  """The longest row both directions hold, for x of ``x_dtype``."""
+  return cuda.longest_row(BACKWARD_UNITS[jnp.dtype(x_dtype).itemsize])
+
+
+def limits() -> str:
+  """The rows the kernels take, in words (docstrings and README; a test keeps them equal)."""
+  return (f"normalized sizes that are a multiple of {cuda.UNIT}, up to "
+          f"{longest_row(jnp.float16)} float16/bfloat16 or {longest_row(jnp.float32)} "
+          f"float32 elements")
+
+
 def unsupported(n_cols: int, x_dtype, out_dtype, param_dtypes) -> str | None:
   """Why the CUDA kernels cannot normalize rows of ``n_cols`` elements of these dtypes, or
   None. Outputs (and so dy) must have x's dtype or float32; parameters of any float dtype
@@ -96,7 +114,7 @@ def unsupported(n_cols: int, x_dtype, out_dtype, param_dtypes) -> str | None:
     return (f"the 'cuda' kernels move rows in {cuda.UNIT}-element vectors; the normalized size "
             f"{n_cols} is not a multiple of {cuda.UNIT}")
   if backward_tiling(n_cols, x_dtype) is None or forward_tiling(n_cols, x_dtype) is None:
-    most = cuda.longest_row(BACKWARD_UNITS[jnp.dtype(x_dtype).itemsize])
+    most = longest_row(x_dtype)
     return (f"the 'cuda' kernels hold a row in the registers of one cluster, at most {most} "
             f"{jnp.dtype(x_dtype).name} elements; the normalized size is {n_cols} ('triton' "
             f"walks rows of any length)")
@@ -104,7 +122,7 @@ def unsupported(n_cols: int, x_dtype, out_dtype, param_dtypes) -> str | None:
 
 
 def _library():
-  return cuda.load(_SOURCE, _HANDLERS)
+  return LIBRARY.load()
 
 
 def _params(x, *params):
@@ -179,17 +197,19 @@ def backward(dy, x, weight, mean, rstd, *, kind, has_bias, bias_dtype=None,
   clusters = _grid(n_groups, n_rows, t,
                    resident_clusters("backward", kind, x.dtype, dy.dtype, kernel_weight.dtype, t,
                                      has_weight, has_bias))
-  partial = jax.ShapeDtypeStruct((n_groups, clusters, n_cols), jnp.float32)
+  # One call, two stages (norm.cu): float32 partial sums of the parameter gradients per
+  # cluster, then their sum over the clusters in a fixed order, in the parameters' dtypes.
+  n_params = has_weight + has_bias
   unused = jax.ShapeDtypeStruct((1,), jnp.float32)
-  dx, dweight, dbias = jax.ffi.ffi_call(
+  grad = lambda dtype: jax.ShapeDtypeStruct((n_groups, n_cols), dtype)
+  partials = (jax.ShapeDtypeStruct((n_params, n_groups, clusters, n_cols), jnp.float32)
+              if n_params else unused)
+  dx, dweight, dbias, _ = jax.ffi.ffi_call(
       "jaxfuse_norm_backward",
-      (jax.ShapeDtypeStruct(x.shape, x.dtype), partial if has_weight else unused,
-       partial if has_bias else unused))(
+      (jax.ShapeDtypeStruct(x.shape, x.dtype), grad(weight.dtype) if has_weight else unused,
+       grad(bias_dtype) if has_bias else unused, partials))(
           dy, x, kernel_weight, x if mean is None else mean, rstd,
           cluster=np.int64(t.cluster), threads=np.int64(t.threads), units=np.int64(t.units),
           lanes=np.int64(t.lanes), clusters=np.int64(clusters), layer=np.int64(kind == "layer"),
           has_weight=np.int64(has_weight), has_bias=np.int64(has_bias))
-  # Stage two: the per-cluster partials are summed in a fixed order, as Triton's are.
-  return (dx, *triton.sum_param_partials(dweight if has_weight else None,
-                                         dbias if has_bias else None,
-                                         weight.dtype if has_weight else None, bias_dtype))
+  return dx, (dweight if has_weight else None), (dbias if has_bias else None)

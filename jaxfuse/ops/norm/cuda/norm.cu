@@ -210,9 +210,8 @@ __device__ __forceinline__ void unit_gradients(float (&x)[kUnit], const float (&
 }
 
 // Each CTA owns one column slice of every row its cluster walks, so it sums its slice of
-// dweight and dbias over those rows and writes one float32 partial per (group, cluster); a
-// second kernel (Triton's sum_param_partials) sums them in a fixed order, so the gradients
-// are deterministic.
+// dweight and dbias over those rows and writes one float32 partial per (group, cluster);
+// sum_partials_kernel then sums them in a fixed order, so the gradients are deterministic.
 template <typename TX, typename TDY, typename TP, bool kLayer, int V>
 __global__ void __launch_bounds__(kThreads, 2) norm_backward_kernel(
     const TDY* __restrict__ dy, const TX* __restrict__ x, const TP* __restrict__ weight,
@@ -372,8 +371,8 @@ __global__ void __launch_bounds__(kShortThreads)
 
 // Each thread sums dweight and dbias over the rows its group walks, in registers; at the end
 // of a parameter group the CTA adds its groups' sums in a fixed order through shared memory and
-// writes one float32 partial per (group, CTA), which Triton's sum_param_partials then sums in
-// a fixed order: the gradients are deterministic.
+// writes one float32 partial per (group, CTA), which sum_partials_kernel then sums in a fixed
+// order: the gradients are deterministic.
 template <typename TX, typename TDY, typename TP, bool kLayer, int V>
 __global__ void __launch_bounds__(kShortThreads) norm_backward_short_kernel(
     const TDY* __restrict__ dy, const TX* __restrict__ x, const TP* __restrict__ weight,
@@ -464,6 +463,91 @@ __global__ void __launch_bounds__(kShortThreads) norm_backward_short_kernel(
   }
 }
 
+// ---- Stage two of the parameter gradients: the (G, P, N) float32 partials of each present
+// parameter (P: stage one's clusters, or its CTAs for short rows) summed over P into (G, N) of
+// the parameter's dtype, rounded once. A CTA takes a strip of columns; its threads split into
+// the strip's units (a warp loads whole 32-byte units of a partial row, contiguous across its
+// lanes) and `slices` interleaved subsets of the partials, each summed in order and then folded
+// pairwise in a fixed tree through shared memory. The order depends on P alone, so every run
+// gives the same bits; where P is large and the columns few (short rows), many threads share
+// each column's sum and its load latency.
+constexpr int kSumThreads = 256;
+// Slices enough for four partials a thread, up to 64: strips of at least four units, whose
+// rows a warp still reads as whole 128-byte lines. Past 256 partials a thread sums more, four
+// loads in flight at a time.
+constexpr int kPartsPerThread = 4, kMaxSumSlices = 64;
+
+int sum_slices(int64_t parts) {
+  int slices = 1;
+  while (slices < kMaxSumSlices && slices * kPartsPerThread < parts) slices *= 2;
+  return slices;
+}
+
+template <typename T>
+__device__ __forceinline__ void store_sums(T* out, const float (&sums)[kUnit]) {
+  Unit<T> unit;
+  unit.pack(sums);
+  unit.store_streaming(out);
+}
+
+// blockIdx.z picks the parameter: the weight's partials first when it is present.
+template <typename TW, typename TB>
+__global__ void __launch_bounds__(kSumThreads)
+    sum_partials_kernel(const float* __restrict__ partials, TW* __restrict__ dweight,
+                        TB* __restrict__ dbias, bool has_weight, int64_t groups, int64_t parts,
+                        int n, int slices) {
+  __shared__ float folded[kUnit * kSumThreads];  // [element of a unit][thread]
+  const int strip_units = kSumThreads / slices;
+  const int slice = threadIdx.x / strip_units;
+  const int column =
+      (static_cast<int>(blockIdx.x) * strip_units + static_cast<int>(threadIdx.x) % strip_units) *
+      kUnit;
+  const bool to_weight = has_weight && blockIdx.z == 0;
+  const float* param_partials = partials + blockIdx.z * groups * parts * n;
+  for (int64_t group = blockIdx.y; group < groups; group += gridDim.y) {
+    float sums[kUnit];
+    fill(sums, 0.f);
+    if (column < n) {
+      const float* first = param_partials + group * parts * n + column;
+      // kPartsPerThread loads in flight at once, added in the order of the partials (zeros
+      // past the last add nothing).
+      for (int64_t p = slice; p < parts; p += kPartsPerThread * slices) {
+        Unit<float> batch[kPartsPerThread];
+#pragma unroll
+        for (int b = 0; b < kPartsPerThread; ++b) {
+          if (p + b * slices < parts) batch[b].load_streaming(first + (p + b * slices) * n);
+          else batch[b].zero();
+        }
+#pragma unroll
+        for (int b = 0; b < kPartsPerThread; ++b) {
+          float v[kUnit];
+          batch[b].unpack(v);
+#pragma unroll
+          for (int e = 0; e < kUnit; ++e) sums[e] += v[e];
+        }
+      }
+    }
+    for (int half = slices / 2; half > 0; half /= 2) {
+      if (slice >= half && slice < 2 * half) {
+#pragma unroll
+        for (int e = 0; e < kUnit; ++e) folded[e * kSumThreads + threadIdx.x] = sums[e];
+      }
+      __syncthreads();
+      if (slice < half) {
+#pragma unroll
+        for (int e = 0; e < kUnit; ++e)
+          sums[e] += folded[e * kSumThreads + threadIdx.x + half * strip_units];
+      }
+    }
+    // The fold's reads end before the next group's writes.
+    __syncthreads();
+    if (slice == 0 && column < n) {
+      if (to_weight) store_sums(dweight + group * n + column, sums);
+      else store_sums(dbias + group * n + column, sums);
+    }
+  }
+}
+
 // Dynamic shared memory of a CTA: the parameter slices (forward, before its stages), or the
 // weight slice and the float32 gradient sums (backward); for short rows, the backward's table
 // of its lane groups' float32 sums.
@@ -543,9 +627,57 @@ bool dispatch_backward(bool layer, int64_t units, int threads, int lanes, F&& f)
 // along y, up to CUDA's limit, beyond which a CTA walks every gridDim.y-th group. The Python
 // side sizes `clusters` with the same rule (cuda/__init__.py _grid).
 constexpr int64_t kMaxGroupBlocks = 65535;
-dim3 grid(int64_t cluster, int64_t clusters, int64_t lanes, int64_t groups) {
-  const int64_t group_blocks = lanes > 0 ? std::min(groups, kMaxGroupBlocks) : 1;
-  return dim3(static_cast<unsigned>(cluster * clusters), static_cast<unsigned>(group_blocks), 1);
+dim3 grid(const Tiling& t, int64_t groups) {
+  const int64_t group_blocks = t.lanes > 0 ? std::min(groups, kMaxGroupBlocks) : 1;
+  return dim3(static_cast<unsigned>(t.cluster * t.clusters), static_cast<unsigned>(group_blocks),
+              1);
+}
+
+using ffi::DataType;
+
+// x (G, R, N) of a type the kernels take.
+bool check_x(Checks& checks, const ffi::AnyBuffer& x) {
+  return checks.rank("x", x, 3, "(G, R, N)") &&
+         checks.dtype("x", x.element_type(), {DataType::F32, DataType::BF16, DataType::F16},
+                      "float32, bfloat16 or float16");
+}
+
+// An operand the kernels never read (an absent parameter, RMSNorm's mean): the Python side
+// passes another operand in its place (cuda/__init__.py _params and backward), so it has the
+// `own` elements the operand would have, or x's.
+void check_stand_in(Checks& checks, const char* name, const ffi::AnyBuffer& buffer, int64_t own,
+                    const char* formula, const ffi::AnyBuffer& x) {
+  const int64_t count = buffer.element_count(), x_count = x.element_count();
+  checks.require(count == own || count == x_count, [&] {
+    return std::string(name) + " (unused) has " + std::to_string(count) + " elements, neither " +
+           formula + " = " + std::to_string(own) + " nor x's " + std::to_string(x_count);
+  });
+}
+
+// A parameter operand: of x's dtype or float32 (the weight's, present or not, is the type the
+// kernels read parameters as), G * N elements when present.
+void check_param(Checks& checks, const char* name, const ffi::AnyBuffer& param, bool present,
+                 const ffi::AnyBuffer& x) {
+  const auto dims = x.dimensions();
+  checks.dtype(name, param.element_type(), {x.element_type(), DataType::F32},
+               "x's dtype or float32");
+  const int64_t params = product({dims[0], dims[2]});
+  if (present) checks.count(name, param.element_count(), params, "G * N");
+  else check_stand_in(checks, name, param, params, "G * N", x);
+}
+
+// A per-row statistic: float32, G * R elements.
+void check_stat(Checks& checks, const char* name, const ffi::AnyBuffer& stat,
+                const ffi::AnyBuffer& x) {
+  const auto dims = x.dimensions();
+  checks.dtype(name, stat.element_type(), {DataType::F32}, "float32");
+  checks.count(name, stat.element_count(), product({dims[0], dims[1]}), "G * R");
+}
+
+ffi::Error unbuilt(const char* op, const Tiling& t, const ffi::AnyBuffer& x) {
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                    std::string(op) + ": no kernel is built for " + t.describe() + " over x of " +
+                        dtype_name(x.element_type()));
 }
 
 ffi::Error NormForwardImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer weight,
@@ -554,8 +686,25 @@ ffi::Error NormForwardImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer
                            float eps, int64_t cluster, int64_t threads, int64_t units,
                            int64_t stages, int64_t lanes, int64_t clusters, int64_t layer,
                            int64_t has_weight, int64_t has_bias) {
-  auto dims = x.dimensions();
-  if (dims.size() != 3) return ffi::Error::InvalidArgument("norm_forward: x must be (G, R, N)");
+  Checks checks("norm_forward");
+  if (!check_x(checks, x)) return checks.error();
+  const auto dims = x.dimensions();
+  const Tiling t{cluster, threads, units, stages, lanes, clusters};
+  checks.flag("layer", layer);
+  checks.flag("has_weight", has_weight);
+  checks.flag("has_bias", has_bias);
+  checks.same_shape("y", *y, "x", dims);
+  checks.dtype("y", y->element_type(), {x.element_type(), DataType::F32}, "x's dtype or float32");
+  check_param(checks, "weight", weight, has_weight, x);
+  check_param(checks, "bias", bias, has_bias, x);
+  // The kernels read both parameters as the weight's type.
+  checks.dtype("bias", bias.element_type(), {weight.element_type()}, "weight's dtype");
+  check_stat(checks, "mean", *mean, x);
+  check_stat(checks, "rstd", *rstd, x);
+  checks.at_least("eps", eps, 0.f);
+  check_tiling(checks, dims[2], t, kThreads);
+  if (!checks.ok()) return checks.error();
+  if (x.element_count() == 0) return ffi::Error::Success();
   const int n = static_cast<int>(dims[2]);
   cudaError_t err = cudaSuccess;
   bool known = true;
@@ -570,7 +719,7 @@ ffi::Error NormForwardImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer
             has_weight, has_bias, [&](auto kernel, size_t smem, auto short_rows) {
               // The last argument: a short-row kernel's lanes, a cluster kernel's stages.
               err = launch_clustered(
-                  kernel, grid(cluster, clusters, lanes, dims[0]), threads, cluster, smem, stream,
+                  kernel, grid(t, dims[0]), threads, cluster, smem, stream,
                   static_cast<const TX*>(x.untyped_data()),
                   static_cast<const TP*>(weight.untyped_data()),
                   static_cast<const TP*>(bias.untyped_data()),
@@ -582,20 +731,65 @@ ffi::Error NormForwardImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer
       });
     });
   });
-  if (!known) return ffi::Error::InvalidArgument("norm_forward: unsupported dtypes or tiling");
+  if (!known) return unbuilt("norm_forward", t, x);
   return launch_error("norm_forward", err);
 }
 
+// A parameter's gradient: (G, N) of a float type when present, one unused element when not.
+void check_gradient(Checks& checks, const char* name, const ffi::AnyBuffer& grad, bool present,
+                    const ffi::AnyBuffer& x) {
+  if (!present) {
+    checks.require(grad.element_count() == 1, [&] {
+      return std::string(name) + " is absent but has " + std::to_string(grad.element_count()) +
+             " elements, not 1";
+    });
+    return;
+  }
+  const auto dims = x.dimensions();
+  checks.dtype(name, grad.element_type(), {DataType::F32, DataType::BF16, DataType::F16},
+               "float32, bfloat16 or float16");
+  checks.count(name, grad.element_count(), product({dims[0], dims[2]}), "G * N");
+}
+
+// Stage one writes each present parameter's float32 partials, (G, clusters, N), into
+// `partials`, weight's first; stage two (sum_partials_kernel) sums them into dweight and dbias.
 ffi::Error NormBackwardImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x,
                             ffi::AnyBuffer weight, ffi::AnyBuffer mean, ffi::AnyBuffer rstd,
-                            ffi::Result<ffi::AnyBuffer> dx,
-                            ffi::Result<ffi::AnyBuffer> dweight_partial,
-                            ffi::Result<ffi::AnyBuffer> dbias_partial, int64_t cluster,
+                            ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dweight,
+                            ffi::Result<ffi::AnyBuffer> dbias,
+                            ffi::Result<ffi::AnyBuffer> partials, int64_t cluster,
                             int64_t threads, int64_t units, int64_t lanes, int64_t clusters,
                             int64_t layer, int64_t has_weight, int64_t has_bias) {
-  auto dims = x.dimensions();
-  if (dims.size() != 3) return ffi::Error::InvalidArgument("norm_backward: x must be (G, R, N)");
+  Checks checks("norm_backward");
+  if (!check_x(checks, x)) return checks.error();
+  const auto dims = x.dimensions();
+  const Tiling t{cluster, threads, units, 0, lanes, clusters};
+  checks.flag("layer", layer);
+  checks.flag("has_weight", has_weight);
+  checks.flag("has_bias", has_bias);
+  checks.same_shape("dy", dy, "x", dims);
+  checks.dtype("dy", dy.element_type(), {x.element_type(), DataType::F32},
+               "x's dtype or float32");
+  check_param(checks, "weight", weight, has_weight, x);
+  if (layer) check_stat(checks, "mean", mean, x);
+  else check_stand_in(checks, "mean", mean, product({dims[0], dims[1]}), "G * R", x);
+  check_stat(checks, "rstd", rstd, x);
+  checks.same_shape("dx", *dx, "x", dims);
+  checks.dtype("dx", dx->element_type(), {x.element_type()}, "x's dtype");
+  check_gradient(checks, "dweight", *dweight, has_weight, x);
+  check_gradient(checks, "dbias", *dbias, has_bias, x);
+  if (check_tiling(checks, dims[2], t, kThreads)) {
+    const int64_t params = has_weight + has_bias;
+    checks.dtype("partials", partials->element_type(), {DataType::F32}, "float32");
+    checks.count("partials", partials->element_count(),
+                 params ? product({params, dims[0], clusters, dims[2]}) : 1,
+                 params ? "parameters * G * clusters * N" : nullptr);
+  }
+  if (!checks.ok()) return checks.error();
+  if (dims[0] == 0) return ffi::Error::Success();
   const int n = static_cast<int>(dims[2]);
+  float* dweight_partial = static_cast<float*>(partials->untyped_data());
+  float* dbias_partial = dweight_partial + (has_weight ? dims[0] * clusters * dims[2] : 0);
   cudaError_t err = cudaSuccess;
   bool known = true;
   known &= dispatch_float(x.element_type(), [&](auto tx) {
@@ -610,17 +804,15 @@ ffi::Error NormBackwardImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuff
               // A short-row kernel takes its lanes last.
               auto launch = [&](auto... last) {
                 err = launch_clustered(
-                  kernel, grid(cluster, clusters, lanes, dims[0]), threads, cluster,
+                  kernel, grid(t, dims[0]), threads, cluster,
                   backward_smem(threads, units, sizeof(TP), has_weight, has_bias, lanes), stream,
                   static_cast<const TDY*>(dy.untyped_data()),
                   static_cast<const TX*>(x.untyped_data()),
                   static_cast<const TP*>(weight.untyped_data()),
                   static_cast<const float*>(mean.untyped_data()),
                   static_cast<const float*>(rstd.untyped_data()),
-                  static_cast<TX*>(dx->untyped_data()),
-                  static_cast<float*>(dweight_partial->untyped_data()),
-                  static_cast<float*>(dbias_partial->untyped_data()), dims[0], dims[1], n,
-                  has_weight != 0, has_bias != 0, last...);
+                  static_cast<TX*>(dx->untyped_data()), dweight_partial, dbias_partial, dims[0],
+                  dims[1], n, has_weight != 0, has_bias != 0, last...);
               };
               if constexpr (decltype(short_rows)::value) launch(static_cast<int>(lanes));
               else launch();
@@ -628,8 +820,27 @@ ffi::Error NormBackwardImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuff
       });
     });
   });
-  if (!known) return ffi::Error::InvalidArgument("norm_backward: unsupported dtypes or units");
-  return launch_error("norm_backward", err);
+  if (!known) return unbuilt("norm_backward", t, x);
+  if (err != cudaSuccess || !(has_weight || has_bias)) return launch_error("norm_backward", err);
+
+  // An absent gradient's buffer is never written: its type is immaterial.
+  const DataType weight_type = has_weight ? dweight->element_type() : DataType::F32;
+  const DataType bias_type = has_bias ? dbias->element_type() : DataType::F32;
+  const int slices = sum_slices(clusters);
+  const int64_t strip = kSumThreads / slices * kUnit;
+  const dim3 sum_grid(static_cast<unsigned>((dims[2] + strip - 1) / strip),
+                      static_cast<unsigned>(std::min(dims[0], kMaxGroupBlocks)),
+                      static_cast<unsigned>(has_weight + has_bias));
+  dispatch_float(weight_type, [&](auto tw) {
+    dispatch_float(bias_type, [&](auto tb) {
+      using TW = decltype(tw);
+      using TB = decltype(tb);
+      sum_partials_kernel<TW, TB><<<sum_grid, kSumThreads, 0, stream>>>(
+          dweight_partial, static_cast<TW*>(dweight->untyped_data()),
+          static_cast<TB*>(dbias->untyped_data()), has_weight != 0, dims[0], clusters, n, slices);
+    });
+  });
+  return launch_error("norm_backward (sum of partials)", cudaSuccess);
 }
 
 }  // namespace
@@ -663,6 +874,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseNormBackward, jaxfuse::NormBackwardImpl,
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>()
                                   .Ret<xla::ffi::AnyBuffer>()
                                   .Ret<xla::ffi::AnyBuffer>()
                                   .Ret<xla::ffi::AnyBuffer>()

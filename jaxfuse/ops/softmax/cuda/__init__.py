@@ -28,6 +28,13 @@ _HANDLERS = {"jaxfuse_softmax_forward": "JaxfuseSoftmaxForward",
              "jaxfuse_softmax_backward": "JaxfuseSoftmaxBackward",
              "jaxfuse_cross_entropy": "JaxfuseCrossEntropy"}
 _SUPPORTED = tuple(map(jnp.dtype, (jnp.float16, jnp.bfloat16, jnp.float32)))
+LIBRARY = cuda.Library(_SOURCE, _HANDLERS)
+
+
+def unavailable() -> str | None:
+  """Why these kernels cannot run here (no Hopper GPU, no nvcc, a failed build), or None."""
+  return LIBRARY.unavailable()
+
 
 # Units per thread, in order of preference, by item size (softmax.cu). Through registers, a
 # thread keeps its next row in flight while its slice of the current one is at most four 16-byte
@@ -68,6 +75,21 @@ def backward_tiling(n_cols: int, dtype) -> Tiling | None:
   return cuda.tiling(n_cols, BACKWARD_UNITS[jnp.dtype(dtype).itemsize])
 
 
+def longest_row(dtype, directions=("forward", "backward")) -> int:
+  """The longest row of ``dtype`` the kernels of every one of ``directions`` hold."""
+  width = jnp.dtype(dtype).itemsize
+  units = {"forward": FORWARD_UNITS[width] + (STAGED_UNITS[width],),
+           "backward": BACKWARD_UNITS[width]}
+  return min(cuda.longest_row(units[d]) for d in directions)
+
+
+def limits() -> str:
+  """The rows the kernels take, in words (docstrings and README; a test keeps them equal)."""
+  return (f"rows that are a multiple of {cuda.UNIT} elements, up to "
+          f"{longest_row(jnp.float16)} float16/bfloat16 or {longest_row(jnp.float32)} "
+          f"float32 elements")
+
+
 def unsupported(n_cols: int, dtype, *, directions=("forward", "backward")) -> str | None:
   """Why the CUDA kernels cannot take rows of ``n_cols`` elements of ``dtype``, or None."""
   if jnp.dtype(dtype) not in _SUPPORTED:
@@ -75,10 +97,7 @@ def unsupported(n_cols: int, dtype, *, directions=("forward", "backward")) -> st
   if n_cols % cuda.UNIT:
     return (f"the 'cuda' kernels move rows in {cuda.UNIT}-element vectors; the row length "
             f"{n_cols} is not a multiple of {cuda.UNIT}")
-  width = jnp.dtype(dtype).itemsize
-  units = {"forward": FORWARD_UNITS[width] + (STAGED_UNITS[width],),
-           "backward": BACKWARD_UNITS[width]}
-  longest = min(cuda.longest_row(units[d]) for d in directions)
+  longest = longest_row(dtype, directions)
   if n_cols > longest:
     return (f"the 'cuda' kernels hold a row on chip in one cluster, at most {longest} "
             f"{jnp.dtype(dtype).name} elements; the row length is {n_cols} ('triton' walks "
@@ -88,7 +107,7 @@ def unsupported(n_cols: int, dtype, *, directions=("forward", "backward")) -> st
 
 @functools.cache
 def _library():
-  library = cuda.load(_SOURCE, _HANDLERS)
+  library = LIBRARY.load()
   library.jaxfuse_softmax_clusters.argtypes = [ctypes.c_int] * 7
   library.jaxfuse_softmax_clusters.restype = ctypes.c_int
   return library

@@ -280,12 +280,6 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
 }
 
-// How a launch holds its rows: `clusters` persistent clusters of `cluster` CTAs of `threads`
-// threads, `units` units per thread, fed through `stages` shared-memory stages (0: registers).
-struct Tiling {
-  int64_t cluster, threads, units, stages, clusters;
-};
-
 // Calls f(kernel, dynamic shared bytes) with the instantiation for (element type, flag,
 // tiling); false when there is none. Kernels reading kStreams arrays are built for the units
 // that keep a thread's slices within kMaxVectors vectors, and staged only when kMayStage.
@@ -331,13 +325,46 @@ template <typename T, bool kFlag, int V, bool kStaged> struct CrossEntropy {
 
 dim3 grid_of(const Tiling& t) { return dim3(t.cluster * t.clusters, 1, 1); }
 
+using ffi::DataType;
+
+// Rows (R, N) of a type the kernels take.
+bool check_rows(Checks& checks, const char* name, const ffi::AnyBuffer& rows) {
+  return checks.rank(name, rows, 2, "(R, N)") &&
+         checks.dtype(name, rows.element_type(), {DataType::F32, DataType::BF16, DataType::F16},
+                      "float32, bfloat16 or float16");
+}
+
+// An output or second input of the same shape and dtype as `like`.
+void check_like(Checks& checks, const char* name, const ffi::AnyBuffer& buffer,
+                const char* like_name, const ffi::AnyBuffer& like) {
+  checks.same_shape(name, buffer, like_name, like.dimensions());
+  checks.require(buffer.element_type() == like.element_type(), [&] {
+    return std::string(name) + " is " + dtype_name(buffer.element_type()) +
+           ", which must match " + like_name + " (" + dtype_name(like.element_type()) + ")";
+  });
+}
+
+ffi::Error unbuilt(const char* op, const Tiling& t, const ffi::AnyBuffer& x) {
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                    std::string(op) + ": no kernel is built for " + t.describe() + " over " +
+                        dtype_name(x.element_type()) + " rows");
+}
+
 ffi::Error SoftmaxForwardImpl(cudaStream_t stream, ffi::AnyBuffer x,
                               ffi::Result<ffi::AnyBuffer> y, float scale, int64_t log,
                               int64_t cluster, int64_t threads, int64_t units, int64_t stages,
                               int64_t clusters) {
-  auto dims = x.dimensions();
-  if (dims.size() != 2) return ffi::Error::InvalidArgument("softmax_forward: x must be (R, N)");
-  const Tiling t{cluster, threads, units, stages, clusters};
+  Checks checks("softmax_forward");
+  if (!check_rows(checks, "x", x)) return checks.error();
+  const auto dims = x.dimensions();
+  const Tiling t{cluster, threads, units, stages, 0, clusters};
+  check_like(checks, "y", *y, "x", x);
+  checks.require(std::isfinite(scale), [&] { return "scale=" + std::to_string(scale) +
+                                                    " must be finite"; });
+  checks.flag("log", log);
+  check_tiling(checks, dims[1], t, kThreads);
+  if (!checks.ok()) return checks.error();
+  if (dims[0] == 0) return ffi::Error::Success();
   cudaError_t err = cudaSuccess;
   const bool known = dispatch_kernel<Forward, 1, true>(
       x.element_type(), log, t, [&](auto kernel, size_t bytes) {
@@ -345,7 +372,7 @@ ffi::Error SoftmaxForwardImpl(cudaStream_t stream, ffi::AnyBuffer x,
                                x.untyped_data(), y->untyped_data(), dims[0],
                                static_cast<int>(dims[1]), scale * kLog2e, stages);
       });
-  if (!known) return ffi::Error::InvalidArgument("softmax_forward: unsupported dtype or tiling");
+  if (!known) return unbuilt("softmax_forward", t, x);
   return launch_error("softmax_forward", err);
 }
 
@@ -353,9 +380,20 @@ ffi::Error SoftmaxBackwardImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::AnyBu
                                ffi::Result<ffi::AnyBuffer> dx, float scale, int64_t log,
                                int64_t cluster, int64_t threads, int64_t units, int64_t stages,
                                int64_t clusters) {
-  auto dims = y.dimensions();
-  if (dims.size() != 2) return ffi::Error::InvalidArgument("softmax_backward: y must be (R, N)");
-  const Tiling t{cluster, threads, units, stages, clusters};
+  Checks checks("softmax_backward");
+  if (!check_rows(checks, "y", y)) return checks.error();
+  const auto dims = y.dimensions();
+  const Tiling t{cluster, threads, units, stages, 0, clusters};
+  check_like(checks, "dy", dy, "y", y);
+  check_like(checks, "dx", *dx, "y", y);
+  checks.require(std::isfinite(scale), [&] { return "scale=" + std::to_string(scale) +
+                                                    " must be finite"; });
+  // Two streams through registers: the backward is not staged.
+  checks.range("stages", stages, 0, 0);
+  checks.flag("log", log);
+  check_tiling(checks, dims[1], t, kThreads);
+  if (!checks.ok()) return checks.error();
+  if (dims[0] == 0) return ffi::Error::Success();
   cudaError_t err = cudaSuccess;
   const bool known = dispatch_kernel<Backward, 2, false>(
       y.element_type(), log, t, [&](auto kernel, size_t bytes) {
@@ -363,7 +401,7 @@ ffi::Error SoftmaxBackwardImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::AnyBu
                                y.untyped_data(), dy.untyped_data(), dx->untyped_data(), dims[0],
                                static_cast<int>(dims[1]), scale);
       });
-  if (!known) return ffi::Error::InvalidArgument("softmax_backward: unsupported dtype or tiling");
+  if (!known) return unbuilt("softmax_backward", t, y);
   return launch_error("softmax_backward", err);
 }
 
@@ -375,14 +413,38 @@ ffi::Error CrossEntropyImpl(cudaStream_t stream, ffi::AnyBuffer logits,
                             float z_loss, int64_t ignore_index, int64_t has_ignore,
                             int64_t with_grad, int64_t cluster, int64_t threads, int64_t units,
                             int64_t stages, int64_t clusters) {
-  auto dims = logits.dimensions();
-  if (dims.size() != 2)
-    return ffi::Error::InvalidArgument("cross_entropy: logits must be (R, V)");
+  Checks checks("cross_entropy");
+  if (!check_rows(checks, "logits", logits)) return checks.error();
+  const auto dims = logits.dimensions();
+  const int64_t rows = dims[0];
+  const Tiling t{cluster, threads, units, stages, 0, clusters};
+  checks.count("labels", labels.element_count(), rows, "R");
+  const int64_t scales = row_scale.element_count();
+  checks.require(scales == 1 || scales == rows, [&] {
+    return "row_scale has " + std::to_string(scales) + " elements, neither 1 nor R = " +
+           std::to_string(rows);
+  });
+  checks.count("loss", loss->element_count(), rows, "R");
+  checks.flag("with_grad", with_grad);
+  if (with_grad) {
+    check_like(checks, "grad", *lse_or_grad, "logits", logits);
+  } else {
+    checks.dtype("lse", lse_or_grad->element_type(), {DataType::F32}, "float32");
+    checks.count("lse", lse_or_grad->element_count(), rows, "R");
+  }
+  checks.require(std::isfinite(smoothing) && smoothing >= 0.f && smoothing < 1.f, [&] {
+    return "smoothing=" + std::to_string(smoothing) + " must be in [0, 1)";
+  });
+  checks.at_least("z_loss", z_loss, 0.f);
+  checks.flag("has_ignore", has_ignore);
+  checks.range("ignore_index", ignore_index, INT32_MIN, INT32_MAX);
+  check_tiling(checks, dims[1], t, kThreads);
+  if (!checks.ok()) return checks.error();
+  if (rows == 0) return ffi::Error::Success();
   const CrossEntropyArgs args{
-      labels.typed_data(), row_scale.typed_data(), row_scale.element_count() == 1 ? 0 : 1,
+      labels.typed_data(), row_scale.typed_data(), scales == 1 ? 0 : 1,
       loss->typed_data(), with_grad ? nullptr : static_cast<float*>(lse_or_grad->untyped_data()),
       smoothing, z_loss, static_cast<int32_t>(ignore_index), has_ignore != 0};
-  const Tiling t{cluster, threads, units, stages, clusters};
   cudaError_t err = cudaSuccess;
   const bool known = dispatch_kernel<CrossEntropy, 1, true>(
       logits.element_type(), with_grad, t, [&](auto kernel, size_t bytes) {
@@ -390,7 +452,7 @@ ffi::Error CrossEntropyImpl(cudaStream_t stream, ffi::AnyBuffer logits,
                                logits.untyped_data(), lse_or_grad->untyped_data(), dims[0],
                                static_cast<int>(dims[1]), args, stages);
       });
-  if (!known) return ffi::Error::InvalidArgument("cross_entropy: unsupported dtype or tiling");
+  if (!known) return unbuilt("cross_entropy", t, logits);
   return launch_error("cross_entropy", err);
 }
 
@@ -454,7 +516,7 @@ extern "C" int jaxfuse_softmax_clusters(int kernel, int itemsize, int flag, int 
     clusters = max_active_clusters(k, threads, cluster, bytes);
   };
   const ffi::DataType dtype = itemsize == 4 ? ffi::DataType::F32 : ffi::DataType::BF16;
-  const Tiling t{cluster, threads, units, stages, 1};
+  const Tiling t{cluster, threads, units, stages, 0, 1};
   if (kernel == 0) dispatch_kernel<Forward, 1, true>(dtype, flag, t, query);
   else if (kernel == 1) dispatch_kernel<Backward, 2, false>(dtype, flag, t, query);
   else dispatch_kernel<CrossEntropy, 1, true>(dtype, flag, t, query);

@@ -1,0 +1,291 @@
+"""Building jaxfuse's CUDA sources with nvcc and registering their handlers as XLA FFI targets.
+
+A kernel family declares a :class:`Library` (its ``.cu`` source and ``{FFI target: handler
+symbol}``). The first use builds it for this GPU's architecture, or takes it from the cache
+(``$JAXFUSE_CACHE`` or ``~/.cache/jaxfuse``), keyed by everything that goes into the binary:
+sources and headers, flags, XLA's FFI headers, the nvcc and host compiler versions, jax's
+version and the architecture. One process builds while the others wait on a file lock; a
+build prints one line on stderr when it starts and one when it ends, is stopped after
+``$JAXFUSE_BUILD_TIMEOUT`` seconds (default 1200), and leaves no partial file behind. A failed
+build is remembered for the process: :meth:`Library.unavailable` then reports it, so
+``implementation=None`` moves on and ``'cuda'`` raises it, without running nvcc again.
+``jaxfuse build`` builds every library ahead of time (for an image to bake in).
+
+nvcc is looked for in ``$JAXFUSE_NVCC``, on ``PATH``, in ``$CUDA_HOME``, ``/usr/local/cuda``,
+then in the NVIDIA wheels that ``pip install "jax[cuda13]"`` (or ``cuda12``) brings into
+site-packages (``nvidia/cu13/bin/nvcc`` beside ``nvidia/cu13/include`` and ``lib``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import fcntl
+import functools
+import hashlib
+import os
+import shutil
+import site
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import jax
+
+from jaxfuse._core import registry
+
+_HERE = Path(__file__).parent
+DEFAULT_TIMEOUT_S = 1200.0
+DEFAULT_TOOLKIT = "/usr/local/cuda"
+# nvcc's flags, beside the architecture, the include directories and the paths in and out.
+# XLA's FFI headers trip two harmless nvcc front-end warnings.
+FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-diag-suppress", "940,2473")
+# Where NVIDIA's pip wheels put the toolkit, relative to a site-packages directory: CUDA 13's
+# wheels share one prefix; CUDA 12's either that or one directory per component.
+_WHEEL_LAYOUTS = (
+    ("nvidia/cu13/bin/nvcc", ("nvidia/cu13/include",), ("nvidia/cu13/lib",)),
+    ("nvidia/cu12/bin/nvcc", ("nvidia/cu12/include",), ("nvidia/cu12/lib",)),
+    ("nvidia/cuda_nvcc/bin/nvcc", ("nvidia/cuda_nvcc/include", "nvidia/cuda_runtime/include"),
+     ("nvidia/cuda_runtime/lib",)),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Toolchain:
+  """An nvcc and what it needs beyond its own defaults: the include and library directories
+  of a wheel layout (empty for a toolkit installed as a whole)."""
+  nvcc: str
+  include_dirs: tuple[str, ...] = ()
+  library_dirs: tuple[str, ...] = ()
+
+  def link_flags(self) -> tuple[str, ...]:
+    """A wheel layout may ship the CUDA runtime only as ``libcudart.so.N``; link that file
+    itself then (the process has it loaded already, through jax's CUDA plugin)."""
+    flags = tuple(f"-L{d}" for d in self.library_dirs)
+    if not self.library_dirs or any((Path(d) / "libcudart_static.a").exists()
+                                    for d in self.library_dirs):
+      return flags
+    shared = sorted(p for d in self.library_dirs for p in Path(d).glob("libcudart.so*"))
+    return flags + (("--cudart=none", "-Xlinker", str(shared[0])) if shared else ())
+
+
+def _site_dirs() -> list[Path]:
+  dirs = [Path(p) for p in sys.path if p]
+  with contextlib.suppress(AttributeError):
+    dirs += [Path(p) for p in site.getsitepackages()]
+  with contextlib.suppress(AttributeError):
+    dirs.append(Path(site.getusersitepackages()))
+  return list(dict.fromkeys(dirs))
+
+
+def _executable(path) -> bool:
+  return bool(path) and os.path.isfile(path) and os.access(path, os.X_OK)
+
+
+def find_toolchain(site_dirs=None) -> Toolchain | None:
+  """The first nvcc of ``$JAXFUSE_NVCC``, ``PATH``, ``$CUDA_HOME/bin``, ``DEFAULT_TOOLKIT/bin``
+  and the NVIDIA wheels under ``site_dirs`` (default: this interpreter's ``sys.path``)."""
+  for candidate in (os.environ.get("JAXFUSE_NVCC"), shutil.which("nvcc"),
+                    *(os.path.join(root, "bin", "nvcc")
+                      for root in (os.environ.get("CUDA_HOME"), DEFAULT_TOOLKIT) if root)):
+    if _executable(candidate):
+      return Toolchain(str(candidate))
+  for root in (_site_dirs() if site_dirs is None else [Path(d) for d in site_dirs]):
+    for nvcc, includes, libraries in _WHEEL_LAYOUTS:
+      if _executable(root / nvcc):
+        existing = lambda dirs: tuple(str(root / d) for d in dirs if (root / d).is_dir())
+        return Toolchain(str(root / nvcc), existing(includes), existing(libraries))
+  return None
+
+
+@functools.cache
+def _toolchain() -> Toolchain | None:
+  return find_toolchain()
+
+
+def unavailable() -> str | None:
+  """Why no CUDA kernel can run here (no Hopper GPU, no nvcc), or ``None``."""
+  if registry.platform() != "gpu":
+    return (f"the 'cuda' implementation needs an NVIDIA GPU; the default backend here is "
+            f"{registry.platform()!r}")
+  capability = registry.cuda_compute_capability()
+  if capability is None or capability < (9, 0):
+    found = "no CUDA device" if capability is None else f"compute capability {capability}"
+    return (f"the 'cuda' kernels split rows across thread-block clusters, which need compute "
+            f"capability 9.0 (Hopper) or newer; found {found}")
+  if _toolchain() is None:
+    return ("the 'cuda' kernels are built on first use and nvcc was not found (set "
+            "JAXFUSE_NVCC, put CUDA's bin directory on PATH, or pip install "
+            "nvidia-cuda-nvcc and nvidia-cuda-runtime, which 'jax[cuda13]' brings)")
+  return None
+
+
+def gpu_arch() -> str:
+  major, minor = registry.cuda_compute_capability()
+  return f"sm_{major}{minor}"
+
+
+def _version(command) -> str:
+  try:
+    return subprocess.run([*command, "--version"], capture_output=True, text=True,
+                          timeout=60).stdout
+  except (OSError, subprocess.SubprocessError):
+    return "unknown"
+
+
+@functools.cache
+def _ffi_headers_digest() -> str:
+  digest = hashlib.sha256()
+  root = Path(jax.ffi.include_dir())
+  for path in sorted(p for p in root.rglob("*") if p.is_file()):
+    digest.update(str(path.relative_to(root)).encode())
+    digest.update(path.read_bytes())
+  return digest.hexdigest()
+
+
+@functools.cache
+def _compiler_versions(toolchain: Toolchain) -> str:
+  host = os.environ.get("NVCC_CCBIN") or shutil.which("c++") or shutil.which("g++") or "c++"
+  return _version([toolchain.nvcc]) + _version([host])
+
+
+def _command(toolchain: Toolchain, source: Path, arch: str, output: str) -> list[str]:
+  includes = [f"-I{d}" for d in (jax.ffi.include_dir(), _HERE, *toolchain.include_dirs)]
+  return [toolchain.nvcc, *FLAGS, f"-arch={arch}", *includes, *toolchain.link_flags(),
+          "-o", output, str(source)]
+
+
+def cache_key(source: Path, arch: str, toolchain: Toolchain) -> str:
+  """A digest of everything the built library depends on."""
+  digest = hashlib.sha256()
+  headers = sorted({*source.parent.glob("*.cuh"), *source.parent.glob("*.h"),
+                    *_HERE.glob("*.cuh")})
+  for path in (source, *headers):
+    digest.update(path.name.encode())
+    digest.update(path.read_bytes())
+  flags = _command(toolchain, Path(source.name), arch, "OUT")
+  digest.update("\0".join(flags).encode())
+  digest.update(_ffi_headers_digest().encode())
+  digest.update(_compiler_versions(toolchain).encode())
+  digest.update(f"{jax.__version__}\0{arch}".encode())
+  return digest.hexdigest()[:20]
+
+
+def cache_dir() -> Path:
+  root = os.environ.get("JAXFUSE_CACHE") or Path.home() / ".cache" / "jaxfuse"
+  return Path(root) / "cuda"
+
+
+def _timeout_s() -> float:
+  value = os.environ.get("JAXFUSE_BUILD_TIMEOUT")
+  try:
+    return float(value) if value else DEFAULT_TIMEOUT_S
+  except ValueError:
+    raise ValueError(f"JAXFUSE_BUILD_TIMEOUT must be a number of seconds, got {value!r}") \
+        from None
+
+
+def _say(message: str):
+  print(f"jaxfuse: {message}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path, what: str):
+  """Holds ``lock_path`` exclusively; says so when another process holds it first."""
+  with open(lock_path, "a") as lock:
+    try:
+      fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      _say(f"waiting for another process building {what}")
+      fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def build(source: Path, arch: str, toolchain: Toolchain | None = None) -> Path:
+  """The shared library of ``source`` for ``arch`` (e.g. ``'sm_90'``): from the cache, or
+  built now. Raises RuntimeError when nvcc fails or runs out of time."""
+  toolchain = toolchain or _toolchain()
+  if toolchain is None:
+    raise RuntimeError("nvcc was not found")
+  source = Path(source)
+  target = cache_dir() / f"{source.stem}-{arch}-{cache_key(source, arch, toolchain)}.so"
+  if target.exists():
+    return target
+  target.parent.mkdir(parents=True, exist_ok=True)
+  with _exclusive(target.with_suffix(".lock"), source.name):
+    if target.exists():  # built by the process that held the lock
+      return target
+    # Built beside the target and renamed into place: no reader ever sees half a library.
+    fd, partial = tempfile.mkstemp(prefix=f".{target.stem}-", suffix=".partial",
+                                   dir=target.parent)
+    os.close(fd)
+    command = _command(toolchain, source, arch, partial)
+    timeout = _timeout_s()
+    _say(f"building {source.name} for {arch} with {toolchain.nvcc} (once; cached in "
+         f"{target.parent})")
+    start = time.monotonic()
+    try:
+      result = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+      if result.returncode != 0:
+        raise RuntimeError(f"building {source.name} failed:\n{' '.join(command)}\n"
+                           f"{result.stderr.strip()}")
+      os.replace(partial, target)
+    except subprocess.TimeoutExpired:
+      raise RuntimeError(f"building {source.name} took longer than {timeout:.0f} s "
+                         f"(JAXFUSE_BUILD_TIMEOUT)") from None
+    finally:
+      with contextlib.suppress(FileNotFoundError):
+        os.unlink(partial)
+    _say(f"built {source.name} in {time.monotonic() - start:.1f} s")
+  return target
+
+
+LIBRARIES: list[Library] = []
+
+
+class Library:
+  """One CUDA source of a kernel family and the FFI targets its handlers register."""
+
+  def __init__(self, source: Path, handlers: Mapping[str, str]):
+    self.source = Path(source)
+    self.handlers = dict(handlers)
+    self._library: ctypes.CDLL | None = None
+    self._failure: str | None = None
+    self._lock = threading.Lock()
+    LIBRARIES.append(self)
+
+  def unavailable(self) -> str | None:
+    """Why this library cannot run here, or ``None`` once it is built, loaded and registered
+    (which this call does on first use)."""
+    reason = unavailable()
+    if reason is not None:
+      return reason
+    with self._lock:
+      if self._library is None and self._failure is None:
+        try:
+          self._load()
+        except Exception as e:  # noqa: BLE001  (any failure to build or load is a reason)
+          self._failure = f"{type(e).__name__}: {e}"
+    return self._failure
+
+  def load(self) -> ctypes.CDLL:
+    """The loaded library, its handlers registered; NotImplementedError saying why not."""
+    reason = self.unavailable()
+    if reason is not None:
+      raise NotImplementedError(reason)
+    return self._library
+
+  def _load(self):
+    library = ctypes.CDLL(str(build(self.source, gpu_arch())))
+    for target, symbol in self.handlers.items():
+      jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),
+                                  platform="CUDA")
+    self._library = library

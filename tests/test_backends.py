@@ -1,0 +1,169 @@
+"""How implementations are chosen when some cannot run: a JAX without Pallas's Triton backend,
+a CUDA build that fails, cuDNN refusing, and JAX's Triton deprecation warning."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax.numpy as jnp
+import pytest
+
+from jaxfuse._core import registry
+from jaxfuse._core.cuda import build
+from jaxfuse.ops.norm import api as norm_api
+from jaxfuse.ops.norm import cuda as norm_cuda
+from jaxfuse.ops.softmax import api as softmax_api
+from jaxfuse.ops.softmax import cuda as softmax_cuda
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(program: str, *python_flags: str) -> subprocess.CompletedProcess:
+  env = dict(os.environ, PYTHONPATH=str(ROOT))
+  return subprocess.run([sys.executable, *python_flags, "-c", textwrap.dedent(program)],
+                        env=env, capture_output=True, text=True, timeout=600)
+
+
+# Every op under None on a JAX whose Pallas has no Triton backend (the import fails, as it will
+# once JAX removes it), compared with 'xla'; naming 'triton' says why it cannot run.
+WITHOUT_TRITON = """
+    import sys
+    sys.modules["jax.experimental.pallas.triton"] = None
+    import jax, jax.numpy as jnp, numpy as np
+    import jaxfuse
+    from jaxfuse._core import registry
+    assert registry.pallas_triton is None
+    assert "jax.experimental.pallas.triton" in registry.triton_unavailable()
+    k = jax.random.split(jax.random.key(7), 4)
+    x = jax.random.normal(k[0], (8, 4096), jnp.float32)
+    w = jax.random.normal(k[1], (4096,), jnp.float32)
+    labels = jax.random.randint(k[2], (8,), 0, 4096)
+    q = jax.random.normal(k[3], (2, 64, 4, 32), jnp.float16)
+    mask = x > 0
+    calls = {
+        "rms_norm": lambda impl: jaxfuse.rms_norm(x, w, implementation=impl),
+        "layer_norm": lambda impl: jaxfuse.layer_norm(x, w, w, implementation=impl),
+        "softmax": lambda impl: jaxfuse.softmax(x, mask=mask, implementation=impl),
+        "log_softmax": lambda impl: jaxfuse.log_softmax(x, implementation=impl),
+        "softmax_cross_entropy":
+            lambda impl: jaxfuse.softmax_cross_entropy(x, labels, implementation=impl),
+        "attention": lambda impl: jaxfuse.attention(q, q, q, is_causal=True, implementation=impl),
+    }
+    for name, call in calls.items():
+        grad = jax.grad(lambda *a: jnp.sum(call(None).astype(jnp.float32) ** 2))
+        got, want = np.asarray(call(None), np.float64), np.asarray(call("xla"), np.float64)
+        assert np.allclose(got, want, rtol=2e-2, atol=2e-2), name
+        try:
+            call("triton")
+        except NotImplementedError as e:
+            assert "jax.experimental.pallas.triton" in str(e), (name, e)
+        else:
+            raise AssertionError(f"{name}(implementation='triton') ran without Triton")
+    print("ok")
+"""
+
+
+def test_every_op_runs_without_pallas_triton():
+  result = _run(WITHOUT_TRITON)
+  assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_every_op_runs_without_pallas_triton_on_the_gpu():
+  result = _run(WITHOUT_TRITON)
+  assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_none_shows_no_triton_deprecation_warning():
+  # The softmax of 1024-element rows, the norms up to 16384 features and attention where cuDNN
+  # refuses (segment ids) run Triton kernels under None; JAX warns as it lowers them.
+  program = """
+      import warnings
+      import jax, jax.numpy as jnp
+      import jaxfuse
+      x = jax.random.normal(jax.random.key(0), (64, 1024), jnp.bfloat16)
+      q = jax.random.normal(jax.random.key(1), (1, 256, 2, 64), jnp.bfloat16)
+      ids = jnp.repeat(jnp.arange(2), 128)[None]
+      def loss(x, q):
+          y = jaxfuse.layer_norm(jaxfuse.softmax(x), x[0], x[0])
+          o = jaxfuse.attention(q, q, q, segment_ids=ids)
+          return jnp.sum(y.astype(jnp.float32)) + jnp.sum(o.astype(jnp.float32))
+      jax.block_until_ready(jax.jit(jax.grad(loss, argnums=(0, 1)))(x, q))
+      with warnings.catch_warnings(record=True) as caught:
+          warnings.simplefilter("always", DeprecationWarning)
+          jaxfuse.rms_norm(x, implementation="triton")
+      assert any("implementation='triton'" in str(w.message) for w in caught), caught
+      print("ok")
+  """
+  result = _run(program, "-W", "error::DeprecationWarning")
+  assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
+@pytest.fixture
+def failing_build(tmp_path, monkeypatch):
+  """A GPU that could run the CUDA kernels, whose nvcc fails every build; Triton runs."""
+  nvcc = tmp_path / "nvcc"
+  nvcc.write_text("#!/bin/sh\n[ \"$1\" = --version ] && exit 0\n"
+                  "echo \"$*\" >> " + str(tmp_path / "compiles") + "\n"
+                  "echo 'error: unsupported GPU' >&2; exit 1\n")
+  nvcc.chmod(0o755)
+  monkeypatch.setenv("JAXFUSE_CACHE", str(tmp_path / "cache"))
+  monkeypatch.setattr(registry, "platform", lambda: "gpu")
+  monkeypatch.setattr(registry, "triton_unavailable", lambda: None)
+  monkeypatch.setattr(build, "unavailable", lambda: None)
+  monkeypatch.setattr(build, "gpu_arch", lambda: "sm_90")
+  monkeypatch.setattr(build, "_toolchain", lambda: build.Toolchain(str(nvcc)))
+  for module in (norm_cuda, softmax_cuda):
+    library = build.Library(module.LIBRARY.source, module.LIBRARY.handlers)
+    build.LIBRARIES.remove(library)
+    monkeypatch.setattr(module, "LIBRARY", library)
+  return tmp_path / "compiles"
+
+
+def test_none_moves_on_from_a_failed_build(failing_build):
+  for _ in range(3):
+    assert norm_api._implementations("rms_norm", "rms", None, 32768, 64, jnp.bfloat16,
+                                     jnp.bfloat16, [jnp.bfloat16],
+                                     lambda: "x") == ("triton", "xla")
+    assert softmax_api._fastest("softmax", 131072, "forward", lambda: None,
+                                (1, 131072, 64)) == "triton"
+  # Each source was built once, the failure remembered.
+  assert len(failing_build.read_text().splitlines()) == 2
+  for op, library in (("rms_norm", norm_cuda), ("softmax", softmax_cuda)):
+    backends = norm_api._BACKENDS if op == "rms_norm" else softmax_api._BACKENDS
+    with pytest.raises(NotImplementedError, match="(?s)cannot run here.*unsupported GPU"):
+      registry.resolve(op, "cuda", backends, ("xla",))
+
+
+def test_none_without_triton_takes_cuda_then_xla(failing_build, monkeypatch):
+  monkeypatch.setattr(registry, "triton_unavailable", lambda: "no Triton here")
+  assert norm_api._implementations("layer_norm", "layer", None, 1024, 64, jnp.bfloat16,
+                                   jnp.bfloat16, [jnp.bfloat16], lambda: "x") == ("xla", "xla")
+  assert softmax_api._fastest("softmax", 1024, "forward", lambda: None, (64, 1024, 1)) == "xla"
+  monkeypatch.setattr(norm_cuda, "unavailable", lambda: None)
+  assert norm_api._implementations("layer_norm", "layer", None, 1024, 64, jnp.bfloat16,
+                                   jnp.bfloat16, [jnp.bfloat16], lambda: "x") == ("cuda", "cuda")
+
+
+def test_none_passes_over_triton_for_a_dimension_past_int32(failing_build):
+  assert softmax_api._fastest("softmax", 8, "forward", lambda: None, (1, 8, 2**31)) == "xla"
+  assert norm_api._implementations("rms_norm", "rms", None, 8, 2**31, jnp.bfloat16,
+                                   jnp.bfloat16, [], lambda: "x") == ("xla", "xla")
+
+
+def test_cudnn_refusal_of_any_kind_is_a_reason(monkeypatch):
+  from jaxfuse.ops.attention import api as attention_api
+  monkeypatch.setattr(attention_api, "_cudnn_call",
+                      lambda *a: (_ for _ in ()).throw(RuntimeError("cuDNN is not installed")))
+  attention_api._cudnn_rejects.cache_clear()
+  try:
+    reason = attention_api._cudnn_rejects(
+        attention_api._Call(attention_api.MaskSpec(False, 0, None, None), 1.0, None, False,
+                            False, False, False, False, False, jnp.dtype(jnp.bfloat16)),
+        (((1, 128, 2, 64), jnp.dtype(jnp.bfloat16)),) * 3 + (None,) * 4)
+  finally:
+    attention_api._cudnn_rejects.cache_clear()
+  assert "RuntimeError: cuDNN is not installed" in reason
