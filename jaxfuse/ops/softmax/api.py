@@ -331,7 +331,7 @@ def softmax_cross_entropy(logits, labels, *, ignore_index: int | None = None,
     # the CUDA kernel wins it only with clusters of up to 4 CTAs (H100: 0.94 against Triton's
     # 0.98 ms at 8192x131072 bf16, benchmarks/results/2026-11-22-h100-softmax-profiled.json).
     if (impl == "cuda" and cuda_kernels.cross_entropy_tiling(vocab, logits.dtype).cluster > 4
-        and registry.triton_unavailable() is None):
+        and not (registry.triton_unavailable() or triton.unsupported((labels.size, vocab)))):
       loss_impl = "triton"
   if "triton" in (impl, loss_impl):
     registry.using_triton(named=implementation == "triton")
