@@ -1,0 +1,124 @@
+"""XLA implementation of the multi-layer LSTM and GRU: ``lax.scan`` over time.
+
+Each layer and direction projects its whole input sequence with one matmul before the scan, so
+the scan carries only the recurrent matmul. Ragged batches: a step past a sequence's end leaves
+its state unchanged and outputs zero; the reverse direction reads each sequence backwards from
+its own last step (positions past the end stay in place, where they are masked anyway).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxfuse._core.validation import compute_dtype
+
+
+def _reverse_within_lengths(sequences, seq_lengths):
+  """``(B, T, F)`` with each sequence's first ``length`` steps reversed; its own inverse."""
+  steps = jnp.arange(sequences.shape[1])[None, :]
+  lengths = seq_lengths[:, None]
+  source = jnp.where(steps < lengths, lengths - 1 - steps, steps)
+  return jnp.take_along_axis(sequences, source[:, :, None], axis=1)
+
+
+def _project(a, w, precision, accumulate):
+  """``a @ w.T`` over the last axis of ``a``, accumulated in ``accumulate``."""
+  return lax.dot_general(a, w, (((a.ndim - 1,), (1,)), ((), ())), precision=precision,
+                         preferred_element_type=accumulate)
+
+
+def _lstm_step(hidden_gates, projected, state):
+  h, c = state
+  gates = projected + hidden_gates(h)
+  i, f, g, o = jnp.split(gates, 4, axis=-1)
+  c = jax.nn.sigmoid(f) * c + jax.nn.sigmoid(i) * jnp.tanh(g)
+  return jnp.tanh(c) * jax.nn.sigmoid(o), c
+
+
+def _gru_step(hidden_gates, projected, state):
+  (h,) = state
+  x_r, x_z, x_n = jnp.split(projected, 3, axis=-1)
+  h_r, h_z, h_n = jnp.split(hidden_gates(h), 3, axis=-1)
+  r = jax.nn.sigmoid(x_r + h_r)
+  z = jax.nn.sigmoid(x_z + h_z)
+  # The reset gate scales the hidden projection including its bias (cuDNN's and PyTorch's GRU).
+  n = jnp.tanh(x_n + r * h_n)
+  return ((1 - z) * n + z * h,)
+
+
+_STEPS = {"lstm": _lstm_step, "gru": _gru_step}
+
+
+def _direction(cell, inputs, state, W_ih, W_hh, b_ih, b_hh, seq_lengths, reverse, precision,
+               accumulate):
+  """One layer in one direction: outputs ``(B, T, H)`` in ``accumulate`` and final state."""
+  if reverse:
+    inputs = _reverse_within_lengths(inputs, seq_lengths)
+  operand = jnp.result_type(inputs, W_ih)
+  projected = _project(inputs.astype(operand), W_ih.astype(operand), precision, accumulate)
+  projected = jnp.swapaxes(projected + b_ih.astype(accumulate), 0, 1)  # time-major for the scan
+  hidden_bias = b_hh.astype(accumulate)
+  W_hh = W_hh.astype(operand)
+  hidden_gates = lambda h: _project(h.astype(operand), W_hh, precision, accumulate) + hidden_bias
+  step = _STEPS[cell]
+
+  def scan_step(state, inputs_t):
+    projected_t, t = inputs_t
+    running = (t < seq_lengths)[:, None]
+    new_state = step(hidden_gates, projected_t, state)
+    state = tuple(jnp.where(running, new, old) for new, old in zip(new_state, state))
+    return state, jnp.where(running, new_state[0], 0)
+
+  steps = jnp.arange(projected.shape[0])
+  state, outputs = lax.scan(scan_step, state, (projected, steps))
+  outputs = jnp.swapaxes(outputs, 0, 1)
+  if reverse:
+    outputs = _reverse_within_lengths(outputs, seq_lengths)
+  return outputs, state
+
+
+@functools.partial(jax.jit, static_argnames=("cell", "num_layers", "bidirectional", "dropout",
+                                             "precision"))
+def forward(cell, x, initial_state, unpacked, seq_lengths, *, num_layers, bidirectional,
+            dropout, dropout_key, precision):
+  """Runs the network.
+
+  Args:
+    cell: ``'lstm'`` or ``'gru'``.
+    x: ``(B, T, I)``.
+    initial_state: ``(h_0,)`` or ``(h_0, c_0)``, each ``(num_layers * directions, B, H)``.
+    unpacked: ``(W_ih, W_hh, b_ih, b_hh)``, dicts from pseudo-layer to array.
+    seq_lengths: ``(B,)`` integers in ``[0, T]``.
+
+  Returns:
+    ``(y, final_state)``: ``y`` ``(B, T, directions * H)`` of the result dtype of ``x`` and the
+    weights; the final state like ``initial_state``, each in its own dtype.
+  """
+  W_ih, W_hh, b_ih, b_hh = unpacked
+  accumulate = compute_dtype(x.dtype, W_ih[0].dtype)
+  directions = 2 if bidirectional else 1
+  seq_lengths = seq_lengths.astype(jnp.int32)
+  inputs = x
+  finals = []
+  for layer in range(num_layers):
+    outputs = []
+    for direction in range(directions):
+      p = layer * directions + direction
+      state = tuple(s[p].astype(accumulate) for s in initial_state)
+      out, state = _direction(cell, inputs, state, W_ih[p], W_hh[p], b_ih[p], b_hh[p],
+                              seq_lengths, direction == 1, precision, accumulate)
+      outputs.append(out)
+      finals.append(state)
+    inputs = jnp.concatenate(outputs, axis=-1) if directions == 2 else outputs[0]
+    inputs = inputs.astype(jnp.result_type(x, W_ih[0]))
+    if dropout > 0 and layer < num_layers - 1:
+      keep = jax.random.bernoulli(jax.random.fold_in(dropout_key, layer), 1 - dropout,
+                                  inputs.shape)
+      inputs = jnp.where(keep, inputs / (1 - dropout), 0).astype(inputs.dtype)
+  final_state = tuple(jnp.stack([f[k] for f in finals]).astype(s.dtype)
+                      for k, s in enumerate(initial_state))
+  return inputs, final_state
