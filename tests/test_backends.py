@@ -117,9 +117,8 @@ def failing_build(tmp_path, monkeypatch):
   monkeypatch.setattr(build, "gpu_arch", lambda: "sm_90")
   monkeypatch.setattr(build, "_toolchain", lambda: build.Toolchain(str(nvcc)))
   for module in (norm_cuda, softmax_cuda):
-    library = build.Library(module.LIBRARY.source, module.LIBRARY.handlers)
-    build.LIBRARIES.remove(library)
-    monkeypatch.setattr(module, "LIBRARY", library)
+    monkeypatch.setattr(module, "LIBRARY",
+                        build.Library(module.LIBRARY.source, module.LIBRARY.handlers))
   return tmp_path / "compiles"
 
 

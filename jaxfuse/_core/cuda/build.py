@@ -108,6 +108,10 @@ def _toolchain() -> Toolchain | None:
   return find_toolchain()
 
 
+NO_NVCC = ("nvcc was not found (set JAXFUSE_NVCC, put CUDA's bin directory on PATH, or pip "
+           "install nvidia-cuda-nvcc and nvidia-cuda-runtime, which 'jax[cuda13]' brings)")
+
+
 def unavailable() -> str | None:
   """Why no CUDA kernel can run here (no Hopper GPU, no nvcc), or ``None``."""
   if registry.platform() != "gpu":
@@ -119,9 +123,7 @@ def unavailable() -> str | None:
     return (f"the 'cuda' kernels split rows across thread-block clusters, which need compute "
             f"capability 9.0 (Hopper) or newer; found {found}")
   if _toolchain() is None:
-    return ("the 'cuda' kernels are built on first use and nvcc was not found (set "
-            "JAXFUSE_NVCC, put CUDA's bin directory on PATH, or pip install "
-            "nvidia-cuda-nvcc and nvidia-cuda-runtime, which 'jax[cuda13]' brings)")
+    return f"the 'cuda' kernels are built on first use and {NO_NVCC}"
   return None
 
 
@@ -214,7 +216,7 @@ def build(source: Path, arch: str, toolchain: Toolchain | None = None) -> Path:
   built now. Raises RuntimeError when nvcc fails or runs out of time."""
   toolchain = toolchain or _toolchain()
   if toolchain is None:
-    raise RuntimeError("nvcc was not found")
+    raise RuntimeError(NO_NVCC)
   source = Path(source)
   target = cache_dir() / f"{source.stem}-{arch}-{cache_key(source, arch, toolchain)}.so"
   if target.exists():
@@ -248,9 +250,6 @@ def build(source: Path, arch: str, toolchain: Toolchain | None = None) -> Path:
   return target
 
 
-LIBRARIES: list[Library] = []
-
-
 class Library:
   """One CUDA source of a kernel family and the FFI targets its handlers register."""
 
@@ -260,7 +259,6 @@ class Library:
     self._library: ctypes.CDLL | None = None
     self._failure: str | None = None
     self._lock = threading.Lock()
-    LIBRARIES.append(self)
 
   def unavailable(self) -> str | None:
     """Why this library cannot run here, or ``None`` once it is built, loaded and registered
