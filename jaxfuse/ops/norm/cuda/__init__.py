@@ -52,7 +52,6 @@ def unavailable() -> str | None:
   return LIBRARY.unavailable()
 
 
-
 # Defaults measured on the H100 (benchmarks/tune.py norm_cuda, bf16, 16384 rows): through
 # registers, the most units per thread, then clusters of 512-thread CTAs; a cluster barrier per
 # row costs more than the loads a CTA overlaps with it, so fewer, larger CTAs per row win.
