@@ -1,7 +1,7 @@
 """Times kernel tilings on this GPU, to choose the defaults in the ops' triton.py and cuda/ files.
 
     PYTHONPATH=. python benchmarks/tune.py [norm norm_cuda softmax cross_entropy softmax_cuda
-        attention]
+        attention rnn_cuda]
         [--only SUBSTR] [--json PATH]
 
 Each problem times its default tiling first and then the candidates, calling the kernels
@@ -434,9 +434,61 @@ def _attention(sweep):
                     bwd_sets, 2.5 * flops, unit="TFLOP/s")
 
 
+# --------------------------------------------------------------------------- rnn
+
+
+def _rnn_cuda(sweep):
+  """How many CTAs the persistent RNN kernels spread a layer over: every CTA reads the whole
+  previous h (or gate gradients) each step, so fewer, wider CTAs read less from L2 and do more
+  products each. Variants cap the CTAs per launch (``plan``'s SM count)."""
+  from jaxfuse.ops.rnn import cuda
+  sms, shared = cuda._device()
+  steps = 128
+  problems = [("lstm", 64, 512, 1), ("lstm", 16, 1024, 2), ("lstm", 4, 512, 1)]
+  for cell, batch, hidden, directions in problems:
+    gates = 4 if cell == "lstm" else 3
+    for dtype in (jnp.float32, jnp.bfloat16):
+      flops = 2 * batch * steps * directions * gates * hidden * hidden
+      label = f"rnn {cell} {batch}x{hidden}x{directions} {jnp.dtype(dtype).name}"
+
+      def make(key, dtype=dtype, batch=batch, hidden=hidden, directions=directions,
+               gates=gates):
+        k = jax.random.split(key, 5)
+        state = (directions, batch, hidden)
+        return (jax.random.normal(k[0], (batch, steps, directions, gates * hidden)),
+                (jax.random.normal(k[1], (directions, gates * hidden, hidden)) * hidden ** -0.5
+                 ).astype(dtype),
+                jnp.zeros((directions, hidden)), jax.random.normal(k[2], state),
+                jax.random.normal(k[3], state), jnp.full((batch,), steps, jnp.int32),
+                jax.random.normal(k[4], (batch, steps, directions, hidden), dtype))
+
+      sets = [make(jax.random.key(i)) for i in range(2)]
+      for direction_pass in ("forward", "backward"):
+        variants = [cuda.plan(cell, direction_pass, batch, hidden, directions, dtype)]
+        for budget in (sms, sms // 2, sms // 3, sms // 4, sms // 8):
+          for concurrent in ((True, False) if directions == 2 else (True,)):
+            variants.append(cuda._try_plan(gates, direction_pass, batch, hidden, directions,
+                                           jnp.dtype(dtype), concurrent, budget, shared))
+        variants = [v for v in dict.fromkeys(variants) if v is not None]
+
+        def fwd(p, xp, w, b, h0, c0, lengths, dy, cell=cell):
+          return cuda.forward(cell, xp, w, b, h0, c0, lengths, exact=False, save=False,
+                              launch=p)[0]
+
+        def bwd(p, xp, w, b, h0, c0, lengths, dy, cell=cell):
+          y, h_n, c_n, g, st = cuda.forward(cell, xp, w, b, h0, c0, lengths, exact=False,
+                                            save=True)
+          return cuda.backward(cell, dy, h_n, c_n, g, st, h0, c0, w, lengths, exact=False,
+                               launch=p)[0]
+
+        sweep.problem("rnn_cuda", f"{label} {direction_pass}",
+                      fwd if direction_pass == "forward" else bwd, variants, sets,
+                      flops * (1 if direction_pass == "forward" else 3), unit="TFLOP/s")
+
+
 FAMILIES = {"norm": _norm, "norm_cuda": _norm_cuda, "softmax": _softmax,
             "cross_entropy": _cross_entropy, "softmax_cuda": _softmax_cuda,
-            "attention": _attention}
+            "attention": _attention, "rnn_cuda": _rnn_cuda}
 
 
 def main():
@@ -449,7 +501,7 @@ def main():
   if unknown:
     sys.exit(f"unknown families {sorted(unknown)}; expected some of {list(FAMILIES)}")
   ceilings = {"copy GB/s": bench.copy_bandwidth()}
-  if "attention" in args.families:
+  if "attention" in args.families or "rnn_cuda" in args.families:
     ceilings["matmul TFLOP/s"] = bench.matmul_rate()
   print(f"{jax.devices()[0].device_kind}: {ceilings}", flush=True)
   sweep = Sweep(ceilings, args.json, args.only)

@@ -14,9 +14,10 @@ FAMILIES = {
     "norm": "jaxfuse.ops.norm.bench",
     "softmax": "jaxfuse.ops.softmax.bench",
     "attention": "jaxfuse.ops.attention.bench",
+    "rnn": "jaxfuse.ops.rnn.bench",
 }
 # Families with CUDA kernels: each module declares its ``LIBRARY``.
-CUDA_LIBRARIES = ("jaxfuse.ops.norm.cuda", "jaxfuse.ops.softmax.cuda")
+CUDA_LIBRARIES = ("jaxfuse.ops.norm.cuda", "jaxfuse.ops.softmax.cuda", "jaxfuse.ops.rnn.cuda")
 
 
 def _cases(names, quick):

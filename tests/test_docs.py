@@ -6,6 +6,7 @@ import jax.numpy as jnp
 
 import jaxfuse
 from jaxfuse.ops.norm import cuda as norm_cuda
+from jaxfuse.ops.rnn import cuda as rnn_cuda
 from jaxfuse.ops.softmax import cuda as softmax_cuda
 
 README = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
@@ -36,3 +37,16 @@ def test_the_limits_are_the_refusals():
       longest = module.longest_row(dtype)
       assert module.unsupported(*args(longest, dtype)) is None
       assert "at most" in module.unsupported(*args(longest + 8, dtype))
+
+
+def test_readme_and_docstring_state_the_rnn_limits():
+  assert README.count(rnn_cuda.limits()) == 1
+  assert rnn_cuda.limits() in " ".join(jaxfuse.lstm.__doc__.split())
+  assert "{cuda_limits}" not in jaxfuse.lstm.__doc__
+
+
+def test_the_rnn_limits_are_the_largest_planned_layers():
+  largest = rnn_cuda._largest_hidden("lstm", jnp.bfloat16, 1)
+  plans = lambda hidden: [rnn_cuda._try_plan(4, p, 64, hidden, 1, jnp.dtype(jnp.bfloat16), False,
+                                             *rnn_cuda._H100) for p in ("forward", "backward")]
+  assert all(plans(largest)) and not all(plans(largest + 1))

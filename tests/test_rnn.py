@@ -241,12 +241,20 @@ def test_matches_jax_experimental_rnn(rng):
 
 def test_implementations(rng):
   args = make(rng, "gru", 1, False)
-  default = call("gru", *args, 1, False)
   named = call("gru", *args, 1, False, implementation="xla")
-  np.testing.assert_array_equal(default[0], named[0])
-  for name in ("triton", "cuda", "cudnn"):
-    with pytest.raises(NotImplementedError, match=f"gru has no '{name}' implementation"):
-      call("gru", *args, 1, False, implementation=name)
+  assert named[0].shape == (3, TIME, HIDDEN)
+  with pytest.raises(NotImplementedError, match="gru has no 'triton' implementation"):
+    call("gru", *args, 1, False, implementation="triton")
+  if jax.default_backend() == "gpu":
+    reason = "jax.experimental.rnn has only the LSTM"
+  else:
+    reason = "NVIDIA GPU only"
+    with pytest.raises(NotImplementedError, match="implementation='cuda'.* cannot run here"):
+      call("gru", *args, 1, False, implementation="cuda")
+    default = call("gru", *args, 1, False)
+    np.testing.assert_array_equal(default[0], named[0])
+  with pytest.raises(NotImplementedError, match=reason):
+    call("gru", *args, 1, False, implementation="cudnn")
 
 
 @pytest.mark.parametrize("change, error, match", [
@@ -280,3 +288,303 @@ def test_traced_lengths_are_not_checked(rng):
   args = make(rng, "lstm", 1, False)
   y, _, _ = jax.jit(lambda *a: call("lstm", *a, 1, False))(*args[:4], jnp.array([0, 2, 3]))
   assert y.shape == (3, TIME, HIDDEN)
+
+
+# --------------------------------------------------------------------------- GPU: every implementation
+
+# Odd sizes: hidden 37 leaves a CTA's last units and the k-tiles partly empty.
+GPU_SIZES = dict(input_size=13, hidden_size=37, time=29, batch=5)
+
+
+def gpu_make(rng, cell, num_layers, bidirectional, dtype, *, batch=5, input_size=13,
+             hidden_size=37, time=29, full=False):
+  directions = 2 if bidirectional else 1
+  count = (jaxfuse.lstm_weight_count if cell == "lstm" else jaxfuse.gru_weight_count)(
+      input_size, hidden_size, num_layers, bidirectional)
+  state = (num_layers * directions, batch, hidden_size)
+  lengths = np.full(batch, time) if full else rng.integers(0, time + 1, batch)
+  if not full:
+    lengths[:2] = [0, time][:batch]
+  return (random(rng, (batch, time, input_size), dtype), random(rng, state, dtype, scale=0.5),
+          random(rng, state, dtype, scale=0.5),
+          random(rng, (count,), dtype, scale=hidden_size ** -0.5),
+          jnp.asarray(lengths, jnp.int32))
+
+
+def gpu_call(cell, args, num_layers, bidirectional, **kwargs):
+  x, h_0, c_0, weights, lengths = args
+  sizes = dict(input_size=x.shape[2], hidden_size=h_0.shape[2], num_layers=num_layers,
+               bidirectional=bidirectional, **kwargs)
+  if cell == "lstm":
+    return jaxfuse.lstm(x, h_0, c_0, weights, lengths, **sizes)
+  return (*jaxfuse.gru(x, h_0, weights, lengths, **sizes), None)
+
+
+def _cuda_or_skip():
+  from jaxfuse.ops.rnn import cuda as rnn_cuda
+  reason = rnn_cuda.unavailable()
+  if reason:
+    pytest.skip(reason)
+
+
+# float32 at HIGHEST runs three TF32 products a step, close to float32 FMA; the default, one.
+GPU_TOLERANCE = {jnp.float32: 4, jnp.bfloat16: 4, jnp.float16: 4}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["cuda", None])
+@pytest.mark.parametrize("cell", CELLS)
+@pytest.mark.parametrize("num_layers,bidirectional", [(1, False), (1, True), (2, True),
+                                                      (3, False)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_gpu_matches_numpy(rng, impl, cell, num_layers, bidirectional, dtype):
+  _cuda_or_skip()
+  args = gpu_make(rng, cell, num_layers, bidirectional, dtype)
+  out = gpu_call(cell, args, num_layers, bidirectional, implementation=impl,
+                 precision=jax.lax.Precision.HIGHEST)
+  ref = numpy_rnn(cell, *args, num_layers, bidirectional)
+  assert out[0].dtype == dtype
+  past_end = np.arange(args[0].shape[1])[None, :] >= np.asarray(args[4])[:, None]
+  assert np.all(np.asarray(out[0], np.float32)[past_end] == 0)
+  factor = 10 if dtype == jnp.float32 else 4
+  for a, e, name in zip(out, ref, ("y", "h_n", "c_n")):
+    if e is not None:
+      assert_close(a, e, dtype, factor=factor, name=name, floor=0.1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cell", CELLS)
+def test_gpu_tf32_default(rng, cell):
+  _cuda_or_skip()
+  args = gpu_make(rng, cell, 2, True, jnp.float32)
+  out = gpu_call(cell, args, 2, True, implementation="cuda")
+  ref = numpy_rnn(cell, *args, 2, True)
+  for a, e, name in zip(out, ref, ("y", "h_n", "c_n")):
+    if e is not None:  # TF32 keeps 10 bits of mantissa: a bfloat16-like bound
+      assert_close(a, e, jnp.bfloat16, name=name, floor=0.1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cell,batch,hidden,bidirectional,dtype", [
+    ("lstm", 70, 200, False, jnp.bfloat16),   # two batch chunks
+    ("gru", 133, 64, True, jnp.float32),      # three batch chunks, both directions at once
+    ("lstm", 16, 1024, True, jnp.float32),    # a direction at a time, K staged in chunks
+    ("gru", 3, 1024, True, jnp.bfloat16),
+    ("lstm", 1, 1, False, jnp.float32),
+])
+def test_gpu_large_layers(rng, cell, batch, hidden, bidirectional, dtype):
+  _cuda_or_skip()
+  args = gpu_make(rng, cell, 1, bidirectional, dtype, batch=batch, hidden_size=hidden,
+                  input_size=24, time=9)
+  out = gpu_call(cell, args, 1, bidirectional, implementation="cuda",
+                 precision=jax.lax.Precision.HIGHEST)
+  ref = numpy_rnn(cell, *args, 1, bidirectional)
+  for a, e, name in zip(out, ref, ("y", "h_n", "c_n")):
+    if e is not None:
+      assert_close(a, e, dtype, factor=10 if dtype == jnp.float32 else 4, name=name, floor=0.1)
+
+
+def _loss(cell, num_layers, bidirectional, lengths, cotangents, impl, precision):
+  def loss(x, h_0, c_0, weights):
+    out = gpu_call(cell, (x, h_0, c_0, weights, lengths), num_layers, bidirectional,
+                   implementation=impl, precision=precision)
+    return sum(jnp.sum(o.astype(jnp.float32) * c) for o, c in zip(out, cotangents)
+               if o is not None)
+  return loss
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cell", CELLS)
+@pytest.mark.parametrize("num_layers,bidirectional", [(1, False), (2, True)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gpu_gradients(rng, cell, num_layers, bidirectional, dtype):
+  """Gradients of every input against the XLA reference's in float64."""
+  _cuda_or_skip()
+  args = gpu_make(rng, cell, num_layers, bidirectional, dtype)
+  directions = 2 if bidirectional else 1
+  x, h_0 = args[0], args[1]
+  cotangents = [random(rng, (x.shape[0], x.shape[1], directions * h_0.shape[2]), jnp.float32),
+                random(rng, h_0.shape, jnp.float32), random(rng, h_0.shape, jnp.float32)]
+  argnums = (0, 1, 2, 3) if cell == "lstm" else (0, 1, 3)
+  highest = jax.lax.Precision.HIGHEST
+  grads = jax.grad(_loss(cell, num_layers, bidirectional, args[4], cotangents, "cuda", highest),
+                   argnums)(*args[:4])
+  with x64():
+    wide = [jnp.asarray(np.asarray(a, np.float64)) for a in args[:4]]
+    expected = jax.grad(_loss(cell, num_layers, bidirectional, args[4], cotangents, "xla",
+                              highest), argnums)(*wide)
+  names = ("x", "h_0", "c_0", "weights") if cell == "lstm" else ("x", "h_0", "weights")
+  for g, e, name in zip(grads, expected, names):
+    assert g.dtype == dtype
+    assert_close(g, np.asarray(e), dtype, factor=20 if dtype == jnp.float32 else 4, name=name,
+                 floor=0.1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cell", CELLS)
+def test_gpu_deterministic(rng, cell):
+  _cuda_or_skip()
+  args = gpu_make(rng, cell, 2, True, jnp.bfloat16, batch=40, hidden_size=96)
+  cotangents = [random(rng, (40, 29, 192), jnp.float32)] + [random(rng, (4, 40, 96),
+                                                                   jnp.float32)] * 2
+  step = jax.jit(jax.value_and_grad(_loss(cell, 2, True, args[4], cotangents, "cuda", None),
+                                    (0, 1, 3)))
+  first, again = step(*args[:4]), step(*args[:4])
+  for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(again)):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cell", CELLS)
+def test_gpu_vmap(rng, cell):
+  """vmap over the batch-carrying inputs folds into the batch; over the weights, per example."""
+  _cuda_or_skip()
+  args = gpu_make(rng, cell, 2, True, jnp.float32)
+  second = [a * 0.5 if a.dtype != jnp.int32 else a // 2 for a in args]
+  kwargs = dict(implementation="cuda", precision=jax.lax.Precision.HIGHEST)
+  for mapped in ((0, 1, 2, 4), (3,), (0, 1, 2, 3, 4)):
+    stacked = [jnp.stack([a, b]) if k in mapped else a
+               for k, (a, b) in enumerate(zip(args, second))]
+    axes = [0 if k in mapped else None for k in range(5)]
+    run = lambda *a: gpu_call(cell, a, 2, True, **kwargs)
+    out = jax.vmap(run, in_axes=axes)(*stacked)
+    alone = run(*(b if k in mapped else a for k, (a, b) in enumerate(zip(args, second))))
+    for o, e in zip(out, alone):
+      if e is not None:
+        np.testing.assert_allclose(o[1], e, rtol=2e-5, atol=2e-5)
+    grads = jax.vmap(jax.grad(lambda *a: jnp.sum(run(*a)[0] ** 2), 3), in_axes=axes)(*stacked)
+    expected = jax.grad(lambda *a: jnp.sum(run(*a)[0] ** 2), 3)(
+        *(b if k in mapped else a for k, (a, b) in enumerate(zip(args, second))))
+    np.testing.assert_allclose(grads[1], expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_cudnn_lstm(rng):
+  pytest.importorskip("jax.experimental.rnn")
+  args = gpu_make(rng, "lstm", 2, True, jnp.float32)
+  out = gpu_call("lstm", args, 2, True, implementation="cudnn",
+                 precision=jax.lax.Precision.HIGHEST)
+  ref = numpy_rnn("lstm", *args, 2, True)
+  for a, e, name in zip(out, ref, ("y", "h_n", "c_n")):
+    assert_close(a, e, jnp.float32, factor=10, name=name, floor=0.1)
+  with pytest.raises(NotImplementedError, match="float32 only"):
+    gpu_call("lstm", [a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a for a in args],
+             2, True, implementation="cudnn")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cell", CELLS)
+@pytest.mark.parametrize("impl", ["cuda", "cudnn", None])
+def test_gpu_matches_torch(rng, cell, impl):
+  """PyTorch's RNN (float64 on the CPU) on weights converted from ours."""
+  torch = pytest.importorskip("torch")
+  if impl == "cudnn" and cell == "gru":
+    pytest.skip("jax.experimental.rnn has only the LSTM")
+  args = gpu_make(rng, cell, 2, True, jnp.float32, full=True)
+  x, h_0, c_0, weights, _ = args
+  sizes = (x.shape[2], h_0.shape[2], 2, True)
+  to_torch = jaxfuse.lstm_weights_to_torch if cell == "lstm" else jaxfuse.gru_weights_to_torch
+  module = (torch.nn.LSTM if cell == "lstm" else torch.nn.GRU)(
+      *sizes[:3], batch_first=True, bidirectional=True).double()
+  module.load_state_dict({k: torch.from_numpy(np.asarray(v, np.float64))
+                          for k, v in to_torch(weights, *sizes).items()})
+  as_torch = lambda a: torch.from_numpy(np.asarray(a, np.float64))
+  with torch.no_grad():
+    if cell == "lstm":
+      y, (h_n, c_n) = module(as_torch(x), (as_torch(h_0), as_torch(c_0)))
+      expected = (y, h_n, c_n)
+    else:
+      y, h_n = module(as_torch(x), as_torch(h_0))
+      expected = (y, h_n, None)
+  out = gpu_call(cell, args, 2, True, implementation=impl, precision=jax.lax.Precision.HIGHEST)
+  for a, e, name in zip(out, expected, ("y", "h_n", "c_n")):
+    if e is not None:
+      assert_close(a, e.numpy(), jnp.float32, factor=10, name=name, floor=0.1)
+
+
+# --------------------------------------------------------------------------- the kernels' glue
+
+
+def _stand_in_kernels(monkeypatch):
+  """Replaces the CUDA calls by XLA functions of the same contract, so that the custom VJP, the
+  vmap rules and the sharding around them run on the CPU."""
+  from jaxfuse.ops.rnn import cuda as rnn_cuda
+
+  def forward(cell, xp, w_hh, b_hn, h0, c0, lengths, *, exact, save, launch=None):
+    hidden = w_hh.shape[2]
+    y = jnp.tanh(xp[..., :hidden] + jnp.swapaxes(h0, 0, 1)[:, None]).astype(w_hh.dtype)
+    reserve = (jnp.zeros(y.shape[:3] + (4 * hidden,)), jnp.zeros(y.shape, jnp.float32))
+    return (y, h0 + b_hn[:, None], c0 * 2) + (reserve if save else ())
+
+  def backward(cell, dy, dh_n, dc_n, gates, states, h0, c0, w_hh, lengths, *, exact,
+               launch=None):
+    gates_count = w_hh.shape[1] // w_hh.shape[2]
+    dxp = jnp.concatenate([dy.astype(jnp.float32)] * gates_count, -1)
+    return dxp, (dy.astype(jnp.float32) if cell == "gru" else None), dh_n, dc_n * 2
+
+  monkeypatch.setattr(rnn_cuda, "unavailable", lambda: None)
+  monkeypatch.setattr(rnn_cuda, "unsupported", lambda *args: None)
+  monkeypatch.setattr(rnn_cuda, "forward", forward)
+  monkeypatch.setattr(rnn_cuda, "backward", backward)
+
+
+@pytest.mark.parametrize("cell", CELLS)
+@pytest.mark.parametrize("impl", ["xla", "cuda"])
+def test_batch_sharding_never_gathers(rng, monkeypatch, cell, impl):
+  """The scan, and the kernels' calls (stood in for on the CPU), run shard by shard."""
+  if jax.device_count() < 8:
+    pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+  if impl == "cuda" and jax.default_backend() != "gpu":
+    _stand_in_kernels(monkeypatch)
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  mesh = jax.make_mesh((8,), ("d",), devices=jax.devices()[:8])
+  x, h_0, c_0, weights, _ = make(rng, cell, 2, True, batch=16)
+  lengths = jnp.asarray(rng.integers(0, TIME + 1, 16), jnp.int32)
+
+  def step(x, h_0, c_0, weights, lengths):
+    def loss(x, h_0, c_0, weights):
+      out = call(cell, x, h_0, c_0, weights, lengths, 2, True, implementation=impl)
+      return sum(jnp.sum(jnp.sin(o)) for o in out if o is not None)
+    return jax.value_and_grad(loss, (0, 1, 2, 3))(x, h_0, c_0, weights)
+
+  single = jax.jit(step)(x, h_0, c_0, weights, lengths)
+  put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+  args = (put(x, P("d")), put(h_0, P(None, "d")), put(c_0, P(None, "d")), put(weights, P()),
+          put(lengths, P("d")))
+  compiled = jax.jit(step).lower(*args).compile()
+  assert "all-gather" not in compiled.as_text()
+  for a, s in zip(jax.tree.leaves(compiled(*args)), jax.tree.leaves(single)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(s), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cell", CELLS)
+def test_kernel_path_vmap_folds_or_maps(rng, monkeypatch, cell):
+  """vmap of the kernel path equals calls one example at a time, mapping the batch-carrying
+  inputs (folded into the batch), the weights (one call each), or both."""
+  _stand_in_kernels(monkeypatch)
+  args = make(rng, cell, 2, True)
+  second = [a * 0.5 if a.dtype != jnp.int32 else a // 2 for a in args]
+  run = lambda *a: call(cell, *a, 2, True, implementation="cuda")
+  loss = lambda *a: sum(jnp.sum(jnp.sin(o)) for o in run(*a) if o is not None)
+  for mapped in ((0, 1, 2, 4), (3,), (0, 1, 2, 3, 4)):
+    stacked = [jnp.stack([a, b]) if k in mapped else a
+               for k, (a, b) in enumerate(zip(args, second))]
+    axes = [0 if k in mapped else None for k in range(5)]
+    alone_args = [b if k in mapped else a for k, (a, b) in enumerate(zip(args, second))]
+    for o, e in zip(jax.vmap(run, in_axes=axes)(*stacked), run(*alone_args)):
+      if e is not None:
+        np.testing.assert_allclose(o[1], e, rtol=1e-6, atol=1e-6)
+    grads = jax.vmap(jax.grad(loss, (0, 3)), in_axes=axes)(*stacked)
+    for g, e in zip(grads, jax.grad(loss, (0, 3))(*alone_args)):
+      np.testing.assert_allclose(g[1], e, rtol=1e-5, atol=1e-6)
+
+
+def test_kernel_path_under_checkpoint(rng, monkeypatch):
+  _stand_in_kernels(monkeypatch)
+  args = make(rng, "lstm", 2, True)
+  loss = lambda x, w: jnp.sum(jnp.sin(call("lstm", x, *args[1:3], w, args[4], 2, True,
+                                           implementation="cuda")[0]))
+  plain = jax.grad(loss, (0, 1))(args[0], args[3])
+  remat = jax.grad(jax.checkpoint(loss), (0, 1))(args[0], args[3])
+  for a, b in zip(plain, remat):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)

@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +53,15 @@ class Case:
   unit: str = "GB/s"
   # Implementations checked for correctness but not timed (the Pallas interpreter on the CPU).
   check_only: Sequence[str] = ()
+  # Comparators outside JAX (PyTorch), each timing itself on the inputs: ``fn(inputs) ->
+  # (forward_ms, train_ms)``. Their outputs are not checked.
+  external: Mapping[str, Callable[[tuple], tuple[float, float]]] = dataclasses.field(
+      default_factory=dict)
+  # Time steps a call walks (recurrent ops): the table adds microseconds per step.
+  steps: int | None = None
+  # The tests' relative error bound for every output, where the dtype's does not apply
+  # (float32 computed through TF32).
+  tolerance: float | None = None
 
 
 # The row of ``implementation=None``: what a user gets without choosing.
@@ -83,6 +92,7 @@ class Row:
   size_copy_rate: float | None = None
   forward_pct: float | None = None
   train_pct: float | None = None
+  steps: int | None = None
   note: str = ""
 
 
@@ -204,10 +214,12 @@ def _leading_rows(a):
   return a[:max(1, _CHECKED_ELEMENTS * a.shape[0] // a.size)]
 
 
-def _errors(actual, expected) -> list[tuple[float, float]]:
-  """(relative error of the worst row, the bound for that output's dtype) of every output."""
+def _errors(actual, expected, tolerance=None) -> list[tuple[float, float]]:
+  """(relative error of the worst row, the bound for that output) of every output: the
+  case's ``tolerance`` or the output dtype's."""
   pairs = zip(jax.tree.leaves(actual), jax.tree.leaves(expected))
-  return [(relative_error(a, e), _ERROR_SLACK * TOLERANCE.get(jnp.dtype(a.dtype), 1e-2))
+  return [(relative_error(a, e),
+           _ERROR_SLACK * (tolerance or TOLERANCE.get(jnp.dtype(a.dtype), 1e-2)))
           for a, e in pairs]
 
 
@@ -251,7 +263,8 @@ def run(cases: Sequence[Case], *, implementations: Sequence[str] | None = None,
     ceilings["copy GB/s"] = copy_bandwidth()
   if time_it and "TFLOP/s" in units:
     ceilings["matmul TFLOP/s"] = matmul_rate()
-  todo = [(c, impl) for c in cases for impl in list(c.implementations) + list(c.check_only)
+  todo = [(c, impl) for c in cases
+          for impl in list(c.implementations) + list(c.check_only) + list(c.external)
           if implementations is None or impl in implementations]
   progress = _Progress(len(todo))
   rows = []
@@ -283,20 +296,22 @@ def _run_case(case, impls, ceilings, time_it, progress):
     reference_note = f"no float64 reference: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
   rows = []
   for impl in impls:
+    if impl in case.external:
+      continue
     progress.step(f"{case.op} {case.label} {impl}")
-    row = Row(case.op, case.label, case.size, impl, case.unit)
+    row = Row(case.op, case.label, case.size, impl, case.unit, steps=case.steps)
     try:
       forward = checked(jax.jit(case.forward(impl))(*inputs))
       row.note = reference_note
       errors = []
       if ref_fwd is not None:
-        errors += _errors(forward, ref_fwd)
+        errors += _errors(forward, ref_fwd, case.tolerance)
         row.forward_error = max(e for e, _ in errors)
       if case.train:
         train = jax.jit(case.train(impl)).lower(*inputs).compile()
         trained = checked(train(*inputs))
         if ref_train is not None:
-          train_errors = _errors(trained, ref_train)
+          train_errors = _errors(trained, ref_train, case.tolerance)
           row.train_error = max(e for e, _ in train_errors)
           errors += train_errors
         mem = train.memory_analysis()
@@ -340,6 +355,29 @@ def _run_case(case, impls, ceilings, time_it, progress):
       row.forward_pct = 100 * row.forward_rate / ceiling
       if row.train_rate is not None:
         row.train_pct = 100 * row.train_rate / ceiling
+  return rows + _run_external(case, [i for i in impls if i in case.external], inputs,
+                              ceilings, progress)
+
+
+def _run_external(case, impls, inputs, ceilings, progress):
+  rows = []
+  for impl in impls:
+    progress.step(f"{case.op} {case.label} {impl}")
+    row = Row(case.op, case.label, case.size, impl, case.unit, steps=case.steps,
+              ceiling_name="matmul TFLOP/s" if case.unit == "TFLOP/s" else "copy GB/s")
+    try:
+      row.forward_ms, row.train_ms = case.external[impl](inputs)
+    except ImportError as e:
+      row.note = f"not installed: {e.name or e}"
+    except Exception as e:  # noqa: BLE001  (a comparator's failure is reported, not fatal)
+      row.note = f"comparator failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    row.forward_rate = _rate(case.forward_work, row.forward_ms, case.unit)
+    row.train_rate = _rate(case.train_work, row.train_ms, case.unit)
+    ceiling = ceilings.get(row.ceiling_name)
+    if ceiling and row.forward_rate is not None:
+      row.forward_pct = 100 * row.forward_rate / ceiling
+      row.train_pct = 100 * row.train_rate / ceiling
+    rows.append(row)
   return rows
 
 
@@ -367,6 +405,9 @@ def table(rows: Sequence[Row], ceilings: dict) -> str:
               f"{_fmt(r.train_pct, '6.1f'):>6} {_fmt(r.train_temp_mib, '9.1f'):>9} "
               f"{_fmt(r.forward_error, '9.1e'):>9} {_fmt(r.train_error, '9.1e'):>9} "
               f"{_fmt(r.size_copy_rate, '10.0f'):>10}")
+      if r.steps and r.forward_ms is not None:
+        line += (f"  {r.forward_ms * 1e3 / r.steps:.2f}/"
+                 f"{_fmt(r.train_ms and r.train_ms * 1e3 / r.steps, '.2f')} us/step")
       out.append(line + (f"  {r.note}" if r.note else ""))
   return "\n".join(out)
 

@@ -93,8 +93,9 @@ class _Plan:
       raise ValueError(f"{op}: one mesh axis shards two different axes of the operands: {axes_of}")
 
     def spec(dims):
-      return PartitionSpec(*(None if not axes_of[f] else axes_of[f][0] if len(axes_of[f]) == 1
-                             else axes_of[f] for f in dims))
+      # A factor only an output has (a kernel's saved intermediate) is whole on every shard.
+      axes = [axes_of.get(f, ()) for f in dims]
+      return PartitionSpec(*(None if not a else a[0] if len(a) == 1 else a for a in axes))
 
     self.in_specs = [spec(d) for d in in_dims]
     self.out_specs = [spec(d) for d in out_dims]
@@ -115,6 +116,14 @@ def _entry(spec, dim):
   entries = tuple(spec)
   entry = entries[dim] if dim < len(entries) else None
   return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def replicated_sharding(*arrays):
+  """Where ``arrays`` are explicitly sharded, a replicated sharding on their mesh (the
+  ``out_sharding`` of a product that contracts their sharded axes, such as a weight gradient
+  over the batch); else None."""
+  mesh = _explicit_mesh(arrays)
+  return None if mesh is None else NamedSharding(mesh, PartitionSpec())
 
 
 def _explicit_mesh(args):

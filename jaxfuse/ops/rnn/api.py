@@ -1,18 +1,30 @@
-"""``jaxfuse.lstm`` and ``jaxfuse.gru``: validation and dispatch for the multi-layer RNNs."""
+"""``jaxfuse.lstm`` and ``jaxfuse.gru``: validation, dispatch, and the fused kernels' custom VJP,
+vmap rules and batch sharding."""
 
 from __future__ import annotations
+
+import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_batching import custom_vmap
 
 from jaxfuse._core import registry
+from jaxfuse._core.sharding import parallel_call, replicated_sharding
 from jaxfuse._core.validation import check_array, describe, static_float, static_int
+from jaxfuse.ops.rnn import cuda as cuda_kernels
 from jaxfuse.ops.rnn import reference
 from jaxfuse.ops.rnn.weights import unpack, weight_count
 
-_BACKENDS = {"xla": registry.xla_available}
-_PREFERENCE = ("xla",)
+
+
+def _preference():
+  # 'cudnn' is never chosen unasked: jax.experimental.rnn's backward copies the lengths to the
+  # host and waits for the stream. It is the faster float32 LSTM from batch 16 on an H100
+  # (benchmarks/results/2026-11-23-h100-rnn-lstm.json); everywhere else the fused kernels win.
+  return ("xla",) if registry.platform() != "gpu" else ("cuda", "xla")
 
 
 def lstm(x, h_0, c_0, weights, seq_lengths, *, input_size: int, hidden_size: int,
@@ -33,7 +45,10 @@ def lstm(x, h_0, c_0, weights, seq_lengths, *, input_size: int, hidden_size: int
     bidirectional: also run each layer backwards over each sequence, from its own end.
     precision: passed to the matmuls (``None``: the default).
     dropout_key: a ``jax.random`` key for the dropout masks.
-    implementation: ``'xla'`` or ``None`` (the only one for now).
+    implementation: ``'xla'`` (``lax.scan``, runs anywhere), ``'cuda'`` (the persistent
+      fused kernels: {cuda_limits}), ``'cudnn'`` (``jax.experimental.rnn``: float32, no
+      dropout; its backward synchronizes with the host) or ``None``: ``'cuda'`` where it
+      runs, else ``'xla'``.
 
   Returns:
     ``(y, h_n, c_n)``: ``y`` ``(B, T, directions * hidden_size)``, zero past each sequence's
@@ -108,11 +123,27 @@ def _run(cell, x, initial_state, weights, seq_lengths, input_size, hidden_size, 
                      f"{describe(weights)}")
   seq_lengths = _check_lengths(op, seq_lengths, batch, time)
 
-  registry.resolve(op, implementation, _BACKENDS, _PREFERENCE)
+  op_dtype = jnp.result_type(x, weights)
+  layer = _Layer(cell, batch, time, hidden_size, directions, jnp.dtype(op_dtype))
+  backends = {"xla": registry.xla_available,
+              "cuda": functools.partial(_cuda_unavailable, layer),
+              "cudnn": functools.partial(_cudnn_unavailable, layer, x, initial_state, weights,
+                                         dropout)}
+  impl = registry.resolve(op, implementation, backends, _preference())
+  if impl == "cudnn":
+    return _cudnn(x, initial_state, weights, seq_lengths, input_size, hidden_size, num_layers,
+                  bidirectional, precision)
   unpacked = unpack(cell, weights, input_size, hidden_size, num_layers, bidirectional)
-  return reference.forward(cell, x, initial_state, unpacked, seq_lengths, num_layers=num_layers,
-                           bidirectional=bidirectional, dropout=dropout,
-                           dropout_key=dropout_key, precision=precision)
+  if impl == "xla" or batch == 0 or time == 0:
+    return reference.forward(cell, x, initial_state, unpacked, seq_lengths,
+                             num_layers=num_layers, bidirectional=bidirectional,
+                             dropout=dropout, dropout_key=dropout_key, precision=precision)
+  return _fused_forward(cell, x, initial_state, unpacked, seq_lengths, num_layers=num_layers,
+                        bidirectional=bidirectional, dropout=dropout, dropout_key=dropout_key,
+                        precision=precision)
+
+
+lstm.__doc__ = lstm.__doc__.replace("{cuda_limits}", cuda_kernels.limits())
 
 
 def _check_lengths(op, seq_lengths, batch, time):
@@ -128,3 +159,262 @@ def _check_lengths(op, seq_lengths, batch, time):
       raise ValueError(f"{op}: seq_lengths must be in [0, T={time}], got "
                        f"{lengths.tolist()}")
   return seq_lengths
+
+
+# ---- The fused kernels ('cuda').
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layer:
+  """What decides whether a layer runs on the fused kernels and how."""
+  cell: str
+  batch: int
+  time: int
+  hidden: int
+  directions: int
+  dtype: jnp.dtype
+
+
+def _cuda_unavailable(layer: _Layer) -> str | None:
+  reason = cuda_kernels.unavailable()
+  if reason is None and layer.batch and layer.time:
+    reason = cuda_kernels.unsupported(layer.cell, layer.batch, layer.hidden, layer.directions,
+                                      layer.dtype)
+  return reason
+
+
+# Precisions at which a float32 product must not drop to one TF32 pass.
+_EXACT_PRECISIONS = {"HIGHEST", "HIGH", "FLOAT32", "F32_F32_F32", "BF16_BF16_F32_X3",
+                     "BF16_BF16_F32_X6", "TF32_TF32_F32_X3"}
+
+
+def _exact(precision, dtype) -> bool:
+  """Whether float32 products run in three TF32 passes (close to float32) rather than one."""
+  if jnp.dtype(dtype) != jnp.float32:
+    return False
+  if precision is None:
+    precision = jax.config.jax_default_matmul_precision
+  if isinstance(precision, tuple):
+    precision = max(precision, key=lambda p: str(getattr(p, "name", p)).upper()
+                    in _EXACT_PRECISIONS)
+  return str(getattr(precision, "name", precision)).upper() in _EXACT_PRECISIONS
+
+
+@functools.partial(jax.jit, static_argnames=("cell", "num_layers", "bidirectional", "dropout",
+                                             "precision"))
+def _fused_forward(cell, x, initial_state, unpacked, seq_lengths, *, num_layers, bidirectional,
+                   dropout, dropout_key, precision):
+  W_ih, W_hh, b_ih, b_hh = unpacked
+  directions = 2 if bidirectional else 1
+  op_dtype = jnp.result_type(x, W_ih[0])
+  config = _Config(cell, _exact(precision, op_dtype), precision)
+  lengths = seq_lengths.astype(jnp.int32)
+  inputs = x
+  finals = []
+  for layer in range(num_layers):
+    pseudo = range(layer * directions, (layer + 1) * directions)
+    states = [s[pseudo.start:pseudo.stop].astype(jnp.float32) for s in initial_state]
+    if cell == "gru":
+      states.append(jnp.zeros_like(states[0]))
+    y, h_n, c_n = _fused_layer(config, inputs, *states, [W_ih[p] for p in pseudo],
+                               [W_hh[p] for p in pseudo], [b_ih[p] for p in pseudo],
+                               [b_hh[p] for p in pseudo], lengths)
+    finals.append((h_n, c_n))
+    inputs = y.reshape(y.shape[:2] + (-1,))
+    if layer < num_layers - 1:
+      inputs = reference.drop(inputs, dropout, dropout_key, layer)
+  final_state = tuple(jnp.concatenate([f[k] for f in finals]).astype(s.dtype)
+                      for k, s in enumerate(initial_state))
+  return inputs, final_state
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+  cell: str
+  exact: bool
+  precision: object
+
+
+def _fused_layer(config, inputs, h0, c0, W_ih, W_hh, b_ih, b_hh, lengths):
+  """One layer, all its directions: the input projection of every step in one XLA matmul,
+  then the recurrence on the kernels."""
+  cell = config.cell
+  hidden = W_hh[0].shape[1]
+  op_dtype = jnp.result_type(inputs, W_ih[0])
+  f32 = jnp.float32
+  w_ih = jnp.concatenate([w.astype(op_dtype) for w in W_ih])
+  # The hidden biases that are not behind GRU's reset gate join the projection.
+  hidden_bias = [b.astype(f32) if cell == "lstm" else b[:2 * hidden].astype(f32) for b in b_hh]
+  if cell == "gru":
+    hidden_bias = [jnp.concatenate([b, jnp.zeros((hidden,), f32)]) for b in hidden_bias]
+  bias = jnp.concatenate([bi.astype(f32) + bh for bi, bh in zip(b_ih, hidden_bias)])
+  xp = jax.lax.dot_general(inputs.astype(op_dtype), w_ih, (((2,), (1,)), ((), ())),
+                           precision=config.precision, preferred_element_type=f32) + bias
+  xp = xp.reshape(xp.shape[:2] + (len(W_ih), -1))
+  w_hh = jnp.stack([w.astype(op_dtype) for w in W_hh])
+  if cell == "gru":
+    b_hn = jnp.stack([b[2 * hidden:].astype(f32) for b in b_hh])
+  else:
+    b_hn = jnp.zeros((len(W_hh), hidden), f32)
+  return _recurrence(config, xp, w_hh, b_hn, h0, c0, lengths)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _recurrence(config, xp, w_hh, b_hn, h0, c0, lengths):
+  return _kernels(config, save=False).forward(xp, w_hh, b_hn, h0, c0, lengths)
+
+
+def _recurrence_fwd(config, xp, w_hh, b_hn, h0, c0, lengths):
+  y, h_n, c_n, gates, states = _kernels(config, save=True).forward(xp, w_hh, b_hn, h0, c0,
+                                                                   lengths)
+  return (y, h_n, c_n), (y, gates, states, w_hh, h0, c0, lengths)
+
+
+def _recurrence_bwd(config, residuals, cotangents):
+  y, gates, states, w_hh, h0, c0, lengths = residuals
+  dy, dh_n, dc_n = cotangents
+  dxp, dhn, dh0, dc0 = _kernels(config, save=True).backward(
+      dy, dh_n.astype(jnp.float32), dc_n.astype(jnp.float32), gates, states, h0, c0, w_hh,
+      lengths)
+  hidden = w_hh.shape[2]
+  # The gradients of W_hh h_{t-1}: the gates' for the LSTM; for the GRU the candidate's passes
+  # through the reset gate first.
+  hidden_grads = dxp if dhn is None else jnp.concatenate([dxp[..., :2 * hidden], dhn], -1)
+  previous = _previous_hidden(y, h0.astype(y.dtype), lengths)
+  dw_hh = jax.lax.dot_general(hidden_grads.astype(w_hh.dtype), previous,
+                              (((0, 1), (0, 1)), ((2,), (2,))), precision=config.precision,
+                              preferred_element_type=jnp.float32,
+                              out_sharding=replicated_sharding(previous)).astype(w_hh.dtype)
+  db_hn = jnp.zeros((w_hh.shape[0], hidden), jnp.float32) if dhn is None else dhn.sum((0, 1))
+  return dxp, dw_hh, db_hn, dh0, dc0, None
+
+
+_recurrence.defvjp(_recurrence_fwd, _recurrence_bwd)
+
+
+def _previous_hidden(y, h0, lengths):
+  """``(B, S, D, H)``: the hidden state each position's step started from, as the product read
+  it (the output of the step before, or h_0 at each direction's first step)."""
+  steps = jnp.arange(y.shape[1])[None, :, None]
+  zero = jnp.zeros_like(y[:, :1])
+  parts = []
+  for d in range(y.shape[2]):
+    if d == 0:
+      shifted, first = jnp.concatenate([zero, y[:, :-1]], 1)[:, :, 0], steps == 0
+    else:
+      shifted, first = jnp.concatenate([y[:, 1:], zero], 1)[:, :, 1], steps == lengths[:, None,
+                                                                                        None] - 1
+    parts.append(jnp.where(first, h0[d][:, None, :], shifted))
+  return jnp.stack(parts, axis=2)
+
+
+class _Kernels:
+  """The kernel calls of one configuration, with their vmap rules and batch sharding."""
+
+  # Which axis of each operand and result is the batch (None: shared, like the weights).
+  FORWARD_IN = (0, None, None, 1, 1, 0)
+  BACKWARD_IN = (0, 1, 1, 0, 0, 1, 1, None, 0)
+
+  def __init__(self, config: _Config, save: bool):
+    self.config, self.save = config, save
+    forward_out = (0, 1, 1) + ((0, 0) if save else ())
+    backward_out = (0, 0, 1, 1) if config.cell == "gru" else (0, 1, 1)
+    self.forward = _mapped(self._sharded_forward, self.FORWARD_IN, forward_out)
+    self._backward = _mapped(self._sharded_backward, self.BACKWARD_IN, backward_out)
+
+  def backward(self, *args):
+    outs = self._backward(*args)
+    return outs if self.config.cell == "gru" else (outs[0], None) + tuple(outs[1:])
+
+  def _sharded_forward(self, xp, w_hh, b_hn, h0, c0, lengths):
+    c = self.config
+    local = lambda *args: cuda_kernels.forward(c.cell, *args, exact=c.exact, save=self.save)
+    reserve = [("b", "s", "d", "q"), ("b", "s", "d", "h")] if self.save else []
+    return parallel_call(c.cell, local, xp, w_hh, b_hn, h0, c0, lengths,
+                         in_dims=[("b", "s", "d", "g"), ("d", "g", "h"), ("d", "h"),
+                                  ("d", "b", "h"), ("d", "b", "h"), ("b",)],
+                         out_dims=[("b", "s", "d", "h"), ("d", "b", "h"), ("d", "b", "h")]
+                         + reserve, parallel={"b"})
+
+  def _sharded_backward(self, dy, dh_n, dc_n, gates, states, h0, c0, w_hh, lengths):
+    c = self.config
+
+    def local(*args):
+      dxp, dhn, dh0, dc0 = cuda_kernels.backward(c.cell, *args, exact=c.exact)
+      return (dxp, dh0, dc0) if dhn is None else (dxp, dhn, dh0, dc0)
+
+    sequence, state = ("b", "s", "d", "h"), ("d", "b", "h")
+    out_dims = [("b", "s", "d", "g")] + [sequence] * (c.cell == "gru") + [state, state]
+    return parallel_call(c.cell, local, dy, dh_n, dc_n, gates, states, h0, c0, w_hh, lengths,
+                         in_dims=[sequence, state, state, ("b", "s", "d", "q"), sequence, state,
+                                  state, ("d", "g", "h"), ("b",)],
+                         out_dims=out_dims, parallel={"b"})
+
+
+@functools.cache
+def _kernels(config: _Config, save: bool) -> _Kernels:
+  return _Kernels(config, save)
+
+
+def _mapped(fn, in_axes, out_axes):
+  """``fn`` with a vmap rule. A mapped axis on the batch-carrying operands only is more batch:
+  it is folded into their batch axis and ``fn`` runs once. Mapped shared operands (per-example
+  weights) run ``fn`` once per example."""
+  wrapped = custom_vmap(fn)
+
+  def rule(axis_size, in_batched, *args):
+    args = [a if batched else jnp.broadcast_to(a, (axis_size,) + a.shape)
+            for a, batched in zip(args, in_batched)]
+    if any(batched for batched, axis in zip(in_batched, in_axes) if axis is None):
+      outs = jax.lax.map(lambda per_example: wrapped(*per_example), tuple(args))
+    else:
+      folded = [a[0] if axis is None else _fold(a, axis) for a, axis in zip(args, in_axes)]
+      outs = tuple(_unfold(o, axis, axis_size) for o, axis in zip(wrapped(*folded), out_axes))
+    return tuple(outs), tuple(True for _ in outs)
+
+  wrapped.def_vmap(rule)
+  return wrapped
+
+
+def _fold(a, axis):
+  """``(V, ..., B at axis + 1, ...)`` to ``(..., V * B at axis, ...)``."""
+  a = jnp.moveaxis(a, 0, axis)
+  return a.reshape(a.shape[:axis] + (-1,) + a.shape[axis + 2:])
+
+
+def _unfold(a, axis, size):
+  a = a.reshape(a.shape[:axis] + (size, -1) + a.shape[axis + 1:])
+  return jnp.moveaxis(a, axis, 0)
+
+
+# ---- jax.experimental.rnn ('cudnn').
+
+
+def _cudnn_unavailable(layer: _Layer, x, initial_state, weights, dropout) -> str | None:
+  if registry.platform() != "gpu":
+    return "jax.experimental.rnn runs cuDNN's RNN on an NVIDIA GPU only"
+  if layer.cell != "lstm":
+    return "jax.experimental.rnn has only the LSTM"
+  dtypes = {jnp.dtype(a.dtype).name for a in (x, weights, *initial_state)}
+  if dtypes != {"float32"}:
+    return (f"jax.experimental.rnn's cuDNN LSTM takes float32 only (here "
+            f"{', '.join(sorted(dtypes))})")
+  if dropout > 0:
+    return "jax.experimental.rnn draws its dropout from a fixed seed, not from dropout_key"
+  try:
+    from jax.experimental import rnn  # noqa: F401
+  except ImportError as e:
+    return f"jax.experimental.rnn cannot be imported: {e}"
+  return None
+
+
+def _cudnn(x, initial_state, weights, seq_lengths, input_size, hidden_size, num_layers,
+           bidirectional, precision):
+  from jax.experimental import rnn
+  h_0, c_0 = initial_state
+  y, h_n, c_n = rnn.lstm(x, h_0, c_0, weights, seq_lengths.astype(jnp.int32),
+                         input_size=input_size, hidden_size=hidden_size, num_layers=num_layers,
+                         dropout=0.0, bidirectional=bidirectional, precision=precision)
+  # cuDNN leaves the final state of an empty sequence zero; it is the initial state.
+  empty = (seq_lengths == 0)[None, :, None]
+  return y, (jnp.where(empty, h_0, h_n), jnp.where(empty, c_0, c_n))

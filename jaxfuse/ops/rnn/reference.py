@@ -53,6 +53,15 @@ def _gru_step(hidden_gates, projected, state):
 _STEPS = {"lstm": _lstm_step, "gru": _gru_step}
 
 
+def drop(inputs, dropout, dropout_key, layer):
+  """Inverted dropout of the outputs of ``layer`` before the next layer (every implementation
+  draws the same masks from ``dropout_key``)."""
+  if dropout == 0:
+    return inputs
+  keep = jax.random.bernoulli(jax.random.fold_in(dropout_key, layer), 1 - dropout, inputs.shape)
+  return jnp.where(keep, inputs / (1 - dropout), 0).astype(inputs.dtype)
+
+
 def _direction(cell, inputs, state, W_ih, W_hh, b_ih, b_hh, seq_lengths, reverse, precision,
                accumulate):
   """One layer in one direction: outputs ``(B, T, H)`` in ``accumulate`` and final state."""
@@ -115,10 +124,8 @@ def forward(cell, x, initial_state, unpacked, seq_lengths, *, num_layers, bidire
       finals.append(state)
     inputs = jnp.concatenate(outputs, axis=-1) if directions == 2 else outputs[0]
     inputs = inputs.astype(jnp.result_type(x, W_ih[0]))
-    if dropout > 0 and layer < num_layers - 1:
-      keep = jax.random.bernoulli(jax.random.fold_in(dropout_key, layer), 1 - dropout,
-                                  inputs.shape)
-      inputs = jnp.where(keep, inputs / (1 - dropout), 0).astype(inputs.dtype)
+    if layer < num_layers - 1:
+      inputs = drop(inputs, dropout, dropout_key, layer)
   final_state = tuple(jnp.stack([f[k] for f in finals]).astype(s.dtype)
                       for k, s in enumerate(initial_state))
   return inputs, final_state

@@ -1,0 +1,136 @@
+"""Bench cases for ``lstm`` and ``gru``: the forward and a training step (a loss over y, the
+gradients for x and the weights), with jax.experimental.rnn (the ``'cudnn'`` row) and PyTorch's
+cuDNN RNNs (``torch``, timed with CUDA events in the same process) side by side.
+
+FLOPs count the matrix products: per layer and direction ``2 * B * T * G * H * (I_layer + H)``;
+the training step counts three times the forward. float32 allows TF32, as both comparators do
+by default.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+
+import jax
+import jax.numpy as jnp
+
+from jaxfuse._core import registry
+from jaxfuse._core.bench import DEFAULT, Case, implementation_arg
+from jaxfuse.ops.rnn import api
+from jaxfuse.ops.rnn.weights import GATES, weight_count
+
+# (cell, batch, steps, input, hidden, layers, bidirectional): the cases of issue 20's table.
+GPU_CASES = [("lstm", 4, 1024, 512, 512, 1, False), ("lstm", 64, 256, 512, 512, 2, False),
+             ("lstm", 16, 512, 256, 1024, 1, True), ("gru", 64, 256, 512, 512, 2, False),
+             ("gru", 4, 1024, 512, 512, 1, False)]
+CPU_CASES = [("lstm", 4, 64, 64, 64, 1, False), ("gru", 4, 64, 64, 64, 1, True)]
+
+
+# float32 runs its products in TF32 (10 bits of mantissa), as cuDNN does by default.
+TF32_TOLERANCE = 2e-3
+
+
+def _inputs(key, cell, b, t, i, h, layers, bidirectional, dtype):
+  directions = 2 if bidirectional else 1
+  keys = jax.random.split(key, 5)
+  state = (layers * directions, b, h)
+  count = weight_count(cell, i, h, layers, bidirectional)
+  return (jax.random.normal(keys[0], (b, t, i), dtype),
+          0.5 * jax.random.normal(keys[1], state, dtype),
+          0.5 * jax.random.normal(keys[2], state, dtype),
+          jax.random.uniform(keys[3], (count,), dtype, -h ** -0.5, h ** -0.5),
+          jnp.full((b,), t, jnp.int32),
+          jax.random.normal(keys[4], (b, t, directions * h), dtype))
+
+
+def _call(cell, i, h, layers, bidirectional, impl, x, h0, c0, w, lengths):
+  sizes = dict(input_size=i, hidden_size=h, num_layers=layers, bidirectional=bidirectional,
+               implementation=implementation_arg(impl))
+  if cell == "lstm":
+    return api.lstm(x, h0, c0, w, lengths, **sizes)[0]
+  return api.gru(x, h0, w, lengths, **sizes)[0]
+
+
+def _forward(spec, impl):
+  return lambda x, h0, c0, w, lengths, dy: _call(*spec, impl, x, h0, c0, w, lengths)
+
+
+def _train(spec, impl):
+  def step(x, h0, c0, w, lengths, dy):
+    y, vjp = jax.vjp(lambda x, w: _call(*spec, impl, x, h0, c0, w, lengths), x, w)
+    return (y,) + vjp(dy)
+  return step
+
+
+def _torch_timer(cell, i, h, layers, bidirectional, dtype, inputs):
+  """(forward ms, training step ms) of torch.nn.LSTM/GRU on these inputs' sizes."""
+  import torch
+  torch.backends.cuda.matmul.allow_tf32 = True
+  torch.backends.cudnn.allow_tf32 = True
+  torch_dtype = {jnp.dtype(jnp.float32): torch.float32,
+                 jnp.dtype(jnp.bfloat16): torch.bfloat16}[jnp.dtype(dtype)]
+  module = (torch.nn.LSTM if cell == "lstm" else torch.nn.GRU)(
+      i, h, layers, batch_first=True, bidirectional=bidirectional)
+  module = module.to("cuda", torch_dtype)
+  b, t = inputs[0].shape[:2]
+  x = torch.randn(b, t, i, device="cuda", dtype=torch_dtype, requires_grad=True)
+  dy = torch.randn(b, t, (2 if bidirectional else 1) * h, device="cuda", dtype=torch_dtype)
+
+  def forward():
+    with torch.no_grad():
+      module(x)
+
+  def train():
+    y, _ = module(x)
+    y.backward(dy)
+
+  def median_ms(fn, calls=10, groups=5):
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(groups):
+      start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+      start.record()
+      for _ in range(calls):
+        fn()
+      end.record()
+      end.synchronize()
+      times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
+
+  return median_ms(forward), median_ms(train)
+
+
+def _flops(cell, b, t, i, h, layers, bidirectional) -> float:
+  directions = 2 if bidirectional else 1
+  per_layer = [(i if layer == 0 else directions * h) + h for layer in range(layers)]
+  return sum(2 * b * t * directions * GATES[cell] * h * k for k in per_layer)
+
+
+def cases(quick: bool = False) -> list[Case]:
+  on_gpu = registry.platform() == "gpu"
+  shapes = (GPU_CASES[:1] if quick else GPU_CASES) if on_gpu else CPU_CASES
+  out = []
+  for cell, b, t, i, h, layers, bidirectional in shapes:
+    for dtype in (jnp.float32, jnp.bfloat16):
+      spec = (cell, i, h, layers, bidirectional)
+      impls = ("xla",)
+      external = {}
+      if on_gpu:
+        impls = ("cuda", DEFAULT) + (("cudnn",) if cell == "lstm" and dtype == jnp.float32
+                                        else ())
+        external = {"torch": functools.partial(_torch_timer, cell, i, h, layers, bidirectional,
+                                               dtype)}
+      flops = _flops(cell, b, t, i, h, layers, bidirectional)
+      label = (f"{cell.upper()} {b}x{t}x{i}x{h} L{layers}{' bi' if bidirectional else ''} "
+               f"{jnp.dtype(dtype).name}")
+      out.append(Case(
+          op=cell, label=label, size=b,
+          make_inputs=functools.partial(_inputs, cell=cell, b=b, t=t, i=i, h=h, layers=layers,
+                                        bidirectional=bidirectional, dtype=dtype),
+          forward=functools.partial(_forward, spec), train=functools.partial(_train, spec),
+          forward_work=flops, train_work=3 * flops, implementations=impls, unit="TFLOP/s",
+          external=external, steps=t,
+          tolerance=TF32_TOLERANCE if on_gpu and dtype == jnp.float32 else None))
+  return out

@@ -1,0 +1,221 @@
+"""Persistent LSTM and GRU recurrences in CUDA (``rnn.cu``), through XLA's FFI.
+
+One call runs every time step of one layer (both directions of a bidirectional layer). The
+caller projects the inputs of all steps beforehand (``xp = x W_ih^T + b``, one XLA matmul); the
+kernel keeps its share of ``W_hh`` in shared memory for the whole walk and meets the other CTAs
+once per step at a grid barrier. :func:`plan` decides how a layer is spread over the GPU.
+
+Calling convention (D directions, G gates, B batch, S steps, H hidden):
+
+* forward ``(xp (B, S, D, G*H) f32, w_hh (D, G*H, H), b_hn (D, H) f32, h0 (D, B, H) f32,
+  c0 (D, B, H) f32, lengths (B,) i32) -> y (B, S, D, H), h_n, c_n (D, B, H) f32`` and, when
+  saving for the backward, ``gates (B, S, D, 4H)`` and ``states (B, S, D, H)`` (f32);
+* backward ``(dy, dh_n, dc_n, gates, states, h0, c0, w_hh, lengths) -> dxp (B, S, D, G*H),
+  dhn (B, S, D, H) (GRU), dh0, dc0 (D, B, H)``, all f32.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxfuse._core import cuda
+
+_SOURCE = Path(__file__).with_name("rnn.cu")
+_HANDLERS = {"jaxfuse_rnn_forward": "JaxfuseRnnForward",
+             "jaxfuse_rnn_backward": "JaxfuseRnnBackward"}
+_SUPPORTED = tuple(map(jnp.dtype, (jnp.float16, jnp.bfloat16, jnp.float32)))
+LIBRARY = cuda.Library(_SOURCE, _HANDLERS)
+
+# rnn.cu's constants (16 warps against 8: training steps 8-27% faster in four of six cases,
+# benchmarks/results/2026-11-23-h100-tune-rnn-{8,16}-warps.json): warps per CTA, the most 8-wide weight column tiles a CTA holds, the most
+# (batch row, unit) pairs its threads update per batch chunk, and the words after each staged row.
+_WARPS = 16
+_MAX_COLUMNS = 64
+_MAX_ITEMS = 32 * _WARPS
+_PAD = 4
+# Batch rows staged at once (a multiple of 16): beyond one chunk a step stages h again per chunk.
+MAX_BATCH_CHUNK = 64
+
+
+def unavailable() -> str | None:
+  """Why these kernels cannot run here (no Hopper GPU, no nvcc, a failed build), or None."""
+  return LIBRARY.unavailable()
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """How one pass (forward or backward) of a layer is spread over the GPU (rnn.cu ``Shape``).
+
+  ``ctas`` CTAs per direction own ``units`` hidden units each; the directions run in one
+  launch when ``concurrent``, else one after the other. ``batch_chunk`` rows and
+  ``chunk_words`` 32-bit words of the previous step's h (or gate gradients) are staged at once.
+  """
+  ctas: int
+  units: int
+  batch_chunk: int
+  chunk_words: int
+  concurrent: bool
+
+  def attributes(self) -> dict:
+    return dict(ctas=np.int64(self.ctas), units=np.int64(self.units),
+                batch_chunk=np.int64(self.batch_chunk), chunk_words=np.int64(self.chunk_words),
+                concurrent=np.int64(self.concurrent))
+
+
+@functools.cache
+def _device() -> tuple[int, int]:
+  """(SMs, the shared memory a CTA may opt into) of the current GPU."""
+  library = LIBRARY.load()
+  library.jaxfuse_rnn_device.argtypes = [ctypes.POINTER(ctypes.c_int)] * 2
+  sms, shared = ctypes.c_int(0), ctypes.c_int(0)
+  if not library.jaxfuse_rnn_device(ctypes.byref(sms), ctypes.byref(shared)):
+    raise NotImplementedError("the 'cuda' RNN kernels cannot query this GPU")
+  return sms.value, shared.value
+
+
+def _per_word(dtype) -> int:
+  return 4 // jnp.dtype(dtype).itemsize
+
+
+def padded_inner(inner: int, dtype) -> int:
+  """The exchange rows' length: K rounded up to whole mma k-tiles (8 words)."""
+  tile = 8 * _per_word(dtype)
+  return -(-inner // tile) * tile
+
+
+def _shared_bytes(columns, k_tiles, batch_chunk, chunk_words) -> int:
+  n_tiles = -(-columns // 8)
+  return (n_tiles * k_tiles * 32 * 8 + 2 * batch_chunk * (chunk_words + _PAD) * 4
+          + _WARPS * batch_chunk * (n_tiles * 8 + _PAD) * 4)
+
+
+def _try_plan(gates, direction_pass, batch, hidden, directions, dtype, concurrent, sms, shared):
+  forward = direction_pass == "forward"
+  inner = hidden if forward else gates * hidden
+  row_words = padded_inner(inner, dtype) // _per_word(dtype)
+  k_tiles = row_words // 8
+  ctas_allowed = sms // directions if concurrent else sms
+  # The fewest units per CTA that spread the layer over the SMs; the backward fills whole
+  # 8-column tiles (a CTA of 4 units does the products of 8), the forward at least one.
+  least = 8 if not forward else -(-8 // gates)
+  units = max(least, -(-hidden // ctas_allowed))
+  ctas = -(-hidden // units)
+  columns = gates * units if forward else units
+  if columns > _MAX_COLUMNS:
+    return None
+  batch_chunk = min(MAX_BATCH_CHUNK, -(-batch // 16) * 16)
+  while batch_chunk > 16 and batch_chunk * units > _MAX_ITEMS:
+    batch_chunk -= 16
+  if batch_chunk * units > _MAX_ITEMS:
+    return None
+  chunk_words = row_words
+  while _shared_bytes(columns, k_tiles, batch_chunk, chunk_words) > shared:
+    if chunk_words > 64:
+      chunk_words = -(-chunk_words // 16) * 8
+    elif batch_chunk > 16:
+      batch_chunk -= 16
+    else:
+      return None
+  return Plan(ctas, units, batch_chunk, chunk_words, concurrent)
+
+
+@functools.cache
+def plan(cell: str, direction_pass: str, batch: int, hidden: int, directions: int,
+         dtype) -> Plan | None:
+  """The launch of one pass of a layer, or None when its weights do not fit on chip.
+
+  As many CTAs as the SMs allow, each owning the fewest units: fewer, wider CTAs were slower
+  in every case measured on the H100, forward and backward, although every CTA reads the
+  whole previous h (benchmarks/results/2026-11-23-h100-tune-rnn-16-warps.json)."""
+  sms, shared = _device()
+  gates = 4 if cell == "lstm" else 3
+  for concurrent in ((True, False) if directions == 2 else (True,)):
+    p = _try_plan(gates, direction_pass, batch, hidden, directions, jnp.dtype(dtype),
+                  concurrent, sms, shared)
+    if p is not None:
+      return p
+  return None
+
+
+def unsupported(cell: str, batch: int, hidden: int, directions: int, dtype) -> str | None:
+  """Why the kernels cannot run this layer, or None."""
+  if jnp.dtype(dtype) not in _SUPPORTED:
+    return f"the 'cuda' RNN kernels take float16, bfloat16 and float32, not {jnp.dtype(dtype)}"
+  for direction_pass in ("forward", "backward"):
+    if plan(cell, direction_pass, batch, hidden, directions, dtype) is None:
+      gates = 4 if cell == "lstm" else 3
+      mib = gates * hidden * hidden * jnp.dtype(dtype).itemsize / 2**20
+      return (f"the 'cuda' {cell.upper()} keeps W_hh ({gates} * {hidden} x {hidden}, {mib:.1f} "
+              f"MiB a direction in {jnp.dtype(dtype).name}) in shared memory spread over the "
+              f"SMs; it does not fit on this GPU")
+  return None
+
+
+def forward(cell, xp, w_hh, b_hn, h0, c0, lengths, *, exact: bool, save: bool,
+            launch: Plan | None = None):
+  batch, steps, directions, _ = xp.shape
+  hidden = w_hh.shape[2]
+  p = launch or plan(cell, "forward", batch, hidden, directions, w_hh.dtype)
+  f32 = jnp.float32
+  state = jax.ShapeDtypeStruct((directions, batch, hidden), f32)
+  reserve = (batch, steps, directions) if save else (1,)
+  outputs = (jax.ShapeDtypeStruct((batch, steps, directions, hidden), w_hh.dtype), state, state,
+             jax.ShapeDtypeStruct(reserve + ((4 * hidden,) if save else ()), f32),
+             jax.ShapeDtypeStruct(reserve + ((hidden,) if save else ()), f32),
+             jax.ShapeDtypeStruct((2, directions, batch, padded_inner(hidden, w_hh.dtype)),
+                                  w_hh.dtype),
+             jax.ShapeDtypeStruct((directions,), jnp.uint32))
+  y, h_n, c_n, gates, states, _, _ = jax.ffi.ffi_call("jaxfuse_rnn_forward", outputs)(
+      xp, w_hh, b_hn, h0, c0, lengths, gate_count=np.int64(4 if cell == "lstm" else 3),
+      exact=np.int64(exact), save=np.int64(save), **p.attributes())
+  return (y, h_n, c_n, gates, states) if save else (y, h_n, c_n)
+
+
+def backward(cell, dy, dh_n, dc_n, gates, states, h0, c0, w_hh, lengths, *, exact: bool,
+             launch: Plan | None = None):
+  batch, steps, directions, hidden = dy.shape
+  g = 4 if cell == "lstm" else 3
+  p = launch or plan(cell, "backward", batch, hidden, directions, w_hh.dtype)
+  f32 = jnp.float32
+  state = jax.ShapeDtypeStruct((directions, batch, hidden), f32)
+  dhn_shape = (batch, steps, directions, hidden) if cell == "gru" else (1,)
+  outputs = (jax.ShapeDtypeStruct((batch, steps, directions, g * hidden), f32),
+             jax.ShapeDtypeStruct(dhn_shape, f32), state, state,
+             jax.ShapeDtypeStruct((2, directions, batch, padded_inner(g * hidden, w_hh.dtype)),
+                                  w_hh.dtype),
+             jax.ShapeDtypeStruct((directions,), jnp.uint32))
+  dxp, dhn, dh0, dc0, _, _ = jax.ffi.ffi_call("jaxfuse_rnn_backward", outputs)(
+      dy, dh_n, dc_n, gates, states, h0, c0, w_hh, lengths, gate_count=np.int64(g),
+      exact=np.int64(exact), **p.attributes())
+  return dxp, (dhn if cell == "gru" else None), dh0, dc0
+
+
+# The H100's SMs and opt-in shared memory a CTA: the limits the docs quote.
+_H100 = (132, 227 * 1024)
+
+
+def _largest_hidden(cell, dtype, directions) -> int:
+  gates = 4 if cell == "lstm" else 3
+  fits = lambda h: all(_try_plan(gates, p, 64, h, directions, jnp.dtype(dtype), concurrent,
+                                 *_H100) for p in ("forward", "backward")
+                       for concurrent in (False,))
+  low, high = 1, 1 << 14
+  while low < high:
+    mid = (low + high + 1) // 2
+    low, high = (mid, high) if fits(mid) else (low, mid - 1)
+  return low
+
+
+def limits() -> str:
+  """The layers the kernels take, in words (docstrings and README; a test keeps them equal)."""
+  return (f"W_hh of a direction held in shared memory over the SMs: on an H100 an LSTM of "
+          f"hidden size up to {_largest_hidden('lstm', jnp.bfloat16, 1)} in 16-bit types or "
+          f"{_largest_hidden('lstm', jnp.float32, 1)} in float32, a GRU up to "
+          f"{_largest_hidden('gru', jnp.bfloat16, 1)} or {_largest_hidden('gru', jnp.float32, 1)}")
