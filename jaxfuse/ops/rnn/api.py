@@ -194,9 +194,8 @@ def _exact(precision, dtype) -> bool:
     return False
   if precision is None:
     precision = jax.config.jax_default_matmul_precision
-  if isinstance(precision, tuple):
-    precision = max(precision, key=lambda p: str(getattr(p, "name", p)).upper()
-                    in _EXACT_PRECISIONS)
+  if isinstance(precision, tuple):  # (lhs, rhs): the finer of the two
+    return any(_exact(p, dtype) for p in precision)
   return str(getattr(precision, "name", precision)).upper() in _EXACT_PRECISIONS
 
 
@@ -243,11 +242,12 @@ def _fused_layer(config, inputs, h0, c0, W_ih, W_hh, b_ih, b_hh, lengths):
   op_dtype = jnp.result_type(inputs, W_ih[0])
   f32 = jnp.float32
   w_ih = jnp.concatenate([w.astype(op_dtype) for w in W_ih])
-  # The hidden biases that are not behind GRU's reset gate join the projection.
-  hidden_bias = [b.astype(f32) if cell == "lstm" else b[:2 * hidden].astype(f32) for b in b_hh]
-  if cell == "gru":
-    hidden_bias = [jnp.concatenate([b, jnp.zeros((hidden,), f32)]) for b in hidden_bias]
-  bias = jnp.concatenate([bi.astype(f32) + bh for bi, bh in zip(b_ih, hidden_bias)])
+  # The hidden biases join the projection, but for GRU's candidate's: the reset gate scales it.
+  def joined(bi, bh):
+    bh = bh.astype(f32)
+    return bi.astype(f32) + (bh if cell == "lstm" else bh.at[2 * hidden:].set(0))
+
+  bias = jnp.concatenate([joined(bi, bh) for bi, bh in zip(b_ih, b_hh)])
   xp = jax.lax.dot_general(inputs.astype(op_dtype), w_ih, (((2,), (1,)), ((), ())),
                            precision=config.precision, preferred_element_type=f32) + bias
   xp = xp.reshape(xp.shape[:2] + (len(W_ih), -1))
@@ -296,15 +296,11 @@ def _previous_hidden(y, h0, lengths):
   """``(B, S, D, H)``: the hidden state each position's step started from, as the product read
   it (the output of the step before, or h_0 at each direction's first step)."""
   steps = jnp.arange(y.shape[1])[None, :, None]
-  zero = jnp.zeros_like(y[:, :1])
-  parts = []
-  for d in range(y.shape[2]):
-    if d == 0:
-      shifted, first = jnp.concatenate([zero, y[:, :-1]], 1)[:, :, 0], steps == 0
-    else:
-      shifted, first = jnp.concatenate([y[:, 1:], zero], 1)[:, :, 1], steps == lengths[:, None,
-                                                                                        None] - 1
-    parts.append(jnp.where(first, h0[d][:, None, :], shifted))
+  zero = jnp.zeros_like(y[:, :1, 0])
+  parts = [jnp.where(steps == 0, h0[0][:, None], jnp.concatenate([zero, y[:, :-1, 0]], 1))]
+  if y.shape[2] == 2:  # the reverse direction starts at each sequence's last position
+    last = steps == lengths[:, None, None] - 1
+    parts.append(jnp.where(last, h0[1][:, None], jnp.concatenate([y[:, 1:, 1], zero], 1)))
   return jnp.stack(parts, axis=2)
 
 
