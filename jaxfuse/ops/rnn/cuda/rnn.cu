@@ -13,7 +13,7 @@
 // The products run on tensor cores (mma.sync): M = 16 batch rows, N = 8 weight columns, K split
 // over the warps, whose partial sums meet in shared memory and are added in warp order (the
 // result does not depend on timing). float32 runs one TF32 product by default and three
-// (the split-TF32 scheme) at precision HIGHEST, which matches float32 FMA to a few ulps.
+// (the split-TF32 scheme) at precision HIGHEST, within the tests' float32 bounds.
 //
 // Ragged batches: at step s sequence b is running while s < length_b; the forward direction
 // reads and writes position s, the reverse direction position length_b - 1 - s, so each
@@ -24,7 +24,7 @@
 namespace jaxfuse {
 namespace {
 
-constexpr int kWarps = 16;
+constexpr int kWarps = 16;  // against 8: benchmarks/results/2026-11-23-h100-tune-rnn-16-warps.json
 constexpr int kThreads = 32 * kWarps;
 constexpr int kMaxNTiles = 8;   // a CTA's weight columns, in 8-wide mma tiles
 constexpr int kPad = 4;         // words after each staged row: conflict-free fragment loads
@@ -130,7 +130,7 @@ template <int kPending> __device__ __forceinline__ void copy_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
 }
 
-// Sizes of one launch, shared by the forward and the backward (see rnn.py's RnnPlan).
+// Sizes of one launch, shared by the forward and the backward (cuda/__init__.py Plan).
 struct Shape {
   int batch, steps, hidden, directions;
   int first_direction;  // directions first_direction .. + grid / ctas run in this launch
