@@ -210,7 +210,8 @@ __host__ size_t shared_bytes(int columns, int k_tiles, int batch_chunk, int chun
 // partial[w][r][n] = sum over warp w's k-tiles of source[b0 + r] . weights[:, n], for the batch
 // rows b0 .. b0 + rows of one chunk. `source` is the direction's exchange rows (B, K padded).
 template <Op kOp, typename T>
-__device__ void recurrent_product(const Shape& s, const Layout& l, const T* source, int b0, int rows) {
+__device__ void recurrent_product(const Shape& s, const Layout& l, const T* source, int b0,
+                                  int rows) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int k_tiles = s.inner_padded / (8 * kPerWord<kOp>);
   const int m_tiles = (rows + 15) / 16;
@@ -674,7 +675,8 @@ size_t launch_bytes(const Shape& s, int64_t per) {
 ffi::Error RnnForwardImpl(cudaStream_t stream, ffi::Buffer<DataType::F32> xp, ffi::AnyBuffer w_hh,
                           ffi::Buffer<DataType::F32> b_hn, ffi::Buffer<DataType::F32> h0,
                           ffi::Buffer<DataType::F32> c0, ffi::Buffer<DataType::S32> lengths,
-                          ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<DataType::F32>> h_n,
+                          ffi::Result<ffi::AnyBuffer> y,
+                          ffi::Result<ffi::Buffer<DataType::F32>> h_n,
                           ffi::Result<ffi::Buffer<DataType::F32>> c_n,
                           ffi::Result<ffi::Buffer<DataType::F32>> gates,
                           ffi::Result<ffi::Buffer<DataType::F32>> states,
