@@ -290,7 +290,7 @@ def test_traced_lengths_are_not_checked(rng):
   assert y.shape == (3, TIME, HIDDEN)
 
 
-# --------------------------------------------------------------------------- GPU: every implementation
+# ------------------------------------------------------------------- GPU: every implementation
 
 # Odd sizes: hidden 37 leaves a CTA's last units and the k-tiles partly empty.
 GPU_SIZES = dict(input_size=13, hidden_size=37, time=29, batch=5)

@@ -33,9 +33,10 @@ _HANDLERS = {"jaxfuse_rnn_forward": "JaxfuseRnnForward",
 _SUPPORTED = tuple(map(jnp.dtype, (jnp.float16, jnp.bfloat16, jnp.float32)))
 LIBRARY = cuda.Library(_SOURCE, _HANDLERS)
 
-# rnn.cu's constants (16 warps against 8: training steps 8-27% faster in four of six cases,
-# benchmarks/results/2026-11-23-h100-tune-rnn-{8,16}-warps.json): warps per CTA, the most 8-wide weight column tiles a CTA holds, the most
-# (batch row, unit) pairs its threads update per batch chunk, and the words after each staged row.
+# rnn.cu's constants: warps per CTA (16 against 8: training steps 8-27% faster in four of six
+# cases, benchmarks/results/2026-11-23-h100-tune-rnn-{8,16}-warps.json), the most weight
+# columns a CTA holds, the most (batch row, unit) items a chunk updates (one a thread), and the
+# words after each staged row.
 _WARPS = 16
 _MAX_COLUMNS = 64
 _MAX_ITEMS = 32 * _WARPS
