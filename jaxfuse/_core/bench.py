@@ -346,15 +346,9 @@ def _run_case(case, impls, ceilings, time_it, progress):
     row.ceiling_name = ceiling_name
     row.size_copy_rate = size_copy
     row.forward_ms = time_ms(case.forward(impl), sets)
-    row.forward_rate = _rate(case.forward_work, row.forward_ms, case.unit)
     if case.train:
       row.train_ms = time_ms(case.train(impl), sets)
-      row.train_rate = _rate(case.train_work, row.train_ms, case.unit)
-    ceiling = ceilings.get(ceiling_name)
-    if ceiling:
-      row.forward_pct = 100 * row.forward_rate / ceiling
-      if row.train_rate is not None:
-        row.train_pct = 100 * row.train_rate / ceiling
+    _set_rates(row, case, ceilings)
   return rows + _run_external(case, [i for i in impls if i in case.external], inputs,
                               ceilings, progress)
 
@@ -367,18 +361,24 @@ def _run_external(case, impls, inputs, ceilings, progress):
               ceiling_name="matmul TFLOP/s" if case.unit == "TFLOP/s" else "copy GB/s")
     try:
       row.forward_ms, row.train_ms = case.external[impl](inputs)
+      _set_rates(row, case, ceilings)
     except ImportError as e:
       row.note = f"not installed: {e.name or e}"
     except Exception as e:  # noqa: BLE001  (a comparator's failure is reported, not fatal)
       row.note = f"comparator failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
-    row.forward_rate = _rate(case.forward_work, row.forward_ms, case.unit)
-    row.train_rate = _rate(case.train_work, row.train_ms, case.unit)
-    ceiling = ceilings.get(row.ceiling_name)
-    if ceiling and row.forward_rate is not None:
-      row.forward_pct = 100 * row.forward_rate / ceiling
-      row.train_pct = 100 * row.train_rate / ceiling
     rows.append(row)
   return rows
+
+
+def _set_rates(row, case, ceilings):
+  """The row's rates from its times, and their percent of its ceiling measured in this run."""
+  row.forward_rate = _rate(case.forward_work, row.forward_ms, case.unit)
+  row.train_rate = _rate(case.train_work, row.train_ms, case.unit)
+  ceiling = ceilings.get(row.ceiling_name)
+  if ceiling:
+    row.forward_pct = 100 * row.forward_rate / ceiling
+    if row.train_rate is not None:
+      row.train_pct = 100 * row.train_rate / ceiling
 
 
 def _fmt(v, spec):

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfuse._core import cuda
+from jaxfuse.ops.rnn.weights import GATES
 
 _SOURCE = Path(__file__).with_name("rnn.cu")
 _HANDLERS = {"jaxfuse_rnn_forward": "JaxfuseRnnForward",
@@ -136,7 +137,7 @@ def plan(cell: str, direction_pass: str, batch: int, hidden: int, directions: in
   in every case measured on the H100, forward and backward, although every CTA reads the
   whole previous h (benchmarks/results/2026-11-23-h100-tune-rnn-16-warps.json)."""
   sms, shared = _device()
-  gates = 4 if cell == "lstm" else 3
+  gates = GATES[cell]
   for concurrent in ((True, False) if directions == 2 else (True,)):
     p = _try_plan(gates, direction_pass, batch, hidden, directions, jnp.dtype(dtype),
                   concurrent, sms, shared)
@@ -151,12 +152,18 @@ def unsupported(cell: str, batch: int, hidden: int, directions: int, dtype) -> s
     return f"the 'cuda' RNN kernels take float16, bfloat16 and float32, not {jnp.dtype(dtype)}"
   for direction_pass in ("forward", "backward"):
     if plan(cell, direction_pass, batch, hidden, directions, dtype) is None:
-      gates = 4 if cell == "lstm" else 3
+      gates = GATES[cell]
       mib = gates * hidden * hidden * jnp.dtype(dtype).itemsize / 2**20
       return (f"the 'cuda' {cell.upper()} keeps W_hh ({gates} * {hidden} x {hidden}, {mib:.1f} "
               f"MiB a direction in {jnp.dtype(dtype).name}) in shared memory spread over the "
               f"SMs; it does not fit on this GPU")
   return None
+
+
+def _scratch(directions, batch, inner, dtype):
+  """The exchange buffers and barrier counters a launch works in (outputs XLA then drops)."""
+  return (jax.ShapeDtypeStruct((2, directions, batch, padded_inner(inner, dtype)), dtype),
+          jax.ShapeDtypeStruct((directions,), jnp.uint32))
 
 
 def forward(cell, xp, w_hh, b_hn, h0, c0, lengths, *, exact: bool, save: bool,
@@ -166,15 +173,13 @@ def forward(cell, xp, w_hh, b_hn, h0, c0, lengths, *, exact: bool, save: bool,
   p = launch or plan(cell, "forward", batch, hidden, directions, w_hh.dtype)
   f32 = jnp.float32
   state = jax.ShapeDtypeStruct((directions, batch, hidden), f32)
-  reserve = (batch, steps, directions) if save else (1,)
-  outputs = (jax.ShapeDtypeStruct((batch, steps, directions, hidden), w_hh.dtype), state, state,
-             jax.ShapeDtypeStruct(reserve + ((4 * hidden,) if save else ()), f32),
-             jax.ShapeDtypeStruct(reserve + ((hidden,) if save else ()), f32),
-             jax.ShapeDtypeStruct((2, directions, batch, padded_inner(hidden, w_hh.dtype)),
-                                  w_hh.dtype),
-             jax.ShapeDtypeStruct((directions,), jnp.uint32))
+  sequence = (batch, steps, directions)
+  reserve = [sequence + (4 * hidden,), sequence + (hidden,)] if save else [(1,), (1,)]
+  outputs = (jax.ShapeDtypeStruct(sequence + (hidden,), w_hh.dtype), state, state,
+             *(jax.ShapeDtypeStruct(shape, f32) for shape in reserve),
+             *_scratch(directions, batch, hidden, w_hh.dtype))
   y, h_n, c_n, gates, states, _, _ = jax.ffi.ffi_call("jaxfuse_rnn_forward", outputs)(
-      xp, w_hh, b_hn, h0, c0, lengths, gate_count=np.int64(4 if cell == "lstm" else 3),
+      xp, w_hh, b_hn, h0, c0, lengths, gate_count=np.int64(GATES[cell]),
       exact=np.int64(exact), save=np.int64(save), **p.attributes())
   return (y, h_n, c_n, gates, states) if save else (y, h_n, c_n)
 
@@ -182,16 +187,15 @@ def forward(cell, xp, w_hh, b_hn, h0, c0, lengths, *, exact: bool, save: bool,
 def backward(cell, dy, dh_n, dc_n, gates, states, h0, c0, w_hh, lengths, *, exact: bool,
              launch: Plan | None = None):
   batch, steps, directions, hidden = dy.shape
-  g = 4 if cell == "lstm" else 3
+  g = GATES[cell]
   p = launch or plan(cell, "backward", batch, hidden, directions, w_hh.dtype)
   f32 = jnp.float32
   state = jax.ShapeDtypeStruct((directions, batch, hidden), f32)
-  dhn_shape = (batch, steps, directions, hidden) if cell == "gru" else (1,)
-  outputs = (jax.ShapeDtypeStruct((batch, steps, directions, g * hidden), f32),
+  sequence = (batch, steps, directions)
+  dhn_shape = sequence + (hidden,) if cell == "gru" else (1,)
+  outputs = (jax.ShapeDtypeStruct(sequence + (g * hidden,), f32),
              jax.ShapeDtypeStruct(dhn_shape, f32), state, state,
-             jax.ShapeDtypeStruct((2, directions, batch, padded_inner(g * hidden, w_hh.dtype)),
-                                  w_hh.dtype),
-             jax.ShapeDtypeStruct((directions,), jnp.uint32))
+             *_scratch(directions, batch, g * hidden, w_hh.dtype))
   dxp, dhn, dh0, dc0, _, _ = jax.ffi.ffi_call("jaxfuse_rnn_backward", outputs)(
       dy, dh_n, dc_n, gates, states, h0, c0, w_hh, lengths, gate_count=np.int64(g),
       exact=np.int64(exact), **p.attributes())
@@ -203,10 +207,8 @@ _H100 = (132, 227 * 1024)
 
 
 def _largest_hidden(cell, dtype, directions) -> int:
-  gates = 4 if cell == "lstm" else 3
-  fits = lambda h: all(_try_plan(gates, p, 64, h, directions, jnp.dtype(dtype), concurrent,
-                                 *_H100) for p in ("forward", "backward")
-                       for concurrent in (False,))
+  fits = lambda h: all(_try_plan(GATES[cell], p, 64, h, directions, jnp.dtype(dtype), False,
+                                 *_H100) for p in ("forward", "backward"))
   low, high = 1, 1 << 14
   while low < high:
     mid = (low + high + 1) // 2

@@ -136,13 +136,12 @@ struct Shape {
   int first_direction;  // directions first_direction .. + grid / ctas run in this launch
   int ctas;             // CTAs per direction
   int units;            // hidden units per CTA (the last CTA may own fewer)
-  int inner;            // K: hidden (forward) or gates * hidden (backward)
-  int inner_padded;     // K rounded up to whole k-tiles: the exchange's row length
+  int inner_padded;     // K (hidden forward, gates * hidden backward) in whole k-tiles: the
+                        // exchange's row length
   int columns;          // N: gates * units (forward) or units (backward)
   int batch_chunk;      // batch rows staged at once, a multiple of 16
   int chunk_words;      // words of K staged at once, a multiple of 8
   int save;             // forward: write the reserve for the backward
-  int gates;            // 4 (LSTM) or 3 (GRU)
 };
 
 // The direction and the hidden units a CTA owns (the last CTA of a direction may own fewer).
@@ -538,6 +537,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward(Shape s, BackwardArg
 // ---- Host side.
 
 using ffi::DataType;
+using F32Buffer = ffi::Buffer<DataType::F32>;
 
 Op op_of(DataType dtype, int64_t exact) {
   switch (dtype) {
@@ -547,9 +547,10 @@ Op op_of(DataType dtype, int64_t exact) {
   }
 }
 
-// Calls f(cell, op) as integral constants for the instantiation of (gates, dtype, exact).
+// Calls f(cell, op) as integral constants for the instantiation of (gates, dtype, exact);
+// check_shape has already refused gates other than 3 and 4.
 template <typename F>
-bool dispatch(int64_t gates, DataType dtype, int64_t exact, F&& f) {
+void dispatch(int64_t gates, DataType dtype, int64_t exact, F&& f) {
   const Op op = op_of(dtype, exact);
   auto with_op = [&](auto cell) {
     switch (op) {
@@ -560,9 +561,7 @@ bool dispatch(int64_t gates, DataType dtype, int64_t exact, F&& f) {
     }
   };
   if (gates == 4) with_op(std::integral_constant<Cell, Cell::kLstm>{});
-  else if (gates == 3) with_op(std::integral_constant<Cell, Cell::kGru>{});
-  else return false;
-  return true;
+  else with_op(std::integral_constant<Cell, Cell::kGru>{});
 }
 
 template <typename Kernel>
@@ -622,12 +621,10 @@ bool check_shape(Checks& checks, const Attributes& at, int64_t batch, int64_t st
   s->first_direction = 0;
   s->ctas = static_cast<int>(at.ctas);
   s->units = static_cast<int>(at.units);
-  s->inner = static_cast<int>(inner);
   s->inner_padded = static_cast<int>((inner + tile - 1) / tile * tile);
   s->columns = static_cast<int>(columns);
   s->batch_chunk = static_cast<int>(at.batch_chunk);
   s->chunk_words = static_cast<int>(at.chunk_words);
-  s->gates = static_cast<int>(at.gates);
   s->save = 0;
   return true;
 }
@@ -672,15 +669,11 @@ size_t launch_bytes(const Shape& s, int64_t per) {
                       s.chunk_words);
 }
 
-ffi::Error RnnForwardImpl(cudaStream_t stream, ffi::Buffer<DataType::F32> xp, ffi::AnyBuffer w_hh,
-                          ffi::Buffer<DataType::F32> b_hn, ffi::Buffer<DataType::F32> h0,
-                          ffi::Buffer<DataType::F32> c0, ffi::Buffer<DataType::S32> lengths,
-                          ffi::Result<ffi::AnyBuffer> y,
-                          ffi::Result<ffi::Buffer<DataType::F32>> h_n,
-                          ffi::Result<ffi::Buffer<DataType::F32>> c_n,
-                          ffi::Result<ffi::Buffer<DataType::F32>> gates,
-                          ffi::Result<ffi::Buffer<DataType::F32>> states,
-                          ffi::Result<ffi::AnyBuffer> exchange,
+ffi::Error RnnForwardImpl(cudaStream_t stream, F32Buffer xp, ffi::AnyBuffer w_hh, F32Buffer b_hn,
+                          F32Buffer h0, F32Buffer c0, ffi::Buffer<DataType::S32> lengths,
+                          ffi::Result<ffi::AnyBuffer> y, ffi::Result<F32Buffer> h_n,
+                          ffi::Result<F32Buffer> c_n, ffi::Result<F32Buffer> gates,
+                          ffi::Result<F32Buffer> states, ffi::Result<ffi::AnyBuffer> exchange,
                           ffi::Result<ffi::Buffer<DataType::U32>> sync, int64_t gate_count,
                           int64_t ctas, int64_t units, int64_t batch_chunk, int64_t chunk_words,
                           int64_t concurrent, int64_t exact, int64_t save) {
@@ -692,7 +685,7 @@ ffi::Error RnnForwardImpl(cudaStream_t stream, ffi::Buffer<DataType::F32> xp, ff
     return checks.error();
   const int64_t B = dims[0], S = dims[1], D = dims[2];
   const Attributes at{gate_count, ctas, units, batch_chunk, chunk_words, concurrent, exact};
-  const int64_t H = at.gates > 0 ? dims[3] / std::max<int64_t>(at.gates, 1) : 0;
+  const int64_t H = dims[3] / std::max<int64_t>(at.gates, 1);  // gates are checked below
   const DataType type = w_hh.element_type();
   checks.dtype("w_hh", type, {DataType::F32, DataType::BF16, DataType::F16},
                "float32, bfloat16 or float16");
@@ -736,15 +729,11 @@ ffi::Error RnnForwardImpl(cudaStream_t stream, ffi::Buffer<DataType::F32> xp, ff
   return launch_error("rnn_forward", err);
 }
 
-ffi::Error RnnBackwardImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::Buffer<DataType::F32> dh_n,
-                           ffi::Buffer<DataType::F32> dc_n, ffi::Buffer<DataType::F32> gates,
-                           ffi::Buffer<DataType::F32> states, ffi::Buffer<DataType::F32> h0,
-                           ffi::Buffer<DataType::F32> c0, ffi::AnyBuffer w_hh,
-                           ffi::Buffer<DataType::S32> lengths,
-                           ffi::Result<ffi::Buffer<DataType::F32>> dxp,
-                           ffi::Result<ffi::Buffer<DataType::F32>> dhn,
-                           ffi::Result<ffi::Buffer<DataType::F32>> dh0,
-                           ffi::Result<ffi::Buffer<DataType::F32>> dc0,
+ffi::Error RnnBackwardImpl(cudaStream_t stream, ffi::AnyBuffer dy, F32Buffer dh_n, F32Buffer dc_n,
+                           F32Buffer gates, F32Buffer states, F32Buffer h0, F32Buffer c0,
+                           ffi::AnyBuffer w_hh, ffi::Buffer<DataType::S32> lengths,
+                           ffi::Result<F32Buffer> dxp, ffi::Result<F32Buffer> dhn,
+                           ffi::Result<F32Buffer> dh0, ffi::Result<F32Buffer> dc0,
                            ffi::Result<ffi::AnyBuffer> exchange,
                            ffi::Result<ffi::Buffer<DataType::U32>> sync, int64_t gate_count,
                            int64_t ctas, int64_t units, int64_t batch_chunk, int64_t chunk_words,
@@ -805,8 +794,6 @@ ffi::Error RnnBackwardImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::Buffer<D
 
 namespace jaxfuse {
 namespace {
-
-using F32Buffer = ffi::Buffer<ffi::DataType::F32>;
 
 // The launch plan's attributes (cuda/__init__.py Plan), last in both handlers' bindings.
 template <typename Binding>
