@@ -438,13 +438,15 @@ def _attention(sweep):
 
 
 def _rnn_cuda(sweep):
-  """How many CTAs the persistent RNN kernels spread a layer over: every CTA reads the whole
-  previous h (or gate gradients) each step, so fewer, wider CTAs read less from L2 and do more
-  products each. Variants cap the CTAs per launch (``plan``'s SM count)."""
+  """How the persistent RNN kernels spread a layer: every CTA of a batch group stages that
+  group's rows of the previous h (or gate gradients) each step, so more groups (each CTA owning
+  more units of fewer rows) stage less per SM. Variants: every batch split, directions together
+  or one after the other, and fewer SMs (wider CTAs)."""
   from jaxfuse.ops.rnn import cuda
   sms, shared = cuda._device()
   steps = 128
-  problems = [("lstm", 64, 512, 1), ("lstm", 16, 1024, 2), ("lstm", 4, 512, 1)]
+  problems = [("lstm", 64, 512, 1), ("gru", 64, 512, 1), ("lstm", 16, 1024, 2),
+              ("lstm", 4, 512, 1)]
   for cell, batch, hidden, directions in problems:
     gates = 4 if cell == "lstm" else 3
     for dtype in (jnp.float32, jnp.bfloat16):
@@ -465,10 +467,16 @@ def _rnn_cuda(sweep):
       sets = [make(jax.random.key(i)) for i in range(2)]
       for direction_pass in ("forward", "backward"):
         variants = [cuda.plan(cell, direction_pass, batch, hidden, directions, dtype)]
-        for budget in (sms, sms // 2, sms // 3, sms // 4, sms // 8):
-          for concurrent in ((True, False) if directions == 2 else (True,)):
-            variants.append(cuda._try_plan(gates, direction_pass, batch, hidden, directions,
-                                           jnp.dtype(dtype), concurrent, budget, shared))
+        m_tiles = -(-batch // 16)
+        for rows in sorted({16 * -(-m_tiles // g) for g in range(1, m_tiles + 1)}):
+          for budget in (sms, sms // 2, sms // 4):
+            for concurrent in ((True,), (False,)) if directions == 2 else ((True,),):
+              variants.append(cuda._try_plan(gates, direction_pass, batch, hidden, directions,
+                                             jnp.dtype(dtype), budget, shared, concurrent,
+                                             rows))
+        for cycled in (2, 3):
+          variants.append(cuda._try_plan(gates, direction_pass, batch, hidden, directions,
+                                         jnp.dtype(dtype), sms, shared, cycled=cycled))
         variants = [v for v in dict.fromkeys(variants) if v is not None]
 
         def fwd(p, xp, w, b, h0, c0, lengths, dy, cell=cell):

@@ -47,6 +47,6 @@ def test_readme_and_docstring_state_the_rnn_limits():
 
 def test_the_rnn_limits_are_the_largest_planned_layers():
   largest = rnn_cuda._largest_hidden("lstm", jnp.bfloat16, 1)
-  plans = lambda hidden: [rnn_cuda._try_plan(4, p, 64, hidden, 1, jnp.dtype(jnp.bfloat16), False,
+  plans = lambda hidden: [rnn_cuda._try_plan(4, p, 64, hidden, 1, jnp.dtype(jnp.bfloat16),
                                              *rnn_cuda._H100) for p in ("forward", "backward")]
   assert all(plans(largest)) and not all(plans(largest + 1))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import itertools
 from pathlib import Path
 
 import jax
@@ -36,12 +37,16 @@ LIBRARY = cuda.Library(_SOURCE, _HANDLERS)
 
 # rnn.cu's constants: warps per CTA (16 against 8: training steps 8-27% faster in four of six
 # cases, benchmarks/results/2026-11-23-h100-tune-rnn-{8,16}-warps.json), the most weight
-# columns a CTA holds, the most (batch row, unit) items a chunk updates (one a thread), and the
-# words after each staged row.
+# columns a CTA holds, the most (batch row, unit) items a chunk updates (one a thread), the
+# words after each staged row and the most staging buffers.
 _WARPS = 16
 _MAX_COLUMNS = 64
 _MAX_ITEMS = 32 * _WARPS
 _PAD = 4
+_MAX_STAGES = 4
+# Staging buffers when K does not fit in flight at once: 2 against 3 and 4, backward 8-16%
+# faster (benchmarks/results/2026-11-23-h100-tune-rnn-groups.json).
+_CYCLED_STAGES = 2
 # Batch rows staged at once (a multiple of 16): beyond one chunk a step stages h again per chunk.
 MAX_BATCH_CHUNK = 64
 
@@ -55,20 +60,24 @@ def unavailable() -> str | None:
 class Plan:
   """How one pass (forward or backward) of a layer is spread over the GPU (rnn.cu ``Shape``).
 
-  ``ctas`` CTAs per direction own ``units`` hidden units each; the directions run in one
-  launch when ``concurrent``, else one after the other. ``batch_chunk`` rows and
-  ``chunk_words`` 32-bit words of the previous step's h (or gate gradients) are staged at once.
+  The batch is split into ``groups`` of ``group_rows`` rows, independent recurrences; per
+  (direction, group) ``ctas`` CTAs own ``units`` hidden units each. The directions run in one
+  launch when ``concurrent``, else one after the other. A CTA's warps split the weight columns
+  ``n_split`` ways and K the rest. ``batch_chunk`` rows and ``chunk_words`` 32-bit words of the
+  previous step's h (or gate gradients) are staged at once, through ``stages`` buffers.
   """
   ctas: int
   units: int
+  groups: int
+  group_rows: int
+  n_split: int
   batch_chunk: int
   chunk_words: int
+  stages: int
   concurrent: bool
 
   def attributes(self) -> dict:
-    return dict(ctas=np.int64(self.ctas), units=np.int64(self.units),
-                batch_chunk=np.int64(self.batch_chunk), chunk_words=np.int64(self.chunk_words),
-                concurrent=np.int64(self.concurrent))
+    return {name: np.int64(value) for name, value in dataclasses.asdict(self).items()}
 
 
 @functools.cache
@@ -92,40 +101,84 @@ def padded_inner(inner: int, dtype) -> int:
   return -(-inner // tile) * tile
 
 
-def _shared_bytes(columns, k_tiles, batch_chunk, chunk_words) -> int:
+def _shared_bytes(columns, k_tiles, batch_chunk, chunk_words, stages, n_split) -> int:
   n_tiles = -(-columns // 8)
-  return (n_tiles * k_tiles * 32 * 8 + 2 * batch_chunk * (chunk_words + _PAD) * 4
-          + _WARPS * batch_chunk * (n_tiles * 8 + _PAD) * 4)
+  return (n_tiles * k_tiles * 32 * 8 + stages * batch_chunk * (chunk_words + _PAD) * 4
+          + _WARPS // n_split * batch_chunk * (n_tiles * 8 + _PAD) * 4)
 
 
-def _try_plan(gates, direction_pass, batch, hidden, directions, dtype, concurrent, sms, shared):
+def _staging(columns, k_tiles, row_words, batch_chunk, n_split, shared, cycled):
+  """(chunk_words, stages) staging a row of K through as few refills as fit, or None when the
+  chunks of more than 16 rows would be shorter than 64 words (fewer rows at once do better).
+
+  Every buffer is filled ahead: K in `stages` chunks is all in flight at once; beyond that the
+  buffers cycle."""
+  fits = lambda words, stages: _shared_bytes(columns, k_tiles, batch_chunk, words, stages,
+                                             n_split) <= shared
+  for stages in range(1, _MAX_STAGES + 1):
+    words = -(-row_words // (8 * stages)) * 8
+    if fits(words, stages):
+      return words, stages
+  words, least = row_words // 8 * 8, 64 if batch_chunk > 16 else 8
+  while words > least and not fits(words, cycled):
+    words -= 8
+  return (words, cycled) if fits(words, cycled) else None
+
+
+def _try_plan(gates, direction_pass, batch, hidden, directions, dtype, sms, shared,
+              concurrent=(True, False), group_rows=None, cycled=_CYCLED_STAGES):
+  """The plan that stages the fewest words of K per CTA and time step (both directions
+  counted when they run one after the other), then refills the staging the fewest times, then
+  splits the batch least; or None.
+
+  An SM takes in only so many bytes a step from L2, so splitting the batch into groups (each
+  CTA owning more units of fewer rows) shortens the step while the weights fit
+  (benchmarks/results/2026-11-23-h100-tune-rnn-groups.json). `concurrent` and `group_rows`
+  restrict the choice."""
   forward = direction_pass == "forward"
   inner = hidden if forward else gates * hidden
   row_words = padded_inner(inner, dtype) // _per_word(dtype)
   k_tiles = row_words // 8
-  ctas_allowed = sms // directions if concurrent else sms
-  # The fewest units per CTA that spread the layer over the SMs; the backward fills whole
-  # 8-column tiles (a CTA of 4 units does the products of 8), the forward at least one.
-  least = 8 if not forward else -(-8 // gates)
-  units = max(least, -(-hidden // ctas_allowed))
-  ctas = -(-hidden // units)
-  columns = gates * units if forward else units
-  if columns > _MAX_COLUMNS:
-    return None
-  batch_chunk = min(MAX_BATCH_CHUNK, -(-batch // 16) * 16)
-  while batch_chunk > 16 and batch_chunk * units > _MAX_ITEMS:
-    batch_chunk -= 16
-  if batch_chunk * units > _MAX_ITEMS:
-    return None
-  chunk_words = row_words
-  while _shared_bytes(columns, k_tiles, batch_chunk, chunk_words) > shared:
-    if chunk_words > 64:
-      chunk_words = -(-chunk_words // 16) * 8
-    elif batch_chunk > 16:
-      batch_chunk -= 16
-    else:
-      return None
-  return Plan(ctas, units, batch_chunk, chunk_words, concurrent)
+  m_tiles = -(-batch // 16)
+  options = ({16 * -(-m_tiles // g) for g in range(1, m_tiles + 1)} if group_rows is None
+             else {group_rows})
+  if directions == 1:
+    concurrent = (True,)
+  best = None
+  for together, rows in itertools.product(concurrent, sorted(options, reverse=True)):
+    ctas_allowed = sms // directions if together else sms
+    launches = 1 if together else directions
+    groups = -(-batch // rows)
+    per_group = ctas_allowed // groups
+    if per_group == 0:
+      continue
+    # The fewest units per CTA that spread the layer over the group's SMs; the backward fills
+    # whole 8-column tiles (a CTA of 4 units does the products of 8), the forward at least one.
+    least = 8 if not forward else -(-8 // gates)
+    units = max(least, -(-hidden // per_group))
+    columns = gates * units if forward else units
+    if columns > _MAX_COLUMNS:
+      continue
+    n_tiles = -(-columns // 8)
+    # Warps split N as far as leaves each two n-tiles (an A fragment feeds two products): fewer
+    # K groups, so smaller partial sums to add.
+    n_split = 1 << max(0, (n_tiles // 2).bit_length() - 1)
+    batch_chunk, staging = min(MAX_BATCH_CHUNK, rows), None
+    while batch_chunk >= 16 and staging is None:
+      if batch_chunk * units <= _MAX_ITEMS:
+        staging = _staging(columns, k_tiles, row_words, batch_chunk, n_split, shared, cycled)
+      if staging is None:
+        batch_chunk -= 16
+    if staging is None:
+      continue
+    chunk_words, stages = staging
+    chunks = -(-row_words // chunk_words)
+    refills = -(-rows // batch_chunk) * -(-chunks // stages)
+    cost = (launches * rows * row_words, launches * refills, groups)
+    if best is None or cost < best[0]:
+      best = cost, Plan(-(-hidden // units), units, groups, rows, n_split, batch_chunk,
+                        chunk_words, stages, together)
+  return best and best[1]
 
 
 @functools.cache
@@ -133,17 +186,11 @@ def plan(cell: str, direction_pass: str, batch: int, hidden: int, directions: in
          dtype) -> Plan | None:
   """The launch of one pass of a layer, or None when its weights do not fit on chip.
 
-  As many CTAs as the SMs allow, each owning the fewest units: fewer, wider CTAs were slower
-  in every case measured on the H100, forward and backward, although every CTA reads the
-  whole previous h (benchmarks/results/2026-11-23-h100-tune-rnn-16-warps.json)."""
-  sms, shared = _device()
-  gates = GATES[cell]
-  for concurrent in ((True, False) if directions == 2 else (True,)):
-    p = _try_plan(gates, direction_pass, batch, hidden, directions, jnp.dtype(dtype),
-                  concurrent, sms, shared)
-    if p is not None:
-      return p
-  return None
+  Within a batch group, as many CTAs as the SMs allow, each owning the fewest units: fewer,
+  wider CTAs were slower in every case measured on the H100, forward and backward
+  (benchmarks/results/2026-11-23-h100-tune-rnn-16-warps.json). The batch split: _try_plan."""
+  return _try_plan(GATES[cell], direction_pass, batch, hidden, directions, jnp.dtype(dtype),
+                   *_device())
 
 
 def unsupported(cell: str, batch: int, hidden: int, directions: int, dtype) -> str | None:
@@ -160,10 +207,10 @@ def unsupported(cell: str, batch: int, hidden: int, directions: int, dtype) -> s
   return None
 
 
-def _scratch(directions, batch, inner, dtype):
+def _scratch(directions, batch, inner, dtype, p: Plan):
   """The exchange buffers and barrier counters a launch works in (outputs XLA then drops)."""
   return (jax.ShapeDtypeStruct((2, directions, batch, padded_inner(inner, dtype)), dtype),
-          jax.ShapeDtypeStruct((directions,), jnp.uint32))
+          jax.ShapeDtypeStruct((directions * p.groups,), jnp.uint32))
 
 
 def forward(cell, xp, w_hh, b_hn, h0, c0, lengths, *, exact: bool, save: bool,
@@ -177,7 +224,7 @@ def forward(cell, xp, w_hh, b_hn, h0, c0, lengths, *, exact: bool, save: bool,
   reserve = [sequence + (4 * hidden,), sequence + (hidden,)] if save else [(1,), (1,)]
   outputs = (jax.ShapeDtypeStruct(sequence + (hidden,), w_hh.dtype), state, state,
              *(jax.ShapeDtypeStruct(shape, f32) for shape in reserve),
-             *_scratch(directions, batch, hidden, w_hh.dtype))
+             *_scratch(directions, batch, hidden, w_hh.dtype, p))
   y, h_n, c_n, gates, states, _, _ = jax.ffi.ffi_call("jaxfuse_rnn_forward", outputs)(
       xp, w_hh, b_hn, h0, c0, lengths, gate_count=np.int64(GATES[cell]),
       exact=np.int64(exact), save=np.int64(save), **p.attributes())
@@ -195,7 +242,7 @@ def backward(cell, dy, dh_n, dc_n, gates, states, h0, c0, w_hh, lengths, *, exac
   dhn_shape = sequence + (hidden,) if cell == "gru" else (1,)
   outputs = (jax.ShapeDtypeStruct(sequence + (g * hidden,), f32),
              jax.ShapeDtypeStruct(dhn_shape, f32), state, state,
-             *_scratch(directions, batch, g * hidden, w_hh.dtype))
+             *_scratch(directions, batch, g * hidden, w_hh.dtype, p))
   dxp, dhn, dh0, dc0, _, _ = jax.ffi.ffi_call("jaxfuse_rnn_backward", outputs)(
       dy, dh_n, dc_n, gates, states, h0, c0, w_hh, lengths, gate_count=np.int64(g),
       exact=np.int64(exact), **p.attributes())
@@ -207,8 +254,8 @@ _H100 = (132, 227 * 1024)
 
 
 def _largest_hidden(cell, dtype, directions) -> int:
-  fits = lambda h: all(_try_plan(GATES[cell], p, 64, h, directions, jnp.dtype(dtype), False,
-                                 *_H100) for p in ("forward", "backward"))
+  fits = lambda h: all(_try_plan(GATES[cell], p, 64, h, directions, jnp.dtype(dtype), *_H100)
+                       for p in ("forward", "backward"))
   low, high = 1, 1 << 14
   while low < high:
     mid = (low + high + 1) // 2

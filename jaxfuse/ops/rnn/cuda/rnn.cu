@@ -10,10 +10,16 @@
 // stays in L2, and one grid barrier per step publishes the next. The launch is cooperative, so
 // all CTAs are resident and the barrier cannot wait on a CTA that never runs.
 //
-// The products run on tensor cores (mma.sync): M = 16 batch rows, N = 8 weight columns, K split
-// over the warps, whose partial sums meet in shared memory and are added in warp order (the
-// result does not depend on timing). float32 runs one TF32 product by default and three
-// (the split-TF32 scheme) at precision HIGHEST, within the tests' float32 bounds.
+// The batch may be split into groups of rows, each an independent recurrence over its own CTAs
+// with its own barrier: a CTA then stages fewer rows of h per step, which is what bounds a step
+// at large batches (an SM takes in only so many bytes a microsecond from L2), and owns more
+// units, whose weights it holds.
+//
+// The products run on tensor cores (mma.sync): M = 16 batch rows, N = 8 weight columns; the
+// warps split N into `n_split` groups and K into the rest, whose partial sums meet in shared
+// memory and are added in group order (the result does not depend on timing). float32 runs one
+// TF32 product by default and three (the split-TF32 scheme) at precision HIGHEST, within the
+// tests' float32 bounds.
 //
 // Ragged batches: at step s sequence b is running while s < length_b; the forward direction
 // reads and writes position s, the reverse direction position length_b - 1 - s, so each
@@ -28,6 +34,7 @@ constexpr int kWarps = 16;  // against 8: benchmarks/results/2026-11-23-h100-tun
 constexpr int kThreads = 32 * kWarps;
 constexpr int kMaxNTiles = 8;   // a CTA's weight columns, in 8-wide mma tiles
 constexpr int kPad = 4;         // words after each staged row: conflict-free fragment loads
+constexpr int kMaxStages = 4;   // staging buffers in flight
 
 enum class Op { kBf16, kF16, kTf32, kTf32x3 };
 enum class Cell { kLstm, kGru };
@@ -66,12 +73,12 @@ __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint2
                    : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                    : "r"(x[0]), "r"(x[1]), "r"(x[2]), "r"(x[3]), "r"(y.x), "r"(y.y));
     };
-    uint32_t big[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) big[i] = to_tf32(a[i]);
     if constexpr (kOp == Op::kTf32) {
-      tf32(big, b);  // the weights were rounded to TF32 when staged
+      tf32(a, b);  // both operands were rounded to TF32 when written (exchanged, staged)
     } else {
+      uint32_t big[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) big[i] = to_tf32(a[i]);
       // x = big + small with both TF32; the small-times-small term is below float32's ulp.
       uint32_t small[4];
 #pragma unroll
@@ -101,15 +108,24 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
   return __float2bfloat16_rn(v);
 }
 
-// Every CTA of a direction arrives once per phase; `target` counts arrivals since the launch
-// zeroed the counter. The fence before arriving publishes this CTA's exchange writes (all of its
-// threads' writes, ordered before thread 0's by the CTA barrier), the acquiring load makes the
-// other CTAs' visible, and the reads that follow go to L2 (cp.async.cg), never to a stale L1.
+// A value written to the exchange, the products' A operand: in the operand type, and for one
+// TF32 pass already rounded to TF32 (as the product would round it), so that the product
+// reads it as is.
+template <Op kOp> __device__ __forceinline__ typename Operand<kOp>::T exchanged(float v) {
+  if constexpr (kOp == Op::kTf32) return __uint_as_float(to_tf32(__float_as_uint(v)));
+  else return from_float<typename Operand<kOp>::T>(v);
+}
+
+// Every CTA of a (direction, batch group) arrives once per phase; `target` counts arrivals since
+// the launch zeroed the counter. The CTA barrier orders all of the CTA's exchange writes before
+// the releasing add, which publishes them (as cooperative groups' grid sync does); the acquiring
+// load makes the other CTAs' visible, and the reads that follow go to L2 (cp.async.cg), never to
+// a stale L1. The last thread arrives: it holds no item when the CTA has fewer than kThreads, so
+// the release does not wait for an item's loads issued ahead for the next step.
 __device__ __forceinline__ void grid_barrier(unsigned* counter, unsigned target) {
   __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    atomicAdd(counter, 1u);
+  if (threadIdx.x == kThreads - 1) {
+    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
     unsigned seen;
     do {
       asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
@@ -129,28 +145,45 @@ __device__ __forceinline__ void copy_async_commit() {
 template <int kPending> __device__ __forceinline__ void copy_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
 }
+// Waits until at most `pending` (< kMaxStages) of this thread's copy groups are in flight.
+__device__ __forceinline__ void copy_async_wait(int pending) {
+  switch (pending) {
+    case 0: copy_async_wait<0>(); break;
+    case 1: copy_async_wait<1>(); break;
+    case 2: copy_async_wait<2>(); break;
+    default: copy_async_wait<kMaxStages - 1>(); break;
+  }
+}
 
 // Sizes of one launch, shared by the forward and the backward (cuda/__init__.py Plan).
 struct Shape {
   int batch, steps, hidden, directions;
-  int first_direction;  // directions first_direction .. + grid / ctas run in this launch
-  int ctas;             // CTAs per direction
+  int first_direction;  // directions first_direction .. + grid / (groups * ctas) run here
+  int ctas;             // CTAs per (direction, batch group)
   int units;            // hidden units per CTA (the last CTA may own fewer)
+  int groups;           // batch groups per direction, each with its own barrier counter
+  int group_rows;       // batch rows per group (the last may have fewer), a multiple of 16
   int inner_padded;     // K (hidden forward, gates * hidden backward) in whole k-tiles: the
                         // exchange's row length
   int columns;          // N: gates * units (forward) or units (backward)
-  int batch_chunk;      // batch rows staged at once, a multiple of 16
+  int n_split;          // warp groups along N; kWarps / n_split split K
+  int batch_chunk;      // batch rows of a group staged at once, a multiple of 16
   int chunk_words;      // words of K staged at once, a multiple of 8
+  int stages;           // staging buffers, filled ahead of use
   int save;             // forward: write the reserve for the backward
 };
 
-// The direction and the hidden units a CTA owns (the last CTA of a direction may own fewer).
+// The direction, batch rows and hidden units a CTA owns (the last CTA of a group may own fewer
+// units, the last group fewer rows).
 struct Share {
-  int direction, first_unit, units;
+  int direction, group, first_unit, units, first_row, rows;
   __device__ explicit Share(const Shape& s)
-      : direction(s.first_direction + blockIdx.x / s.ctas),
+      : direction(s.first_direction + blockIdx.x / (s.ctas * s.groups)),
+        group(blockIdx.x / s.ctas % s.groups),
         first_unit((blockIdx.x % s.ctas) * s.units),
-        units(min(s.units, s.hidden - first_unit)) {}
+        units(min(s.units, s.hidden - first_unit)),
+        first_row(group * s.group_rows),
+        rows(min(s.group_rows, s.batch - first_row)) {}
 };
 
 // The CTA's share of the weights in mma-fragment order: for n-tile nt and k-tile kt, lane l
@@ -180,45 +213,52 @@ __device__ void stage_weights(uint2* fragments, int n_tiles, int k_tiles, Weight
   }
 }
 
-// Shared memory of a launch: weight fragments, two staging buffers, the warps' partial sums.
+// Shared memory of a launch: weight fragments, the staging buffers, the K groups' partial sums.
 struct Layout {
   uint2* fragments;
-  uint32_t* staged[2];
+  uint32_t* staging;
   float* partial;
-  int staged_stride, partial_stride, n_tiles;
+  int staged_stride, staged_size, partial_stride, n_tiles, k_groups, stages;
 
   __device__ Layout(const Shape& s, int k_tiles) {
     extern __shared__ uint4 shared[];
     n_tiles = (s.columns + 7) / 8;
+    k_groups = kWarps / s.n_split;
+    stages = s.stages;
     fragments = reinterpret_cast<uint2*>(shared);
     staged_stride = s.chunk_words + kPad;
-    staged[0] = reinterpret_cast<uint32_t*>(fragments + n_tiles * k_tiles * 32);
-    staged[1] = staged[0] + s.batch_chunk * staged_stride;
-    partial = reinterpret_cast<float*>(staged[1] + s.batch_chunk * staged_stride);
+    staged_size = s.batch_chunk * staged_stride;
+    staging = reinterpret_cast<uint32_t*>(fragments + n_tiles * k_tiles * 32);
+    partial = reinterpret_cast<float*>(staging + stages * staged_size);
     partial_stride = n_tiles * 8 + kPad;
   }
+  __device__ uint32_t* staged(int chunk) const { return staging + chunk % stages * staged_size; }
 };
 
-__host__ size_t shared_bytes(int columns, int k_tiles, int batch_chunk, int chunk_words) {
+__host__ size_t shared_bytes(int columns, int k_tiles, int batch_chunk, int chunk_words,
+                             int stages, int n_split) {
   const size_t n_tiles = (columns + 7) / 8;
   return n_tiles * k_tiles * 32 * sizeof(uint2) +
-         2 * static_cast<size_t>(batch_chunk) * (chunk_words + kPad) * sizeof(uint32_t) +
-         static_cast<size_t>(kWarps) * batch_chunk * (n_tiles * 8 + kPad) * sizeof(float);
+         static_cast<size_t>(stages) * batch_chunk * (chunk_words + kPad) * sizeof(uint32_t) +
+         static_cast<size_t>(kWarps / n_split) * batch_chunk * (n_tiles * 8 + kPad) *
+             sizeof(float);
 }
 
-// partial[w][r][n] = sum over warp w's k-tiles of source[b0 + r] . weights[:, n], for the batch
-// rows b0 .. b0 + rows of one chunk. `source` is the direction's exchange rows (B, K padded).
+// partial[k][r][n] = sum over K group k's k-tiles of source[b0 + r] . weights[:, n], for the
+// batch rows b0 .. b0 + rows of one chunk. `source` is the direction's exchange rows (B, K
+// padded). K is staged in chunks through `stages` buffers, all filled ahead as far as they go.
 template <Op kOp, typename T>
 __device__ void recurrent_product(const Shape& s, const Layout& l, const T* source, int b0,
                                   int rows) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int n_group = warp % s.n_split, k_group = warp / s.n_split;
   const int k_tiles = s.inner_padded / (8 * kPerWord<kOp>);
   const int m_tiles = (rows + 15) / 16;
   const int row_words = s.inner_padded / kPerWord<kOp>;
   const int chunks = (row_words + s.chunk_words - 1) / s.chunk_words;
-  float* partial = l.partial + static_cast<size_t>(warp) * s.batch_chunk * l.partial_stride;
+  float* partial = l.partial + static_cast<size_t>(k_group) * s.batch_chunk * l.partial_stride;
   auto stage = [&](int chunk) {
-    uint32_t* buffer = l.staged[chunk & 1];
+    uint32_t* buffer = l.staged(chunk);
     const int first = chunk * s.chunk_words, words = min(s.chunk_words, row_words - first);
     const int vectors = words / 4;
     // A warp a row, its lanes along it: no division in the address arithmetic.
@@ -236,52 +276,64 @@ __device__ void recurrent_product(const Shape& s, const Layout& l, const T* sour
     }
     copy_async_commit();
   };
-  stage(0);
+  for (int chunk = 0; chunk < min(l.stages, chunks); ++chunk) stage(chunk);
   for (int chunk = 0; chunk < chunks; ++chunk) {
-    if (chunk + 1 < chunks) {
-      stage(chunk + 1);
-      copy_async_wait<1>();
-    } else {
-      copy_async_wait<0>();
-    }
+    copy_async_wait(min(chunks, chunk + l.stages) - chunk - 1);
     __syncthreads();
-    const uint32_t* buffer = l.staged[chunk & 1];
+    const uint32_t* buffer = l.staged(chunk);
     const int first_tile = chunk * s.chunk_words / 8;
     const int tiles = min(s.chunk_words, row_words - chunk * s.chunk_words) / 8;
     for (int mt = 0; mt < m_tiles; ++mt) {
+      // The warp's n-tiles are n_group, n_group + n_split, ...
       float acc[kMaxNTiles][4] = {};
-      for (int kt = warp; kt < tiles; kt += kWarps) {
+      for (int kt = k_group; kt < tiles; kt += l.k_groups) {
         const uint32_t* p = buffer + (mt * 16 + g) * l.staged_stride + kt * 8 + t;
         const uint32_t a[4] = {p[0], p[8 * l.staged_stride], p[4], p[8 * l.staged_stride + 4]};
         const uint2* b = l.fragments + (first_tile + kt) * 32 + lane;
 #pragma unroll
-        for (int nt = 0; nt < kMaxNTiles; ++nt)
-          if (nt < l.n_tiles) mma<kOp>(acc[nt], a, b[static_cast<size_t>(nt) * k_tiles * 32]);
+        for (int i = 0; i < kMaxNTiles; ++i) {
+          const int nt = n_group + i * s.n_split;
+          if (nt < l.n_tiles) mma<kOp>(acc[i], a, b[static_cast<size_t>(nt) * k_tiles * 32]);
+        }
       }
       float* out = partial + (mt * 16 + g) * l.partial_stride + 2 * t;
 #pragma unroll
-      for (int nt = 0; nt < kMaxNTiles; ++nt) {
+      for (int i = 0; i < kMaxNTiles; ++i) {
+        const int nt = n_group + i * s.n_split;
         if (nt >= l.n_tiles) continue;
         float2* top = reinterpret_cast<float2*>(out + nt * 8);
         float2* bottom = reinterpret_cast<float2*>(out + 8 * l.partial_stride + nt * 8);
         const float2 add_top = chunk ? *top : make_float2(0.f, 0.f);
         const float2 add_bottom = chunk ? *bottom : make_float2(0.f, 0.f);
-        *top = make_float2(add_top.x + acc[nt][0], add_top.y + acc[nt][1]);
-        *bottom = make_float2(add_bottom.x + acc[nt][2], add_bottom.y + acc[nt][3]);
+        *top = make_float2(add_top.x + acc[i][0], add_top.y + acc[i][1]);
+        *bottom = make_float2(add_bottom.x + acc[i][2], add_bottom.y + acc[i][3]);
       }
     }
-    __syncthreads();  // the buffer is restaged two chunks on; the partials are read next
+    __syncthreads();  // the buffer is restaged next; the partials are read after the last chunk
+    if (chunk + l.stages < chunks) stage(chunk + l.stages);
   }
 }
 
-// The sum of the warps' partials at batch row r (of the chunk) and column n, in warp order.
-__device__ __forceinline__ float gathered(const Shape& s, const Layout& l, int r, int n) {
-  const float* p = l.partial + r * l.partial_stride + n;
-  const int warp_stride = s.batch_chunk * l.partial_stride;
+template <int kGroups>
+__device__ __forceinline__ float sum_groups(const float* p, int group_stride) {
   float total = 0.f;
 #pragma unroll
-  for (int w = 0; w < kWarps; ++w) total += p[w * warp_stride];
+  for (int k = 0; k < kGroups; ++k) total += p[k * group_stride];
   return total;
+}
+
+// The sum of the K groups' partials at batch row r (of the chunk) and column n, in group order.
+// The count is a compile-time constant in each branch, so the loads issue back to back.
+__device__ __forceinline__ float gathered(const Shape& s, const Layout& l, int r, int n) {
+  const float* p = l.partial + r * l.partial_stride + n;
+  const int group_stride = s.batch_chunk * l.partial_stride;
+  switch (l.k_groups) {
+    case 16: return sum_groups<16>(p, group_stride);
+    case 8: return sum_groups<8>(p, group_stride);
+    case 4: return sum_groups<4>(p, group_stride);
+    case 2: return sum_groups<2>(p, group_stride);
+    default: return sum_groups<1>(p, group_stride);
+  }
 }
 
 struct ForwardArgs {
@@ -307,6 +359,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward(Shape s, ForwardArgs 
   const Share mine(s);
   const int d = mine.direction, j0 = mine.first_unit, units = mine.units;
   const int H = s.hidden, B = s.batch, D = s.directions;
+  const int first_row = mine.first_row, end_row = first_row + mine.rows;
   const bool reverse = d == 1;
   const int k_tiles = s.inner_padded / (8 * kPerWord<kOp>);
   const Layout l(s, k_tiles);
@@ -322,28 +375,40 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward(Shape s, ForwardArgs 
   auto exchange_row = [&](int buffer, int b) {
     return exchange + ((static_cast<size_t>(buffer) * D + d) * B + b) * s.inner_padded;
   };
-  // The running state starts as h_0 (and c_0); step 0 reads h_0 from exchange buffer 1.
-  for (int i = threadIdx.x; i < B * units; i += blockDim.x) {
-    const int b = i / units, j = j0 + i % units;
+  // The running state starts as h_0 (and c_0); step 0 reads h_0 from exchange buffer 1. When
+  // the group's rows are one chunk a thread keeps the same item every step, and its state stays
+  // in registers (h_n and c_n are written once, at the end); else it lives in h_n and c_n.
+  const bool one_chunk = s.batch_chunk >= mine.rows;
+  float h_state = 0.f, c_state = 0.f;
+  for (int i = threadIdx.x; i < mine.rows * units; i += blockDim.x) {
+    const int b = first_row + i / units, j = j0 + i % units;
     const size_t at = (static_cast<size_t>(d) * B + b) * H + j;
-    a.h_n[at] = a.h0[at];
-    if (kCell == Cell::kLstm) a.c_n[at] = a.c0[at];
-    exchange_row(1, b)[j] = from_float<T>(a.h0[at]);
+    h_state = a.h0[at];
+    if (kCell == Cell::kLstm) c_state = a.c0[at];
+    if (!one_chunk) {
+      a.h_n[at] = h_state;
+      if (kCell == Cell::kLstm) a.c_n[at] = c_state;
+    }
+    exchange_row(1, b)[j] = exchanged<kOp>(h_state);
   }
-  unsigned* counter = a.sync + d;
+  unsigned* counter = a.sync + d * s.groups + mine.group;
   unsigned phase = 1;
   grid_barrier(counter, phase++ * s.ctas);
 
-  const bool one_chunk = s.batch_chunk >= B;
   const size_t row_xp = static_cast<size_t>(D) * G * H;
+  // The sequence length of the thread's item when it keeps one, read once.
+  const int item_length = one_chunk && threadIdx.x < mine.rows * units
+                              ? a.lengths[first_row + threadIdx.x / units]
+                              : 0;
+  auto length_of = [&](int b) { return one_chunk ? item_length : a.lengths[b]; };
   // The input projections of the thread's (batch row, unit) item, loaded ahead: for the next
-  // step while this one waits at the barrier when the whole batch is one chunk.
+  // step while this one waits at the barrier when the group's rows are one chunk.
   float xp[G];
   auto load_xp = [&](int step, int b0, int rows) {
     const int i = threadIdx.x;
     if (i >= rows * units) return;
     const int b = b0 + i / units, j = j0 + i % units;
-    const int length = a.lengths[b];
+    const int length = length_of(b);
     if (step >= length) return;
     const int position = reverse ? length - 1 - step : step;
     const float* p = a.xp + (static_cast<size_t>(b) * s.steps + position) * row_xp +
@@ -351,24 +416,25 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward(Shape s, ForwardArgs 
 #pragma unroll
     for (int gate = 0; gate < G; ++gate) xp[gate] = p[gate * H];
   };
-  if (one_chunk) load_xp(0, 0, B);
+  if (one_chunk) load_xp(0, first_row, mine.rows);
 
   for (int step = 0; step < s.steps; ++step) {
     const int read = (step + 1) & 1, write = step & 1;
-    for (int b0 = 0; b0 < B; b0 += s.batch_chunk) {
-      const int rows = min(s.batch_chunk, B - b0);
+    for (int b0 = first_row; b0 < end_row; b0 += s.batch_chunk) {
+      const int rows = min(s.batch_chunk, end_row - b0);
       if (!one_chunk) load_xp(step, b0, rows);
       recurrent_product<kOp>(s, l, exchange_row(read, 0), b0, rows);
       // A thread updates one (batch row, unit) item of the chunk.
       const int i = threadIdx.x;
       if (i < rows * units) [&] {
         const int r = i / units, u = i % units, b = b0 + r, j = j0 + u;
-        const int length = a.lengths[b];
+        const int length = length_of(b);
         T* y = static_cast<T*>(a.y);
         const size_t state_at = (static_cast<size_t>(d) * B + b) * H + j;
+        const float h_prev = one_chunk ? h_state : a.h_n[state_at];
         if (step >= length) {  // past the end: zero output, state kept
           y[((static_cast<size_t>(b) * s.steps + step) * D + d) * H + j] = T(0.f);
-          exchange_row(write, b)[j] = from_float<T>(a.h_n[state_at]);
+          exchange_row(write, b)[j] = exchanged<kOp>(h_prev);
           return;
         }
         const int position = reverse ? length - 1 - step : step;
@@ -380,9 +446,10 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward(Shape s, ForwardArgs 
           const float forget = sigmoid(xp[1] + gathered(s, l, r, 1 * s.units + u));
           const float cand = tanhf(xp[2] + gathered(s, l, r, 2 * s.units + u));
           const float out = sigmoid(xp[3] + gathered(s, l, r, 3 * s.units + u));
-          const float c = forget * a.c_n[state_at] + in * cand;
+          const float c = forget * (one_chunk ? c_state : a.c_n[state_at]) + in * cand;
           h = out * tanhf(c);
-          a.c_n[state_at] = c;
+          if (one_chunk) c_state = c;
+          else a.c_n[state_at] = c;
           saved[0] = in, saved[1] = forget, saved[2] = cand, saved[3] = out;
           if (s.save) a.states[at * H + j] = c;
         } else {
@@ -390,7 +457,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward(Shape s, ForwardArgs 
           const float reset = sigmoid(xp[0] + gathered(s, l, r, 0 * s.units + u));
           const float update = sigmoid(xp[1] + gathered(s, l, r, 1 * s.units + u));
           const float cand = tanhf(xp[2] + reset * hidden_n);
-          h = (1.f - update) * cand + update * a.h_n[state_at];
+          h = (1.f - update) * cand + update * h_prev;
           saved[0] = reset, saved[1] = update, saved[2] = cand, saved[3] = hidden_n;
           if (s.save) a.states[at * H + j] = h;
         }
@@ -398,15 +465,21 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward(Shape s, ForwardArgs 
 #pragma unroll
           for (int gate = 0; gate < 4; ++gate) a.gates[at * 4 * H + gate * H + j] = saved[gate];
         }
-        a.h_n[state_at] = h;
-        const T rounded = from_float<T>(h);
-        y[at * H + j] = rounded;
-        exchange_row(write, b)[j] = rounded;
+        if (one_chunk) h_state = h;
+        else a.h_n[state_at] = h;
+        y[at * H + j] = from_float<T>(h);
+        exchange_row(write, b)[j] = exchanged<kOp>(h);
       }();
-      if (one_chunk && step + 1 < s.steps) load_xp(step + 1, 0, B);
+      if (one_chunk && step + 1 < s.steps) load_xp(step + 1, first_row, mine.rows);
       __syncthreads();  // the staging and partials are reused by the next chunk
     }
     grid_barrier(counter, phase++ * s.ctas);
+  }
+  if (one_chunk && threadIdx.x < mine.rows * units) {
+    const size_t at = (static_cast<size_t>(d) * B + first_row + threadIdx.x / units) * H + j0 +
+                      threadIdx.x % units;
+    a.h_n[at] = h_state;
+    if (kCell == Cell::kLstm) a.c_n[at] = c_state;
   }
 }
 
@@ -435,6 +508,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward(Shape s, BackwardArg
   const Share mine(s);
   const int d = mine.direction, j0 = mine.first_unit, units = mine.units;
   const int H = s.hidden, B = s.batch, D = s.directions, GH = G * H;
+  const int first_row = mine.first_row, end_row = first_row + mine.rows;
   const bool reverse = d == 1;
   const int k_tiles = s.inner_padded / (8 * kPerWord<kOp>);
   const Layout l(s, k_tiles);
@@ -447,38 +521,85 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward(Shape s, BackwardArg
   auto exchange_row = [&](int buffer, int b) {
     return exchange + ((static_cast<size_t>(buffer) * D + d) * B + b) * s.inner_padded;
   };
-  for (int i = threadIdx.x; i < B * units; i += blockDim.x) {
-    const size_t at = (static_cast<size_t>(d) * B + i / units) * H + j0 + i % units;
-    a.dh0[at] = a.dh_n[at];
-    if (kCell == Cell::kLstm) a.dc0[at] = a.dc_n[at];
+  // The carried gradients of h and c start as dh_n and dc_n: in registers when the group's rows
+  // are one chunk (as the forward's state), else in dh0 and dc0.
+  const bool one_chunk = s.batch_chunk >= mine.rows;
+  float dh_carry = 0.f, dc_carry = 0.f;
+  for (int i = threadIdx.x; i < mine.rows * units; i += blockDim.x) {
+    const size_t at = (static_cast<size_t>(d) * B + first_row + i / units) * H + j0 + i % units;
+    dh_carry = a.dh_n[at];
+    if (kCell == Cell::kLstm) dc_carry = a.dc_n[at];
+    if (!one_chunk) {
+      a.dh0[at] = dh_carry;
+      if (kCell == Cell::kLstm) a.dc0[at] = dc_carry;
+    }
   }
   __syncthreads();
-  unsigned* counter = a.sync + d;
+  unsigned* counter = a.sync + d * s.groups + mine.group;
   unsigned phase = 1;
   const DyT* dy = static_cast<const DyT*>(a.dy);
+  const int item_length = one_chunk && threadIdx.x < mine.rows * units
+                              ? a.lengths[first_row + threadIdx.x / units]
+                              : 0;
+  auto length_of = [&](int b) { return one_chunk ? item_length : a.lengths[b]; };
+  // What the thread's item reads of the forward's reserve and of dy at a step, loaded ahead:
+  // for the step before while this one waits at the barrier when the rows are one chunk.
+  struct {
+    float gates[4], state, previous, dy;
+  } saved;
+  auto load_saved = [&](int step, int b0, int rows) {
+    const int i = threadIdx.x;
+    if (step < 0 || i >= rows * units) return;
+    const int b = b0 + i / units, j = j0 + i % units;
+    const int length = length_of(b);
+    if (step >= length) return;
+    const int position = reverse ? length - 1 - step : step;
+    const int previous = reverse ? position + 1 : position - 1;
+    const size_t at = (static_cast<size_t>(b) * s.steps + position) * D + d;
+#pragma unroll
+    for (int gate = 0; gate < 4; ++gate) saved.gates[gate] = a.gates[at * 4 * H + gate * H + j];
+    if (kCell == Cell::kLstm) saved.state = a.states[at * H + j];
+    const float* initial = kCell == Cell::kLstm ? a.c0 : a.h0;
+    saved.previous =
+        step == 0 ? initial[(static_cast<size_t>(d) * B + b) * H + j]
+                  : a.states[((static_cast<size_t>(b) * s.steps + previous) * D + d) * H + j];
+    saved.dy = to_float(dy[at * H + j]);
+  };
+  if (one_chunk) load_saved(s.steps - 1, first_row, mine.rows);
 
   // Step -1 only finishes dh_0 with the recurrent gradient of step 0.
   for (int step = s.steps - 1; step >= -1; --step) {
     const int read = (step + 1) & 1, write = step & 1;
-    for (int b0 = 0; b0 < B; b0 += s.batch_chunk) {
-      const int rows = min(s.batch_chunk, B - b0);
+    for (int b0 = first_row; b0 < end_row; b0 += s.batch_chunk) {
+      const int rows = min(s.batch_chunk, end_row - b0);
+      if (!one_chunk) load_saved(step, b0, rows);
       recurrent_product<kOp>(s, l, exchange_row(read, 0), b0, rows);
       // A thread updates one (batch row, unit) item of the chunk.
       const int i = threadIdx.x;
       if (i < rows * units) [&] {
         const int r = i / units, u = i % units, b = b0 + r, j = j0 + u;
         const size_t state_at = (static_cast<size_t>(d) * B + b) * H + j;
+        const float dc_carried = one_chunk ? dc_carry : a.dc0[state_at];
+        auto carry = [&](float dh, float dc) {
+          if (one_chunk) {
+            dh_carry = dh, dc_carry = dc;
+          } else {
+            a.dh0[state_at] = dh;
+            if (kCell == Cell::kLstm) a.dc0[state_at] = dc;
+          }
+        };
         // The gradient of the state h after this step: carried, plus through W_hh from the
         // step after (zero when that step did not run).
-        const float dh_state = a.dh0[state_at] + gathered(s, l, r, u);
+        const float dh_state = (one_chunk ? dh_carry : a.dh0[state_at]) + gathered(s, l, r, u);
         if (step < 0) {
           a.dh0[state_at] = dh_state;
+          if (kCell == Cell::kLstm) a.dc0[state_at] = dc_carried;
           return;
         }
-        const int length = a.lengths[b];
+        const int length = length_of(b);
         T* next = exchange_row(write, b);
         if (step >= length) {  // held: the gradient passes through, nothing flows into W
-          a.dh0[state_at] = dh_state;
+          carry(dh_state, dc_carried);
           const size_t at = (static_cast<size_t>(b) * s.steps + step) * D + d;
           for (int gate = 0; gate < G; ++gate) {
             a.dxp[at * GH + gate * H + j] = 0.f;
@@ -488,30 +609,24 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward(Shape s, BackwardArg
           return;
         }
         const int position = reverse ? length - 1 - step : step;
-        const int previous = reverse ? position + 1 : position - 1;
         const size_t at = (static_cast<size_t>(b) * s.steps + position) * D + d;
-        const size_t before = (static_cast<size_t>(b) * s.steps + previous) * D + d;
-        const float* saved = a.gates + at * 4 * H + j;
-        const float dh = dh_state + to_float(dy[at * H + j]);
+        const float dh = dh_state + saved.dy;
         float input_grads[G], hidden_grads[G];
         if constexpr (kCell == Cell::kLstm) {
-          const float in = saved[0], forget = saved[H], cand = saved[2 * H], out = saved[3 * H];
-          const float c = a.states[at * H + j];
-          const float c_prev = step == 0 ? a.c0[state_at] : a.states[before * H + j];
+          const float in = saved.gates[0], forget = saved.gates[1], cand = saved.gates[2];
+          const float out = saved.gates[3], c = saved.state, c_prev = saved.previous;
           const float tanh_c = tanhf(c);
-          const float dc = a.dc0[state_at] + dh * out * (1.f - tanh_c * tanh_c);
+          const float dc = dc_carried + dh * out * (1.f - tanh_c * tanh_c);
           input_grads[0] = dc * cand * in * (1.f - in);
           input_grads[1] = dc * c_prev * forget * (1.f - forget);
           input_grads[2] = dc * in * (1.f - cand * cand);
           input_grads[3] = dh * tanh_c * out * (1.f - out);
-          a.dc0[state_at] = dc * forget;
-          a.dh0[state_at] = 0.f;
+          carry(0.f, dc * forget);
 #pragma unroll
           for (int gate = 0; gate < G; ++gate) hidden_grads[gate] = input_grads[gate];
         } else {
-          const float reset = saved[0], update = saved[H], cand = saved[2 * H];
-          const float hidden_n = saved[3 * H];
-          const float h_prev = step == 0 ? a.h0[state_at] : a.states[before * H + j];
+          const float reset = saved.gates[0], update = saved.gates[1], cand = saved.gates[2];
+          const float hidden_n = saved.gates[3], h_prev = saved.previous;
           const float dcand = dh * (1.f - update) * (1.f - cand * cand);
           input_grads[0] = dcand * hidden_n * reset * (1.f - reset);
           input_grads[1] = dh * (h_prev - cand) * update * (1.f - update);
@@ -520,14 +635,15 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward(Shape s, BackwardArg
           hidden_grads[1] = input_grads[1];
           hidden_grads[2] = dcand * reset;
           a.dhn[at * H + j] = hidden_grads[2];
-          a.dh0[state_at] = dh * update;
+          carry(dh * update, 0.f);
         }
 #pragma unroll
         for (int gate = 0; gate < G; ++gate) {
           a.dxp[at * GH + gate * H + j] = input_grads[gate];
-          next[gate * H + j] = from_float<T>(hidden_grads[gate]);
+          next[gate * H + j] = exchanged<kOp>(hidden_grads[gate]);
         }
       }();
+      if (one_chunk) load_saved(step - 1, first_row, mine.rows);
       __syncthreads();
     }
     if (step >= 0) grid_barrier(counter, phase++ * s.ctas);
@@ -578,7 +694,8 @@ cudaError_t launch_cooperative(Kernel kernel, int grid, size_t bytes, cudaStream
 }
 
 struct Attributes {
-  int64_t gates, ctas, units, batch_chunk, chunk_words, concurrent, exact;
+  int64_t gates, ctas, units, groups, group_rows, n_split, batch_chunk, chunk_words, stages,
+      concurrent, exact;
 };
 
 // Checks shared by both directions of the pass; fills the shape of one launch.
@@ -598,11 +715,24 @@ bool check_shape(Checks& checks, const Attributes& at, int64_t batch, int64_t st
     return "a CTA holds at most " + std::to_string(8 * kMaxNTiles) + " weight columns, not " +
            std::to_string(columns);
   });
+  checks.require(at.group_rows > 0 && at.group_rows % 16 == 0 &&
+                     at.groups * at.group_rows >= batch && (at.groups - 1) * at.group_rows < batch,
+                 [&] {
+    return "groups=" + std::to_string(at.groups) + " of group_rows=" +
+           std::to_string(at.group_rows) + " (a multiple of 16) do not cover batch=" +
+           std::to_string(batch) + " exactly";
+  });
+  checks.require(at.n_split > 0 && kWarps % at.n_split == 0, [&] {
+    return "n_split=" + std::to_string(at.n_split) + " does not divide " +
+           std::to_string(kWarps) + " warps";
+  });
+  checks.range("stages", at.stages, 1, kMaxStages);
   checks.require(at.batch_chunk > 0 && at.batch_chunk % 16 == 0 &&
-                     std::min<int64_t>(at.batch_chunk, ((batch + 15) / 16) * 16) * at.units <=
-                         kThreads, [&] {
+                     at.batch_chunk <= at.group_rows && at.batch_chunk * at.units <= kThreads,
+                 [&] {
     return "batch_chunk=" + std::to_string(at.batch_chunk) + " must be a positive multiple of "
-           "16 with at most " + std::to_string(kThreads) + " (row, unit) items";
+           "16, at most group_rows, with at most " + std::to_string(kThreads) +
+           " (row, unit) items";
   });
   checks.require(at.chunk_words > 0 && at.chunk_words % 8 == 0, [&] {
     return "chunk_words=" + std::to_string(at.chunk_words) + " must be a positive multiple of 8";
@@ -621,6 +751,10 @@ bool check_shape(Checks& checks, const Attributes& at, int64_t batch, int64_t st
   s->first_direction = 0;
   s->ctas = static_cast<int>(at.ctas);
   s->units = static_cast<int>(at.units);
+  s->groups = static_cast<int>(at.groups);
+  s->group_rows = static_cast<int>(at.group_rows);
+  s->n_split = static_cast<int>(at.n_split);
+  s->stages = static_cast<int>(at.stages);
   s->inner_padded = static_cast<int>((inner + tile - 1) / tile * tile);
   s->columns = static_cast<int>(columns);
   s->batch_chunk = static_cast<int>(at.batch_chunk);
@@ -634,25 +768,27 @@ int64_t per_word(DataType dtype) { return dtype == DataType::F32 ? 1 : 2; }
 // Launches directions together, or one after the other when they do not fit at once.
 template <typename Launch>
 cudaError_t each_launch(const Shape& s, bool concurrent, Launch&& launch) {
-  if (concurrent) return launch(s, s.ctas * s.directions);
+  const int per_direction = s.ctas * s.groups;
+  if (concurrent) return launch(s, per_direction * s.directions);
   for (int d = 0; d < s.directions; ++d) {
     Shape one = s;
     one.first_direction = d;
-    const cudaError_t err = launch(one, s.ctas);
+    const cudaError_t err = launch(one, per_direction);
     if (err != cudaSuccess) return err;
   }
   return cudaSuccess;
 }
 
-// The exchange buffers (2, D, B, padded K) of the operand type and the D barrier counters.
+// The exchange buffers (2, D, B, padded K) of the operand type and the barrier counters, one
+// a (direction, batch group).
 void check_scratch(Checks& checks, const ffi::AnyBuffer& exchange,
-                   const ffi::Buffer<DataType::U32>& sync, DataType type, int64_t count,
-                   int64_t directions) {
+                   const ffi::Buffer<DataType::U32>& sync, DataType type, const Shape& s) {
   checks.require(exchange.element_type() == type, [&] {
     return "exchange is " + dtype_name(exchange.element_type()) + ", not " + dtype_name(type);
   });
-  checks.count("exchange", exchange.element_count(), count, "2 * D * B * padded K");
-  checks.count("sync", sync.element_count(), directions, "D");
+  checks.count("exchange", exchange.element_count(),
+               product({2, s.directions, s.batch, s.inner_padded}), "2 * D * B * padded K");
+  checks.count("sync", sync.element_count(), product({s.directions, s.groups}), "D * groups");
 }
 
 // Zero padding the products read and a zero step before the first (the backward's), and
@@ -666,7 +802,7 @@ cudaError_t zero_scratch(ffi::AnyBuffer& exchange, ffi::Buffer<DataType::U32>& s
 
 size_t launch_bytes(const Shape& s, int64_t per) {
   return shared_bytes(s.columns, s.inner_padded / (8 * static_cast<int>(per)), s.batch_chunk,
-                      s.chunk_words);
+                      s.chunk_words, s.stages, s.n_split);
 }
 
 ffi::Error RnnForwardImpl(cudaStream_t stream, F32Buffer xp, ffi::AnyBuffer w_hh, F32Buffer b_hn,
@@ -675,8 +811,9 @@ ffi::Error RnnForwardImpl(cudaStream_t stream, F32Buffer xp, ffi::AnyBuffer w_hh
                           ffi::Result<F32Buffer> c_n, ffi::Result<F32Buffer> gates,
                           ffi::Result<F32Buffer> states, ffi::Result<ffi::AnyBuffer> exchange,
                           ffi::Result<ffi::Buffer<DataType::U32>> sync, int64_t gate_count,
-                          int64_t ctas, int64_t units, int64_t batch_chunk, int64_t chunk_words,
-                          int64_t concurrent, int64_t exact, int64_t save) {
+                          int64_t ctas, int64_t units, int64_t groups, int64_t group_rows,
+                          int64_t n_split, int64_t batch_chunk, int64_t chunk_words,
+                          int64_t stages, int64_t concurrent, int64_t exact, int64_t save) {
   Checks checks("rnn_forward");
   const auto dims = xp.dimensions();
   if (!checks.require(dims.size() == 4, [&] {
@@ -684,7 +821,8 @@ ffi::Error RnnForwardImpl(cudaStream_t stream, F32Buffer xp, ffi::AnyBuffer w_hh
       }))
     return checks.error();
   const int64_t B = dims[0], S = dims[1], D = dims[2];
-  const Attributes at{gate_count, ctas, units, batch_chunk, chunk_words, concurrent, exact};
+  const Attributes at{gate_count, ctas,        units,  groups,     group_rows, n_split,
+                      batch_chunk, chunk_words, stages, concurrent, exact};
   const int64_t H = dims[3] / std::max<int64_t>(at.gates, 1);  // gates are checked below
   const DataType type = w_hh.element_type();
   checks.dtype("w_hh", type, {DataType::F32, DataType::BF16, DataType::F16},
@@ -708,7 +846,7 @@ ffi::Error RnnForwardImpl(cudaStream_t stream, F32Buffer xp, ffi::AnyBuffer w_hh
     checks.count("gates", gates->element_count(), product({B, S, D, 4 * H}), "B * S * D * 4H");
     checks.count("states", states->element_count(), product({B, S, D, H}), "B * S * D * H");
   }
-  check_scratch(checks, *exchange, *sync, type, product({2, D, B, s.inner_padded}), D);
+  check_scratch(checks, *exchange, *sync, type, s);
   if (!checks.ok()) return checks.error();
   s.save = static_cast<int>(save);
   const ForwardArgs args{xp.typed_data(), w_hh.untyped_data(), b_hn.typed_data(),
@@ -736,13 +874,15 @@ ffi::Error RnnBackwardImpl(cudaStream_t stream, ffi::AnyBuffer dy, F32Buffer dh_
                            ffi::Result<F32Buffer> dh0, ffi::Result<F32Buffer> dc0,
                            ffi::Result<ffi::AnyBuffer> exchange,
                            ffi::Result<ffi::Buffer<DataType::U32>> sync, int64_t gate_count,
-                           int64_t ctas, int64_t units, int64_t batch_chunk, int64_t chunk_words,
-                           int64_t concurrent, int64_t exact) {
+                           int64_t ctas, int64_t units, int64_t groups, int64_t group_rows,
+                           int64_t n_split, int64_t batch_chunk, int64_t chunk_words,
+                           int64_t stages, int64_t concurrent, int64_t exact) {
   Checks checks("rnn_backward");
   const auto dims = dy.dimensions();
   if (!checks.rank("dy", dy, 4, "(B, S, D, H)")) return checks.error();
   const int64_t B = dims[0], S = dims[1], D = dims[2], H = dims[3];
-  const Attributes at{gate_count, ctas, units, batch_chunk, chunk_words, concurrent, exact};
+  const Attributes at{gate_count, ctas,        units,  groups,     group_rows, n_split,
+                      batch_chunk, chunk_words, stages, concurrent, exact};
   const DataType type = w_hh.element_type();
   checks.dtype("w_hh", type, {DataType::F32, DataType::BF16, DataType::F16},
                "float32, bfloat16 or float16");
@@ -764,7 +904,7 @@ ffi::Error RnnBackwardImpl(cudaStream_t stream, ffi::AnyBuffer dy, F32Buffer dh_
     checks.count("dhn", dhn->element_count(), product({B, S, D, H}), "B * S * D * H");
   checks.count("dh0", dh0->element_count(), product({D, B, H}), "D * B * H");
   checks.count("dc0", dc0->element_count(), product({D, B, H}), "D * B * H");
-  check_scratch(checks, *exchange, *sync, type, product({2, D, B, s.inner_padded}), D);
+  check_scratch(checks, *exchange, *sync, type, s);
   if (!checks.ok()) return checks.error();
   const BackwardArgs args{dy.untyped_data(), dh_n.typed_data(), dc_n.typed_data(),
                           gates.typed_data(), states.typed_data(), h0.typed_data(),
@@ -801,8 +941,12 @@ auto with_plan(Binding binding) {
   return std::move(binding).template Attr<int64_t>("gate_count")
       .template Attr<int64_t>("ctas")
       .template Attr<int64_t>("units")
+      .template Attr<int64_t>("groups")
+      .template Attr<int64_t>("group_rows")
+      .template Attr<int64_t>("n_split")
       .template Attr<int64_t>("batch_chunk")
       .template Attr<int64_t>("chunk_words")
+      .template Attr<int64_t>("stages")
       .template Attr<int64_t>("concurrent")
       .template Attr<int64_t>("exact");
 }
