@@ -1,5 +1,8 @@
 """lstm and gru against a float64 NumPy reference written here, step by step in Python loops."""
 
+import dataclasses
+import itertools
+
 import jax
 import jax.numpy as jnp
 import jax.test_util  # noqa: F401  (check_grads)
@@ -384,6 +387,84 @@ def test_gpu_large_layers(rng, cell, batch, hidden, bidirectional, dtype):
       assert_close(a, e, dtype, factor=10 if dtype == jnp.float32 else 4, name=name, floor=0.1)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("cell", CELLS)
+def test_gpu_every_plan_agrees(rng, cell):
+  """Every way of spreading a layer (batch groups, several chunks in a group, staging buffers
+  cycled, warps over N, directions together or apart) gives the default plan's results."""
+  _cuda_or_skip()
+  from jaxfuse.ops.rnn import cuda as rnn_cuda
+  batch, steps, hidden, directions, f32 = 40, 11, 96, 2, jnp.dtype(jnp.float32)
+  gates = 4 if cell == "lstm" else 3
+  sms, shared = rnn_cuda._device()
+  state = (directions, batch, hidden)
+  xp = random(rng, (batch, steps, directions, gates * hidden), f32)
+  w_hh = random(rng, (directions, gates * hidden, hidden), f32, scale=hidden ** -0.5)
+  b_hn, h0, c0 = (random(rng, s, f32, scale=0.5) for s in ((directions, hidden), state, state))
+  lengths = rng.integers(0, steps + 1, batch)
+  lengths[:2] = [0, steps]
+  lengths = jnp.asarray(lengths, jnp.int32)
+  dy = random(rng, (batch, steps, directions, hidden), f32)
+
+  def plans(direction_pass):
+    inner = hidden if direction_pass == "forward" else gates * hidden
+    k_tiles = rnn_cuda.padded_inner(inner, f32) // 8
+    fits = lambda p: rnn_cuda._shared_bytes(
+        p.units * (gates if direction_pass == "forward" else 1), k_tiles, p.batch_chunk,
+        p.chunk_words, p.stages, p.n_split) <= shared
+    found = []
+    for rows, budget, together, cycled in itertools.product(
+        (16, 32, 48), (sms, sms // 4), ((True,), (False,)), (2, 4)):
+      p = rnn_cuda._try_plan(gates, direction_pass, batch, hidden, directions, f32, budget,
+                             shared, together, rows, cycled)
+      if p is not None:
+        found += [p, dataclasses.replace(p, batch_chunk=16), dataclasses.replace(p, n_split=1),
+                  dataclasses.replace(p, chunk_words=min(p.chunk_words, 32), stages=2)]
+    return [p for p in dict.fromkeys(found) if fits(p)]
+
+  lstm = cell == "lstm"  # the GRU leaves c_n and the gradient of c_0 unwritten
+
+  running = np.arange(steps)[None, :] < np.asarray(lengths)[:, None]
+
+  def forward(p):
+    y, h_n, c_n, *reserve = rnn_cuda.forward(cell, xp, w_hh, b_hn, h0, c0, lengths, exact=True,
+                                             save=True, launch=p)
+    # The reserve past a sequence's end is never read, and left unwritten.
+    return [y, h_n, c_n if lstm else h_n, *(np.asarray(r)[running] for r in reserve)]
+
+  def backward(p):
+    dxp, dhn, dh0, dc0 = rnn_cuda.backward(cell, dy, h_n, c_n, saved_gates, saved_states, h0,
+                                           c0, w_hh, lengths, exact=True, launch=p)
+    return [dxp, dh0, dc0] if lstm else [dxp, dhn, dh0]
+
+  y, h_n, c_n, saved_gates, saved_states = rnn_cuda.forward(
+      cell, xp, w_hh, b_hn, h0, c0, lengths, exact=True, save=True)
+  expected, expected_grads = forward(None), backward(None)
+  forward_plans, backward_plans = plans("forward"), plans("backward")
+  assert len(forward_plans) > 4 and len(backward_plans) > 4
+  for p in forward_plans:
+    for a, e in zip(forward(p), expected):
+      np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5, err_msg=str(p))
+  for p in backward_plans:
+    for a, e in zip(backward(p), expected_grads):
+      np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5, err_msg=str(p))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cell", CELLS)
+def test_gpu_dropout_matches_xla(rng, cell):
+  """The same key draws the same inter-layer masks on every implementation."""
+  _cuda_or_skip()
+  args = gpu_make(rng, cell, 3, True, jnp.float32)
+  kwargs = dict(dropout=0.3, dropout_key=jax.random.key(3),
+                precision=jax.lax.Precision.HIGHEST)
+  out = gpu_call(cell, args, 3, True, implementation="cuda", **kwargs)
+  expected = gpu_call(cell, args, 3, True, implementation="xla", **kwargs)
+  for a, e, name in zip(out, expected, ("y", "h_n", "c_n")):
+    if e is not None:
+      assert_close(a, np.asarray(e), jnp.float32, factor=10, name=name, floor=0.1)
+
+
 def _loss(cell, num_layers, bidirectional, lengths, cotangents, impl, precision):
   def loss(x, h_0, c_0, weights):
     out = gpu_call(cell, (x, h_0, c_0, weights, lengths), num_layers, bidirectional,
@@ -530,14 +611,20 @@ def _stand_in_kernels(monkeypatch):
 
 @pytest.mark.parametrize("cell", CELLS)
 @pytest.mark.parametrize("impl", ["xla", "cuda"])
-def test_batch_sharding_never_gathers(rng, monkeypatch, cell, impl):
-  """The scan, and the kernels' calls (stood in for on the CPU), run shard by shard."""
-  if jax.device_count() < 8:
-    pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+@pytest.mark.parametrize("explicit", [False, True])
+def test_batch_sharding_never_gathers(rng, monkeypatch, cell, impl, explicit):
+  """The scan, and the kernels' calls (stood in for on the CPU), run shard by shard: on 8 CPU
+  devices, or on every GPU of a machine with several (2, 4 or 8); under a mesh of automatic
+  axes and one of explicit axes (jax.make_mesh's default since JAX 0.11)."""
+  devices = min(8, jax.device_count())
+  if devices < 2 or 16 % devices:
+    pytest.skip("needs 2, 4 or 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
   if impl == "cuda" and jax.default_backend() != "gpu":
     _stand_in_kernels(monkeypatch)
-  from jax.sharding import NamedSharding, PartitionSpec as P
-  mesh = jax.make_mesh((8,), ("d",), devices=jax.devices()[:8])
+  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+  axis_type = AxisType.Explicit if explicit else AxisType.Auto
+  mesh = jax.make_mesh((devices,), ("d",), devices=jax.devices()[:devices],
+                       axis_types=(axis_type,))
   x, h_0, c_0, weights, _ = make(rng, cell, 2, True, batch=16)
   lengths = jnp.asarray(rng.integers(0, TIME + 1, 16), jnp.int32)
 
@@ -553,8 +640,11 @@ def test_batch_sharding_never_gathers(rng, monkeypatch, cell, impl):
           put(lengths, P("d")))
   compiled = jax.jit(step).lower(*args).compile()
   assert "all-gather" not in compiled.as_text()
+  # A shard's kernels may be planned differently from the whole batch's: another order of
+  # float32 sums (TF32 products on a GPU).
+  tolerance = 1e-4 if jax.default_backend() == "gpu" else 1e-5
   for a, s in zip(jax.tree.leaves(compiled(*args)), jax.tree.leaves(single)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(s), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(s), rtol=tolerance, atol=tolerance)
 
 
 @pytest.mark.parametrize("cell", CELLS)

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxfuse._core.sharding import replicated_sharding
 from jaxfuse._core.validation import compute_dtype
 
 
@@ -27,8 +28,35 @@ def _reverse_within_lengths(sequences, seq_lengths):
 
 def _project(a, w, precision, accumulate):
   """``a @ w.T`` over the last axis of ``a``, accumulated in ``accumulate``."""
+  if replicated_sharding(a) is not None:
+    return _sharded_project(a, w, precision, accumulate)
   return lax.dot_general(a, w, (((a.ndim - 1,), (1,)), ((), ())), precision=precision,
                          preferred_element_type=accumulate)
+
+
+# Under an explicitly sharded batch the gradient of w contracts the sharded axis, and JAX asks
+# for its sharding (the recurrent product's, inside the scan): replicated, like w.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _sharded_project(a, w, precision, accumulate):
+  return lax.dot_general(a, w, (((a.ndim - 1,), (1,)), ((), ())), precision=precision,
+                         preferred_element_type=accumulate)
+
+
+def _sharded_project_fwd(a, w, precision, accumulate):
+  return _sharded_project(a, w, precision, accumulate), (a, w)
+
+
+def _sharded_project_bwd(precision, accumulate, residuals, grad):
+  a, w = residuals
+  leading = tuple(range(a.ndim - 1))
+  da = lax.dot_general(grad, w.astype(grad.dtype), (((a.ndim - 1,), (0,)), ((), ())),
+                       precision=precision)
+  dw = lax.dot_general(grad, a.astype(grad.dtype), ((leading, leading), ((), ())),
+                       precision=precision, out_sharding=replicated_sharding(a))
+  return da.astype(a.dtype), dw.astype(w.dtype)
+
+
+_sharded_project.defvjp(_sharded_project_fwd, _sharded_project_bwd)
 
 
 def _lstm_step(hidden_gates, projected, state):
