@@ -13,6 +13,7 @@ from jaxfuse._core import bench, registry
 FAMILIES = {
     "norm": "jaxfuse.ops.norm.bench",
     "softmax": "jaxfuse.ops.softmax.bench",
+    "linear_cross_entropy": "jaxfuse.ops.linear_cross_entropy.bench",
     "attention": "jaxfuse.ops.attention.bench",
     "rnn": "jaxfuse.ops.rnn.bench",
 }

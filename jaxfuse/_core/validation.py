@@ -80,3 +80,36 @@ def compute_dtype(*dtypes):
   """Accumulation dtype: float64 when any operand is float64, float32 otherwise."""
   return jnp.float64 if any(d is not None and jnp.dtype(d) == jnp.float64 for d in dtypes) \
       else jnp.float32
+
+
+def cross_entropy_options(op: str, ignore_index, label_smoothing, z_loss, reduction):
+  """The cross-entropy losses' options, checked: ``(ignore_index, label_smoothing, z_loss)``."""
+  label_smoothing = static_float(op, "label_smoothing", label_smoothing)
+  if not 0.0 <= label_smoothing < 1.0:
+    raise ValueError(f"{op}: label_smoothing must be in [0, 1), got {label_smoothing}")
+  z_loss = static_float(op, "z_loss", z_loss)
+  if z_loss < 0:
+    raise ValueError(f"{op}: z_loss must be >= 0, got {z_loss}")
+  check_choice(op, "reduction", reduction, ("mean", "sum", "none"))
+  if ignore_index is not None:
+    ignore_index = static_int(op, "ignore_index", ignore_index)
+    info = np.iinfo(np.int32)
+    if not info.min <= ignore_index <= info.max:
+      raise ValueError(f"{op}: ignore_index must fit int32 (labels are compared as int32), "
+                       f"got {ignore_index}")
+  return ignore_index, label_smoothing, z_loss
+
+
+def counted_labels(labels, classes: int, ignore_index):
+  """The rows that count: labels in ``[0, classes)`` other than ``ignore_index``."""
+  valid = (labels >= 0) & (labels < classes)
+  return valid if ignore_index is None else valid & (labels != ignore_index)
+
+
+def reduction_scale(valid, reduction: str, dtype):
+  """The factor of the summed loss: 1/count for ``'mean'`` (0 when nothing counts), else 1."""
+  if reduction != "mean":
+    return jnp.ones((), dtype)
+  counted = jnp.sum(valid, dtype=jnp.int32)
+  return jnp.where(counted > 0, 1.0 / jnp.maximum(counted, 1), 0.0).astype(dtype)
+

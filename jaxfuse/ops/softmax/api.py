@@ -13,8 +13,8 @@ from jax.custom_batching import custom_vmap
 from jaxfuse._core import registry
 from jaxfuse._core.batching import fold_into_batch
 from jaxfuse._core.sharding import parallel_call
-from jaxfuse._core.validation import (check_array, check_choice, describe, static_float,
-                                      static_int)
+from jaxfuse._core.validation import (check_array, counted_labels, cross_entropy_options,
+                                      describe, reduction_scale, static_float, static_int)
 from jaxfuse.ops.softmax import cuda as cuda_kernels
 from jaxfuse.ops.softmax import reference, triton
 
@@ -304,19 +304,8 @@ def softmax_cross_entropy(logits, labels, *, ignore_index: int | None = None,
                      f"{describe(logits)} and labels {describe(labels)}")
   if logits.shape[-1] == 0:
     raise ValueError(f"{op}: logits have no classes ({describe(logits)})")
-  label_smoothing = static_float(op, "label_smoothing", label_smoothing)
-  if not 0.0 <= label_smoothing < 1.0:
-    raise ValueError(f"{op}: label_smoothing must be in [0, 1), got {label_smoothing}")
-  z_loss = static_float(op, "z_loss", z_loss)
-  if z_loss < 0:
-    raise ValueError(f"{op}: z_loss must be >= 0, got {z_loss}")
-  check_choice(op, "reduction", reduction, ("mean", "sum", "none"))
-  if ignore_index is not None:
-    ignore_index = static_int(op, "ignore_index", ignore_index)
-    info = np.iinfo(np.int32)
-    if not info.min <= ignore_index <= info.max:
-      raise ValueError(f"{op}: ignore_index must fit int32 (labels are compared as int32), "
-                       f"got {ignore_index}")
+  ignore_index, label_smoothing, z_loss = cross_entropy_options(
+      op, ignore_index, label_smoothing, z_loss, reduction)
   impl = registry.resolve(op, implementation, _BACKENDS, _preference())
   vocab = logits.shape[-1]
   cuda_refusal = lambda: cuda_kernels.unsupported(vocab, logits.dtype)
@@ -353,9 +342,7 @@ class _CrossEntropyStatic:
 def _cross_entropy_jit(logits, labels, st):
   vocab = logits.shape[-1]
   labels = labels.astype(jnp.int32)
-  valid = (labels >= 0) & (labels < vocab)
-  if st.ignore_index is not None:
-    valid = valid & (labels != st.ignore_index)
+  valid = counted_labels(labels, vocab, st.ignore_index)
   if st.implementation == "xla":
     labels = jnp.where(valid, labels, -1)
   # The kernels take the labels as they are and apply the same validity rule themselves: a
@@ -363,12 +350,7 @@ def _cross_entropy_jit(logits, labels, st):
   cdt = jnp.promote_types(jnp.float32, logits.dtype)
   if st.reduction == "none":
     return _per_row_loss(logits, labels, st)
-  counted = jnp.sum(valid, dtype=jnp.int32)
-  if st.reduction == "mean":
-    scale = jnp.where(counted > 0, 1.0 / jnp.maximum(counted, 1), 0.0).astype(cdt)
-  else:
-    scale = jnp.ones((), cdt)
-  return _reduced_loss(logits, labels, scale, st)
+  return _reduced_loss(logits, labels, reduction_scale(valid, st.reduction, cdt), st)
 
 
 # 'mean' / 'sum': the kernel computes the gradient for a unit cotangent while the logits are

@@ -1,0 +1,61 @@
+"""Bench cases for ``linear_cross_entropy``, beside the unfused ``x @ weight`` and ``optax``.
+
+FLOPs counted: the output projection, 2·N·W·V forward; the training step adds dx and dweight,
+6·N·W·V (the fused backward also recomputes the logits, which is not counted). The table's
+temporary-memory column is the point: the unfused step holds the (N, V) logits and their
+gradient.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxfuse._core import registry
+from jaxfuse._core.bench import DEFAULT, Case, implementation_arg
+from jaxfuse.ops.linear_cross_entropy.api import linear_cross_entropy
+
+# GPT-2 small's output layer at 8 x 2048 tokens (the shape issue 21 names).
+GPU_SHAPES = [(16384, 768, 50257)]
+
+
+def _loss(impl):
+  if impl == "optax":
+    import optax
+    return lambda x, weight, labels: jnp.mean(
+        optax.softmax_cross_entropy_with_integer_labels(
+            jnp.dot(x, weight, preferred_element_type=jnp.float32), labels))
+  return functools.partial(linear_cross_entropy, implementation=implementation_arg(impl))
+
+
+def _forward(impl):
+  return _loss(impl)
+
+
+def _train(impl):
+  return jax.value_and_grad(_loss(impl), (0, 1))
+
+
+def _inputs(key, tokens, width, vocab, dtype):
+  kx, kw, kl = jax.random.split(key, 3)
+  return (jax.random.normal(kx, (tokens, width), dtype),
+          (jax.random.normal(kw, (width, vocab)) * width ** -0.5).astype(dtype),
+          jax.random.randint(kl, (tokens,), 0, vocab, jnp.int32))
+
+
+def cases(quick: bool = False) -> list[Case]:
+  shapes = GPU_SHAPES if registry.platform() == "gpu" else [(512, 64, 32768)]
+  dtype = jnp.bfloat16
+  out = []
+  for tokens, width, vocab in shapes:
+    flops = 2 * tokens * width * vocab
+    out.append(Case(
+        op="linear_cross_entropy", label=f"{tokens}x{width}x{vocab} {jnp.dtype(dtype).name}",
+        size=vocab,
+        make_inputs=functools.partial(_inputs, tokens=tokens, width=width, vocab=vocab,
+                                      dtype=dtype),
+        forward=_forward, train=_train, forward_work=flops, train_work=3 * flops,
+        implementations=("optax", "xla", DEFAULT), unit="TFLOP/s"))
+  return out

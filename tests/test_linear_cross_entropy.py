@@ -1,0 +1,159 @@
+"""linear_cross_entropy against softmax cross-entropy of float64 logits computed in full."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxfuse
+from jaxfuse._core.testing import assert_close, random, x64
+from jaxfuse.ops.linear_cross_entropy import reference
+
+
+def make(rng, batch, width, vocab, dtype, *, bias=True):
+  x = random(rng, batch + (width,), dtype)
+  weight = random(rng, (width, vocab), dtype, scale=width ** -0.5)
+  b = random(rng, (vocab,), dtype, scale=0.3) if bias else None
+  labels = rng.integers(0, vocab, batch)
+  return x, weight, b, jnp.asarray(labels, jnp.int32)
+
+
+def expected(x, weight, bias, labels, argnums=(0, 1, 2), **options):
+  """Loss and gradients from the (tokens, vocabulary) logits in float64."""
+  with x64():
+    wide = [None if a is None else jnp.asarray(np.asarray(a, np.float64))
+            for a in (x, weight, bias)]
+
+    def loss(x, weight, bias):
+      logits = x @ weight + (0.0 if bias is None else bias)
+      return jaxfuse.softmax_cross_entropy(logits, labels, implementation="xla", **options)
+
+    argnums = tuple(i for i in argnums if wide[i] is not None)
+    value = loss(*wide)
+    if options.get("reduction") == "none":
+      return np.asarray(value), None
+    return np.asarray(value), [np.asarray(g) for g in jax.grad(loss, argnums)(*wide)]
+
+
+@pytest.fixture(params=[64, 1 << 20], ids=["chunked", "one-chunk"])
+def chunk(request, monkeypatch):
+  monkeypatch.setattr(reference, "CHUNK", request.param)
+  return request.param
+
+
+@pytest.mark.parametrize("batch,width,vocab", [((1,), 3, 1), ((5,), 7, 3), ((37,), 16, 1000),
+                                               ((2, 3), 8, 4097), ((13,), 24, 128)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_matches_full_logits(rng, chunk, batch, width, vocab, dtype):
+  x, weight, bias, labels = make(rng, batch, width, vocab, dtype)
+  loss = lambda x, w, b: jaxfuse.linear_cross_entropy(x, w, labels, bias=b)
+  value, grads = jax.value_and_grad(loss, (0, 1, 2))(x, weight, bias)
+  want, want_grads = expected(x, weight, bias, labels)
+  assert value.dtype == jnp.float32
+  assert_close(value, want, jnp.float32, factor=4, name="loss")
+  for g, e, a, name in zip(grads, want_grads, (x, weight, bias), ("dx", "dweight", "dbias")):
+    assert g.dtype == a.dtype and g.shape == a.shape
+    assert_close(g, e, dtype, factor=4, name=name, axis=0 if name == "dbias" else -1)
+
+
+@pytest.mark.parametrize("options", [
+    dict(label_smoothing=0.1), dict(z_loss=1e-2), dict(ignore_index=3, reduction="sum"),
+    dict(reduction="none"), dict(label_smoothing=0.2, z_loss=1e-3, reduction="sum"),
+])
+def test_options(rng, chunk, options):
+  x, weight, bias, labels = make(rng, (29,), 12, 300, jnp.float32)
+  labels = labels.at[:4].set(jnp.asarray([3, -1, 300, 7]))  # ignored and out-of-range rows
+  loss = lambda x, w, b: jaxfuse.linear_cross_entropy(x, w, labels, bias=b, **options)
+  want, want_grads = expected(x, weight, bias, labels, **options)
+  assert_close(loss(x, weight, bias), want, jnp.float32, factor=4, name="loss", axis=0)
+  if want_grads is not None:
+    grads = jax.grad(loss, (0, 1, 2))(x, weight, bias)
+    for g, e, name in zip(grads, want_grads, ("dx", "dweight", "dbias")):
+      assert_close(g, e, jnp.float32, factor=4, name=name, axis=0 if name == "dbias" else -1)
+
+
+def test_labels_in_the_last_chunks_overlap(rng, monkeypatch):
+  """Vocabulary 100 in chunks of 64: the last chunk is columns 36-99, of which 36-63 were
+  seen in the first."""
+  monkeypatch.setattr(reference, "CHUNK", 64)
+  x, weight, bias, _ = make(rng, (7,), 9, 100, jnp.float32)
+  labels = jnp.asarray([0, 36, 50, 63, 64, 80, 99], jnp.int32)
+  loss = lambda x, w, b: jaxfuse.linear_cross_entropy(x, w, labels, bias=b, reduction="none",
+                                                      label_smoothing=0.1)
+  want, _ = expected(x, weight, bias, labels, reduction="none", label_smoothing=0.1)
+  assert_close(loss(x, weight, bias), want, jnp.float32, factor=4, name="loss", axis=0)
+  grads = jax.grad(lambda *a: jnp.sum(loss(*a)), (0, 1, 2))(x, weight, bias)
+  _, want_grads = expected(x, weight, bias, labels, reduction="sum", label_smoothing=0.1)
+  for g, e, name in zip(grads, want_grads, ("dx", "dweight", "dbias")):
+    assert_close(g, e, jnp.float32, factor=4, name=name, axis=0 if name == "dbias" else -1)
+
+
+def test_without_bias_and_with_a_tied_embedding(rng, chunk):
+  x, _, _, labels = make(rng, (11,), 10, 77, jnp.float32, bias=False)
+  embedding = random(rng, (77, 10), jnp.float32, scale=0.3)
+  loss = lambda x, e: jaxfuse.linear_cross_entropy(x, e.T, labels)
+  grads = jax.grad(loss, (0, 1))(x, embedding)
+  want, want_grads = expected(x, embedding.T, None, labels, argnums=(0, 1))
+  assert_close(loss(x, embedding), want, jnp.float32, factor=4, name="loss")
+  assert_close(grads[0], want_grads[0], jnp.float32, factor=4, name="dx")
+  assert_close(grads[1], want_grads[1].T, jnp.float32, factor=4, name="dembedding")
+
+
+def test_nothing_counted_gives_zero_mean(rng):
+  x, weight, bias, labels = make(rng, (6,), 4, 9, jnp.float32)
+  loss = lambda x: jaxfuse.linear_cross_entropy(x, weight, jnp.full_like(labels, -1), bias=bias)
+  assert float(loss(x)) == 0.0
+  assert not np.any(np.asarray(jax.grad(loss)(x)))
+
+
+def test_nan_propagates_to_its_row(rng):
+  x, weight, bias, labels = make(rng, (6,), 4, 9, jnp.float32)
+  rows = jaxfuse.linear_cross_entropy(x.at[2, 1].set(jnp.nan), weight, labels, bias=bias,
+                                      reduction="none")
+  assert np.isnan(rows[2]) and np.all(np.isfinite(np.delete(np.asarray(rows), 2)))
+
+
+def test_vmap_and_jit(rng):
+  x, weight, bias, labels = make(rng, (3, 8), 6, 50, jnp.float32)
+  run = lambda x, l: jaxfuse.linear_cross_entropy(x, weight, l, bias=bias, reduction="sum")
+  mapped = jax.jit(jax.vmap(run))(x, labels)
+  for i in range(3):
+    np.testing.assert_allclose(mapped[i], run(x[i], labels[i]), rtol=1e-6)
+
+
+def test_temporary_memory_does_not_grow_with_tokens_times_vocabulary(rng, monkeypatch):
+  monkeypatch.setattr(reference, "CHUNK", 512)
+  tokens, width, vocab = 512, 32, 16384
+  x, weight, bias, labels = make(rng, (tokens,), width, vocab, jnp.float32)
+  logits_bytes = tokens * vocab * 4
+
+  def temp(fn):
+    compiled = jax.jit(jax.value_and_grad(fn, (0, 1, 2))).lower(x, weight, bias).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+  fused = temp(lambda x, w, b: jaxfuse.linear_cross_entropy(x, w, labels, bias=b))
+  full = temp(lambda x, w, b: jaxfuse.softmax_cross_entropy(x @ w + b, labels,
+                                                            implementation="xla"))
+  assert full >= logits_bytes  # the check can fail: the unfused loss holds the logits
+  assert fused < logits_bytes / 4
+
+
+@pytest.mark.parametrize("change,error,match", [
+    (dict(weight=np.ones((5, 9), np.float32)), ValueError, "weight"),
+    (dict(weight=np.ones((4,), np.float32)), ValueError, "weight"),
+    (dict(labels=np.ones((7,), np.int32)), ValueError, "labels"),
+    (dict(labels=np.ones((6,), np.float32)), TypeError, "labels"),
+    (dict(bias=np.ones((8,), np.float32)), ValueError, "bias"),
+    (dict(x=np.ones((6, 4), np.int32)), TypeError, "x"),
+    (dict(label_smoothing=1.0), ValueError, "label_smoothing"),
+    (dict(z_loss=-1.0), ValueError, "z_loss"),
+    (dict(reduction="max"), ValueError, "reduction"),
+    (dict(implementation="cuda"), NotImplementedError, "cuda"),
+    (dict(implementation="bogus"), ValueError, "implementation"),
+])
+def test_bad_inputs(rng, change, error, match):
+  x, weight, bias, labels = make(rng, (6,), 4, 9, jnp.float32)
+  args = dict(x=x, weight=weight, labels=labels, bias=bias) | change
+  options = {k: args.pop(k) for k in list(args) if k not in ("x", "weight", "labels")}
+  with pytest.raises(error, match=match):
+    jaxfuse.linear_cross_entropy(args["x"], args["weight"], args["labels"], **options)
