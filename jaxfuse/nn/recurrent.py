@@ -1,0 +1,74 @@
+"""``LSTM`` and ``GRU`` layers over :func:`jaxfuse.lstm` and :func:`jaxfuse.gru`."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxfuse.ops.rnn.api import gru, lstm
+from jaxfuse.ops.rnn.weights import init_gru_weights, init_lstm_weights
+
+
+class _Recurrent(nnx.Module):
+  """A multi-layer, optionally bidirectional recurrent layer over a ragged batch.
+
+  The parameter is ``weights``, the flat cuDNN layout of the functional op (the ``unpack_*`` /
+  ``pack_*`` and PyTorch ``state_dict`` helpers read and write it), drawn as PyTorch draws
+  them. Inter-layer dropout takes its key from ``rngs``' ``dropout`` stream, unless
+  ``deterministic`` (``model.eval()`` sets it).
+  """
+
+  _op = None
+  _init = None
+  _states = 1
+
+  def __init__(self, input_size: int, hidden_size: int, *, num_layers: int = 1,
+               bidirectional: bool = False, dropout: float = 0.0, deterministic: bool = False,
+               precision=None, param_dtype=jnp.float32, implementation: str | None = None,
+               rngs: nnx.Rngs):
+    self.weights = nnx.Param(type(self)._init(rngs.params(), input_size, hidden_size,
+                                              num_layers, bidirectional, dtype=param_dtype))
+    self.input_size, self.hidden_size, self.num_layers = input_size, hidden_size, num_layers
+    self.bidirectional, self.dropout, self.deterministic = bidirectional, dropout, deterministic
+    self.precision, self.implementation = precision, implementation
+    self.rngs = rngs.dropout if dropout > 0 else None
+
+  def __call__(self, x, seq_lengths=None, initial_state=None, *, deterministic=None,
+               rngs: nnx.Rngs | None = None):
+    """``x (B, T, input_size)``; ``seq_lengths (B,)`` (default: all ``T``);
+    ``initial_state`` like the returned state (default: zeros). Returns ``(y, state)``, ``y``
+    ``(B, T, directions * hidden_size)``, the state ``(h_n, c_n)`` for the LSTM and ``h_n``
+    for the GRU, each ``(num_layers * directions, B, hidden_size)``."""
+    batch, steps = x.shape[:2]
+    if seq_lengths is None:
+      seq_lengths = jnp.full((batch,), steps, jnp.int32)
+    if initial_state is None:
+      shape = ((2 if self.bidirectional else 1) * self.num_layers, batch, self.hidden_size)
+      zeros = jnp.zeros(shape, x.dtype)
+      initial_state = (zeros, zeros) if self._states == 2 else zeros
+    states = initial_state if self._states == 2 else (initial_state,)
+    deterministic = self.deterministic if deterministic is None else deterministic
+    dropout, key = 0.0, None
+    if self.dropout > 0 and not deterministic:
+      stream = rngs.dropout if rngs is not None else self.rngs
+      dropout, key = self.dropout, stream()
+    out = type(self)._op(x, *states, self.weights[...], seq_lengths,
+                         input_size=self.input_size, hidden_size=self.hidden_size,
+                         num_layers=self.num_layers, dropout=dropout,
+                         bidirectional=self.bidirectional, precision=self.precision,
+                         dropout_key=key, implementation=self.implementation)
+    return out[0], (tuple(out[1:]) if self._states == 2 else out[1])
+
+
+class LSTM(_Recurrent):
+  __doc__ = _Recurrent.__doc__.replace("A multi-layer", "An LSTM: a multi-layer")
+  _op = staticmethod(lstm)
+  _init = staticmethod(init_lstm_weights)
+  _states = 2
+
+
+class GRU(_Recurrent):
+  __doc__ = _Recurrent.__doc__.replace("A multi-layer", "A GRU (cuDNN's and PyTorch's): a "
+                                       "multi-layer")
+  _op = staticmethod(gru)
+  _init = staticmethod(init_gru_weights)
