@@ -18,16 +18,14 @@ class _Recurrent(nnx.Module):
   ``deterministic`` (``model.eval()`` sets it).
   """
 
-  _op = None
-  _init = None
-  _states = 1
+  _states = 1  # h only; the LSTM also carries c
 
   def __init__(self, input_size: int, hidden_size: int, *, num_layers: int = 1,
                bidirectional: bool = False, dropout: float = 0.0, deterministic: bool = False,
                precision=None, param_dtype=jnp.float32, implementation: str | None = None,
                rngs: nnx.Rngs):
-    self.weights = nnx.Param(type(self)._init(rngs.params(), input_size, hidden_size,
-                                              num_layers, bidirectional, dtype=param_dtype))
+    self.weights = nnx.Param(self._init(rngs.params(), input_size, hidden_size, num_layers,
+                                        bidirectional, dtype=param_dtype))
     self.input_size, self.hidden_size, self.num_layers = input_size, hidden_size, num_layers
     self.bidirectional, self.dropout, self.deterministic = bidirectional, dropout, deterministic
     self.precision, self.implementation = precision, implementation
@@ -52,23 +50,22 @@ class _Recurrent(nnx.Module):
     if self.dropout > 0 and not deterministic:
       stream = rngs.dropout if rngs is not None else self.rngs
       dropout, key = self.dropout, stream()
-    out = type(self)._op(x, *states, self.weights[...], seq_lengths,
-                         input_size=self.input_size, hidden_size=self.hidden_size,
-                         num_layers=self.num_layers, dropout=dropout,
-                         bidirectional=self.bidirectional, precision=self.precision,
-                         dropout_key=key, implementation=self.implementation)
+    out = self._op(x, *states, self.weights[...], seq_lengths,
+                   input_size=self.input_size, hidden_size=self.hidden_size,
+                   num_layers=self.num_layers, dropout=dropout,
+                   bidirectional=self.bidirectional, precision=self.precision,
+                   dropout_key=key, implementation=self.implementation)
     return out[0], (tuple(out[1:]) if self._states == 2 else out[1])
 
 
 class LSTM(_Recurrent):
-  __doc__ = _Recurrent.__doc__.replace("A multi-layer", "An LSTM: a multi-layer")
+  """An LSTM layer over :func:`jaxfuse.lstm`; see ``_Recurrent`` for the arguments."""
   _op = staticmethod(lstm)
   _init = staticmethod(init_lstm_weights)
   _states = 2
 
 
 class GRU(_Recurrent):
-  __doc__ = _Recurrent.__doc__.replace("A multi-layer", "A GRU (cuDNN's and PyTorch's): a "
-                                       "multi-layer")
+  """A GRU layer (cuDNN's and PyTorch's) over :func:`jaxfuse.gru`; see ``_Recurrent``."""
   _op = staticmethod(gru)
   _init = staticmethod(init_gru_weights)

@@ -67,8 +67,7 @@ def linear_cross_entropy(x, weight, labels, *, bias=None, ignore_index: int | No
       raise ValueError(f"{op}: bias must be (vocabulary,) = ({vocab},), got {describe(bias)}")
   ignore_index, label_smoothing, z_loss = cross_entropy_options(
       op, ignore_index, label_smoothing, z_loss, reduction)
-  impl = registry.resolve(op, implementation, _BACKENDS, ("xla",))
-  del impl  # 'xla' is the only implementation so far
+  registry.resolve(op, implementation, _BACKENDS, ("xla",))  # 'xla' is the only one so far
   st = _Static(label_smoothing, z_loss, reduction, ignore_index, reference.CHUNK)
   return _linear_cross_entropy_jit(x, weight, bias, labels, st)
 
@@ -85,17 +84,16 @@ class _Static:
 @functools.partial(jax.jit, static_argnums=(4,))
 def _linear_cross_entropy_jit(x, weight, bias, labels, st):
   vocab = weight.shape[1]
-  operand = jnp.result_type(x, weight) if bias is None else jnp.result_type(x, weight, bias)
-  accumulate = jnp.promote_types(jnp.float32, operand)
-  if bias is None:
-    bias = jnp.zeros((vocab,), operand)
+  # The products' operand dtype; the casts' own gradients return dx in x's dtype.
+  operand = jnp.result_type(x, weight, *(() if bias is None else (bias,)))
+  bias = jnp.zeros((vocab,), operand) if bias is None else bias
   labels = labels.astype(jnp.int32)
   valid = counted_labels(labels, vocab, st.ignore_index)
-  rows = _rows(x.reshape(-1, x.shape[-1]), weight, bias,
+  rows = _rows(x.astype(operand).reshape(-1, x.shape[-1]), weight, bias,
                jnp.where(valid, labels, -1).reshape(-1), st)
   if st.reduction == "none":
     return rows.reshape(labels.shape)
-  return jnp.sum(rows) * reduction_scale(valid, st.reduction, accumulate)
+  return jnp.sum(rows) * reduction_scale(valid, st.reduction, rows.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -104,9 +102,8 @@ def _rows(x, weight, bias, labels, st):
 
 
 def _forward(x, weight, bias, labels, st):
-  operand = jnp.result_type(x, weight, bias)
-  return reference.rows(x.astype(operand), weight, bias, labels,
-                        label_smoothing=st.label_smoothing, z_loss=st.z_loss, chunk=st.chunk)
+  return reference.rows(x, weight, bias, labels, label_smoothing=st.label_smoothing,
+                        z_loss=st.z_loss, chunk=st.chunk)
 
 
 def _rows_fwd(x, weight, bias, labels, st):
@@ -116,9 +113,8 @@ def _rows_fwd(x, weight, bias, labels, st):
 
 def _rows_bwd(st, residuals, g):
   x, weight, bias, labels, lse = residuals
-  operand = jnp.result_type(x, weight, bias)
   dx, dweight, dbias = reference.grads(
-      x.astype(operand), weight, bias, labels, lse, g.astype(lse.dtype),
+      x, weight, bias, labels, lse, g.astype(lse.dtype),
       label_smoothing=st.label_smoothing, z_loss=st.z_loss, chunk=st.chunk)
   return (dx.astype(x.dtype), dweight.astype(weight.dtype), dbias.astype(bias.dtype), None)
 
