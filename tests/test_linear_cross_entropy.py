@@ -35,9 +35,11 @@ def expected(x, weight, bias, labels, argnums=(0, 1, 2), **options):
     return np.asarray(value), [np.asarray(g) for g in jax.grad(loss, argnums)(*wide)]
 
 
-@pytest.fixture(params=[64, 1 << 20], ids=["chunked", "one-chunk"])
+@pytest.fixture(params=[2000, 1 << 27], ids=["chunked", "one-chunk"])
 def chunk(request, monkeypatch):
-  monkeypatch.setattr(reference, "CHUNK", request.param)
+  """Logits per chunk: 2000 walks 2 rows at a time at vocabulary 1000, every row alone past
+  2000."""
+  monkeypatch.setattr(reference, "CHUNK_ELEMENTS", request.param)
   return request.param
 
 
@@ -72,20 +74,23 @@ def test_options(rng, chunk, options):
       assert_close(g, e, jnp.float32, factor=4, name=name, axis=0 if name == "dbias" else -1)
 
 
-def test_labels_in_the_last_chunks_overlap(rng, monkeypatch):
-  """Vocabulary 100 in chunks of 64: the last chunk is columns 36-99, of which 36-63 were
-  seen in the first."""
-  monkeypatch.setattr(reference, "CHUNK", 64)
+def test_rows_of_the_last_chunk_overlap(rng, monkeypatch):
+  """7 rows in chunks of 3 (300 logits at vocabulary 100): the last chunk is rows 4-6, of
+  which 4 and 5 were done by the second."""
+  monkeypatch.setattr(reference, "CHUNK_ELEMENTS", 300)
   x, weight, bias, _ = make(rng, (7,), 9, 100, jnp.float32)
   labels = jnp.asarray([0, 36, 50, 63, 64, 80, 99], jnp.int32)
-  loss = lambda x, w, b: jaxfuse.linear_cross_entropy(x, w, labels, bias=b, reduction="none",
-                                                      label_smoothing=0.1)
-  want, _ = expected(x, weight, bias, labels, reduction="none", label_smoothing=0.1)
-  assert_close(loss(x, weight, bias), want, jnp.float32, factor=4, name="loss", axis=0)
-  grads = jax.grad(lambda *a: jnp.sum(loss(*a)), (0, 1, 2))(x, weight, bias)
-  _, want_grads = expected(x, weight, bias, labels, reduction="sum", label_smoothing=0.1)
-  for g, e, name in zip(grads, want_grads, ("dx", "dweight", "dbias")):
-    assert_close(g, e, jnp.float32, factor=4, name=name, axis=0 if name == "dbias" else -1)
+  for reduction in ("none", "sum"):
+    loss = lambda x, w, b: jaxfuse.linear_cross_entropy(x, w, labels, bias=b, label_smoothing=0.1,
+                                                        reduction=reduction)
+    want, _ = expected(x, weight, bias, labels, reduction="none", label_smoothing=0.1)
+    got = loss(x, weight, bias)
+    assert_close(got if reduction == "none" else got[None], want if reduction == "none" else
+                 want.sum()[None], jnp.float32, factor=4, name="loss", axis=0)
+    grads = jax.grad(lambda *a: jnp.sum(loss(*a)), (0, 1, 2))(x, weight, bias)
+    _, want_grads = expected(x, weight, bias, labels, reduction="sum", label_smoothing=0.1)
+    for g, e, name in zip(grads, want_grads, ("dx", "dweight", "dbias")):
+      assert_close(g, e, jnp.float32, factor=4, name=name, axis=0 if name == "dbias" else -1)
 
 
 def test_without_bias_and_with_a_tied_embedding(rng, chunk):
@@ -122,7 +127,7 @@ def test_vmap_and_jit(rng):
 
 
 def test_temporary_memory_does_not_grow_with_tokens_times_vocabulary(rng, monkeypatch):
-  monkeypatch.setattr(reference, "CHUNK", 512)
+  monkeypatch.setattr(reference, "CHUNK_ELEMENTS", 16 * 16384)
   tokens, width, vocab = 512, 32, 16384
   x, weight, bias, labels = make(rng, (tokens,), width, vocab, jnp.float32)
   logits_bytes = tokens * vocab * 4

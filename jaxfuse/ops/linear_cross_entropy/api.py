@@ -25,16 +25,17 @@ def linear_cross_entropy(x, weight, labels, *, bias=None, ignore_index: int | No
   The same loss as ``softmax_cross_entropy(x @ weight + bias, labels, ...)`` (see it for the
   formula, ``ignore_index``, ``label_smoothing``, ``z_loss`` and ``reduction``), with the
   logits accumulated in float32 (float64 for float64 operands) and never rounded to the
-  operands' dtype. The vocabulary is walked in chunks with a running log-sum-exp, and the
-  backward recomputes each chunk's logits, so temporary memory grows with tokens x chunk, not
-  tokens x vocabulary.
+  operands' dtype. The tokens are walked in chunks whose logits live only while their rows'
+  losses (and, under differentiation, gradients) are taken, so temporary memory is one
+  chunk's logits (at most 2^27 floats, 512 MiB), not tokens x vocabulary. A differentiated
+  ``'mean'`` or ``'sum'`` computes its gradients in that same walk (three products with the
+  weights per training step, as the unfused loss); ``'none'`` recomputes the logits in its
+  backward.
 
   Args:
     x: ``(..., W)`` floating point: the last hidden states.
     weight: ``(W, V)`` floating point, the layout of ``flax.nnx.Linear``'s kernel; a tied
-      embedding ``(V, W)`` is passed as ``embedding.T`` (the 'xla' implementation slices
-      ``weight`` by columns in a loop, for which XLA lays the transpose out first: one copy
-      of the matrix per call).
+      embedding ``(V, W)`` is passed as ``embedding.T``, which the products read in place.
     labels: integer array of ``x.shape[:-1]``.
     bias: optional ``(V,)`` floating point.
     ignore_index, label_smoothing, z_loss, reduction: as in ``softmax_cross_entropy``.
@@ -68,7 +69,7 @@ def linear_cross_entropy(x, weight, labels, *, bias=None, ignore_index: int | No
   ignore_index, label_smoothing, z_loss = cross_entropy_options(
       op, ignore_index, label_smoothing, z_loss, reduction)
   registry.resolve(op, implementation, _BACKENDS, ("xla",))  # 'xla' is the only one so far
-  st = _Static(label_smoothing, z_loss, reduction, ignore_index, reference.CHUNK)
+  st = _Static(label_smoothing, z_loss, reduction, ignore_index, reference.CHUNK_ELEMENTS)
   return _linear_cross_entropy_jit(x, weight, bias, labels, st)
 
 
@@ -78,7 +79,7 @@ class _Static:
   z_loss: float
   reduction: str
   ignore_index: int | None
-  chunk: int
+  chunk_elements: int
 
 
 @functools.partial(jax.jit, static_argnums=(4,))
@@ -89,34 +90,61 @@ def _linear_cross_entropy_jit(x, weight, bias, labels, st):
   bias = jnp.zeros((vocab,), operand) if bias is None else bias
   labels = labels.astype(jnp.int32)
   valid = counted_labels(labels, vocab, st.ignore_index)
-  rows = _rows(x.astype(operand).reshape(-1, x.shape[-1]), weight, bias,
-               jnp.where(valid, labels, -1).reshape(-1), st)
+  args = (x.astype(operand).reshape(-1, x.shape[-1]), weight, bias,
+          jnp.where(valid, labels, -1).reshape(-1))
   if st.reduction == "none":
-    return rows.reshape(labels.shape)
-  return jnp.sum(rows) * reduction_scale(valid, st.reduction, rows.dtype)
+    return _rows(*args, st).reshape(labels.shape)
+  accumulate = jnp.promote_types(jnp.float32, operand)
+  row_weight = jnp.broadcast_to(reduction_scale(valid, st.reduction, accumulate), args[3].shape)
+  return _reduced(*args, row_weight, st)
 
 
+def _walk(x, weight, bias, labels, st, **grads_from):
+  return reference.walk(x, weight, bias, labels, label_smoothing=st.label_smoothing,
+                        z_loss=st.z_loss, chunk_elements=st.chunk_elements, **grads_from)
+
+
+def _cast_like(grads, g, x, weight, bias):
+  return tuple((g * d).astype(a.dtype) for d, a in zip(grads, (x, weight, bias)))
+
+
+# Per-row losses ('none'): the backward needs each row's cotangent, so it walks the chunks
+# again, recomputing the logits.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _rows(x, weight, bias, labels, st):
-  return _forward(x, weight, bias, labels, st)[0]
-
-
-def _forward(x, weight, bias, labels, st):
-  return reference.rows(x, weight, bias, labels, label_smoothing=st.label_smoothing,
-                        z_loss=st.z_loss, chunk=st.chunk)
+  return _walk(x, weight, bias, labels, st)[0]
 
 
 def _rows_fwd(x, weight, bias, labels, st):
-  loss, lse = _forward(x, weight, bias, labels, st)
+  loss, lse, _ = _walk(x, weight, bias, labels, st)
   return loss, (x, weight, bias, labels, lse)
 
 
 def _rows_bwd(st, residuals, g):
   x, weight, bias, labels, lse = residuals
-  dx, dweight, dbias = reference.grads(
-      x, weight, bias, labels, lse, g.astype(lse.dtype),
-      label_smoothing=st.label_smoothing, z_loss=st.z_loss, chunk=st.chunk)
-  return (dx.astype(x.dtype), dweight.astype(weight.dtype), dbias.astype(bias.dtype), None)
+  _, _, grads = _walk(x, weight, bias, labels, st, row_grad=g.astype(lse.dtype), lse=lse)
+  return _cast_like(grads, 1.0, x, weight, bias) + (None,)
 
 
 _rows.defvjp(_rows_fwd, _rows_bwd)
+
+
+# A reduced loss ('mean', 'sum') is linear in one scalar cotangent: the forward walk computes
+# the gradients for a cotangent of one while it has each chunk's logits, and the backward only
+# scales them, so a training step multiplies by the weights three times, as the unfused loss.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _reduced(x, weight, bias, labels, row_weight, st):
+  return jnp.sum(_walk(x, weight, bias, labels, st)[0] * row_weight)
+
+
+def _reduced_fwd(x, weight, bias, labels, row_weight, st):
+  loss, _, grads = _walk(x, weight, bias, labels, st, row_grad=row_weight)
+  return jnp.sum(loss * row_weight), (grads, x, weight, bias)
+
+
+def _reduced_bwd(st, residuals, g):
+  grads, x, weight, bias = residuals
+  return _cast_like(grads, g, x, weight, bias) + (None, None)
+
+
+_reduced.defvjp(_reduced_fwd, _reduced_bwd)

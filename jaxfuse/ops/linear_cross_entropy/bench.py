@@ -1,7 +1,7 @@
 """Bench cases for ``linear_cross_entropy``, beside the unfused ``x @ weight`` and ``optax``.
 
 FLOPs counted: the output projection, 2·N·W·V forward; the training step adds dx and dweight,
-6·N·W·V (the fused backward also recomputes the logits, which is not counted). The table's
+6·N·W·V (the fused step computes the gradients in its forward walk, as many matmuls). The table's
 temporary-memory column is the point: the unfused step holds the (N, V) logits and their
 gradient.
 """

@@ -1,95 +1,93 @@
-"""XLA implementation of ``linear_cross_entropy``: the vocabulary walked in chunks.
+"""XLA implementation of ``linear_cross_entropy``: the tokens walked in chunks.
 
-Each chunk's logits ``x @ weight[:, chunk] + bias[chunk]`` live only while they are folded
-into a running log-sum-exp (and the label's logit and the logits' sum, for label smoothing);
-the backward recomputes them chunk by chunk, adds each chunk's part of ``dx`` and of its own
-columns of ``dweight``. The chunks are the iterations of a loop, so temporary memory is
-O(tokens x chunk) whatever XLA's scheduler does, never O(tokens x vocabulary). The last chunk
-ends at the vocabulary's end and may overlap the one before it; the columns already seen are
+Each chunk of rows gets its logits ``x[rows] @ weight + bias`` in float32, folds them into
+its rows' log-sum-exp and loss and, when gradients are asked for, into ``dx[rows]`` and the
+running ``dweight`` and ``dbias``, before the next chunk's logits replace them. The chunks are
+the iterations of a loop, so temporary memory is one chunk's logits whatever XLA's scheduler
+does: ``CHUNK_ELEMENTS``, never tokens x vocabulary.
+
+Chunks of whole rows (rather than of vocabulary columns with an online log-sum-exp) are what
+lets the loss and its gradients come out of one walk: a row's softmax needs its log-sum-exp,
+which a column chunk only has after the last chunk. One walk is three matrix products, as
+many as the unfused loss; a column walk needs a second pass that recomputes the logits (four).
+The last chunk ends at the last row and may overlap the one before; its rows already done are
 masked out of it.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
-# Vocabulary columns per chunk: the (tokens, chunk) logits in float32 are the largest temporary.
-CHUNK = 8192
+# Logits held per chunk, float32: 512 MiB, a few percent of the unfused training step's
+# (tokens, vocabulary) logits and their gradient at GPT-2's shape, while a chunk's products
+# stay large enough for the matrix units. Fewer, larger chunks also mean fewer passes of the
+# float32 dweight accumulator through memory.
+CHUNK_ELEMENTS = 1 << 27
 
 
-def _chunk(x, weight, bias, index, width, accumulate):
-  """Chunk ``index``'s logits, its first column, its global columns, and which are new."""
-  vocab = weight.shape[1]
-  start = jnp.minimum(index * width, vocab - width)
-  columns = start + jnp.arange(width)
-  w = lax.dynamic_slice_in_dim(weight, start, width, axis=1).astype(x.dtype)
-  logits = lax.dot_general(x, w, (((1,), (0,)), ((), ())), preferred_element_type=accumulate)
-  logits = logits + lax.dynamic_slice_in_dim(bias, start, width).astype(accumulate)
-  return logits, start, columns, columns >= index * width
+def rows_per_chunk(tokens: int, vocab: int, elements: int) -> int:
+  rows = max(1, elements // vocab)
+  for tile in (128, 8):  # whole tiles of the products' row blocks
+    if rows >= tile:
+      rows -= rows % tile
+      break
+  return min(rows, tokens)
 
 
-def rows(x, weight, bias, labels, *, label_smoothing, z_loss, chunk=CHUNK):
-  """Per-row loss (0 where ``labels`` is -1) and log-sum-exp. ``x (N, W)`` in the products'
-  operand dtype, ``weight (W, V)``, ``bias (V,)``, ``labels (N,)`` int32."""
+def walk(x, weight, bias, labels, *, label_smoothing, z_loss, row_grad=None, lse=None,
+         chunk_elements=CHUNK_ELEMENTS):
+  """Per-row loss (0 where ``labels`` is -1) and log-sum-exp, and with ``row_grad`` (the
+  cotangent of each row's loss) the gradients ``(dx, dweight, dbias)`` in float32 (float64
+  for float64). ``x (N, W)`` in the products' operand dtype, ``weight (W, V)``, ``bias (V,)``,
+  ``labels (N,)`` int32; ``lse`` spares recomputing the log-sum-exps of a forward pass."""
+  tokens, vocab = x.shape[0], weight.shape[1]
   accumulate = jnp.promote_types(jnp.float32, x.dtype)
-  vocab = weight.shape[1]
-  width = min(chunk, vocab)
+  rows = rows_per_chunk(tokens, vocab, chunk_elements)
+  weight = weight.astype(x.dtype)
+  bias = bias.astype(accumulate)
+  with_grads = row_grad is not None
 
-  def fold(index, carry):
-    high, total_exp, picked, total = carry
-    logits, _, columns, new = _chunk(x, weight, bias, index, width, accumulate)
-    logits = jnp.where(new, logits, -jnp.inf)
-    top = jnp.maximum(high, jnp.max(logits, axis=1))
-    # A row whose logits so far are all -inf keeps a zero sum (no inf - inf).
-    safe_top = jnp.where(jnp.isfinite(top), top, 0.0)
-    total_exp = (total_exp * jnp.exp(high - safe_top)
-                 + jnp.sum(jnp.exp(logits - safe_top[:, None]), axis=1))
-    hit = new & (columns == labels[:, None])
-    picked = picked + jnp.sum(jnp.where(hit, logits, 0.0), axis=1)
-    total = total + jnp.sum(jnp.where(new, logits, 0.0), axis=1)
-    return top, total_exp, picked, total
-
-  zeros = jnp.zeros(x.shape[:1], accumulate)
-  init = (jnp.full(x.shape[:1], -jnp.inf, accumulate), zeros, zeros, zeros)
-  high, total_exp, picked, total = lax.fori_loop(0, -(-vocab // width), fold, init)
-  lse = jnp.log(total_exp) + jnp.where(jnp.isfinite(high), high, 0.0)
-  loss = lse - (1.0 - label_smoothing) * picked
-  if label_smoothing:
-    loss = loss - label_smoothing * total / vocab
-  if z_loss:
-    loss = loss + z_loss * lse * lse
-  return jnp.where(labels >= 0, loss, 0.0), lse
-
-
-def grads(x, weight, bias, labels, lse, row_grad, *, label_smoothing, z_loss, chunk=CHUNK):
-  """``(dx, dweight, dbias)`` of ``sum(loss * row_grad)``, in float32 (float64 for float64)."""
-  accumulate = lse.dtype
-  vocab = weight.shape[1]
-  width = min(chunk, vocab)
-  counted = jnp.where(labels >= 0, row_grad, 0.0)
-  scale = counted * (1.0 + 2.0 * z_loss * lse)
-
-  def add(index, carry):
-    dx, dweight, dbias = carry
-    logits, start, columns, new = _chunk(x, weight, bias, index, width, accumulate)
-    d = (jnp.exp(logits - lse[:, None]) * scale[:, None]
-         - (1.0 - label_smoothing) * jnp.where(columns == labels[:, None], counted[:, None], 0.0)
+  def chunk(index, carry):
+    start = jnp.minimum(index * rows, tokens - rows)
+    new = start + jnp.arange(rows) >= index * rows
+    take = lambda a: lax.dynamic_slice_in_dim(a, start, rows)
+    put = lambda a, part: lax.dynamic_update_slice_in_dim(
+        a, jnp.where(new.reshape((rows,) + (1,) * (a.ndim - 1)), part, take(a)), start, 0)
+    xs, label = take(x), take(labels)
+    logits = lax.dot_general(xs, weight, (((1,), (0,)), ((), ())),
+                             preferred_element_type=accumulate) + bias
+    row_lse = jax.nn.logsumexp(logits, axis=1) if lse is None else take(lse)
+    picked = jnp.take_along_axis(logits, jnp.maximum(label, 0)[:, None], axis=1)[:, 0]
+    loss = row_lse - (1.0 - label_smoothing) * picked
+    if label_smoothing:
+      loss = loss - label_smoothing * jnp.mean(logits, axis=1)
+    if z_loss:
+      loss = loss + z_loss * row_lse * row_lse
+    carry = dict(carry, loss=put(carry["loss"], jnp.where(label >= 0, loss, 0.0)),
+                 lse=put(carry["lse"], row_lse))
+    if not with_grads:
+      return carry
+    counted = jnp.where(new & (label >= 0), take(row_grad), 0.0)
+    scale = counted * (1.0 + 2.0 * z_loss * row_lse)
+    hit = jnp.arange(vocab) == label[:, None]
+    d = (jnp.exp(logits - row_lse[:, None]) * scale[:, None]
+         - jnp.where(hit, (1.0 - label_smoothing) * counted[:, None], 0.0)
          - label_smoothing / vocab * counted[:, None])
-    d = jnp.where(new, d, 0.0)
     # The products take d in the operands' dtype, as XLA's gradient of x @ weight would.
     operand = d.astype(x.dtype)
-    w = lax.dynamic_slice_in_dim(weight, start, width, axis=1).astype(x.dtype)
-    dx = dx + lax.dot_general(operand, w, (((1,), (1,)), ((), ())),
+    dx = lax.dot_general(operand, weight, (((1,), (1,)), ((), ())),
+                         preferred_element_type=accumulate)
+    dweight = lax.dot_general(xs, operand, (((0,), (0,)), ((), ())),
                               preferred_element_type=accumulate)
-    dw = lax.dot_general(x, operand, (((0,), (0,)), ((), ())), preferred_element_type=accumulate)
-    # The overlapped columns of the last chunk add zeros.
-    dweight = lax.dynamic_update_slice_in_dim(
-        dweight, lax.dynamic_slice_in_dim(dweight, start, width, axis=1) + dw, start, axis=1)
-    dbias = lax.dynamic_update_slice_in_dim(
-        dbias, lax.dynamic_slice_in_dim(dbias, start, width) + jnp.sum(d, axis=0), start, 0)
-    return dx, dweight, dbias
+    return dict(carry, dx=put(carry["dx"], dx), dweight=carry["dweight"] + dweight,
+                dbias=carry["dbias"] + jnp.sum(d, axis=0))
 
-  init = (jnp.zeros(x.shape, accumulate), jnp.zeros(weight.shape, accumulate),
-          jnp.zeros(weight.shape[1:], accumulate))
-  return lax.fori_loop(0, -(-vocab // width), add, init)
+  init = dict(loss=jnp.zeros((tokens,), accumulate), lse=jnp.zeros((tokens,), accumulate))
+  if with_grads:
+    init.update(dx=jnp.zeros(x.shape, accumulate), dweight=jnp.zeros(weight.shape, accumulate),
+                dbias=jnp.zeros((vocab,), accumulate))
+  out = lax.fori_loop(0, -(-tokens // rows), chunk, init)
+  grads = (out["dx"], out["dweight"], out["dbias"]) if with_grads else None
+  return out["loss"], out["lse"], grads
