@@ -7,12 +7,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.test_util import check_grads
 
 nnx = pytest.importorskip("flax.nnx")
 
 import jaxfuse  # noqa: E402
 from jaxfuse import nn  # noqa: E402
-from jaxfuse._core.testing import assert_close, random  # noqa: E402
+from jaxfuse._core.testing import assert_close, random, x64  # noqa: E402
 
 NORMS = [(nn.RMSNorm, nnx.RMSNorm), (nn.LayerNorm, nnx.LayerNorm)]
 
@@ -117,6 +118,173 @@ def test_recurrent_dropout_follows_the_mode(rng):
   model.train()
   keyed = lambda: model(x, rngs=nnx.Rngs(dropout=7))[0]
   np.testing.assert_array_equal(keyed(), keyed())
+
+
+def _mha(rng, **kwargs):
+  """flax's MultiHeadAttention (4 heads over 16 features) with small random parameters."""
+  layer = nnx.MultiHeadAttention(4, 16, decode=False, rngs=nnx.Rngs(0), **kwargs)
+  for _, variable in nnx.to_flat_state(nnx.state(layer, nnx.Param)):
+    variable[...] = random(rng, variable.shape, variable.dtype, scale=0.3)
+  return layer
+
+
+def _with_attention_fn(flax_layer, attention_fn, **kwargs):
+  """A MultiHeadAttention with ``flax_layer``'s parameters (cast to ``param_dtype``)."""
+  layer = nnx.MultiHeadAttention(4, 16, num_kv_heads=flax_layer.num_kv_heads, decode=False,
+                                 attention_fn=attention_fn, rngs=nnx.Rngs(0), **kwargs)
+  dtype = kwargs.get("param_dtype", jnp.float32)
+  nnx.update(layer, jax.tree.map(lambda p: p.astype(dtype), nnx.state(flax_layer, nnx.Param)))
+  return layer
+
+
+@pytest.mark.parametrize("batch", [(2,), (2, 3)], ids=["batch", "two-batch-axes"])
+@pytest.mark.parametrize("dtype,num_kv_heads", [(jnp.float32, None), (jnp.float32, 2),
+                                                (jnp.bfloat16, 1)], ids=["f32", "gqa", "mqa-bf16"])
+def test_dot_product_attention_in_multi_head_attention(rng, batch, dtype, num_kv_heads):
+  flax_layer = _mha(rng, num_kv_heads=num_kv_heads)
+  mine = _with_attention_fn(flax_layer, nn.dot_product_attention, dtype=dtype)
+  x = random(rng, batch + (11, 16), jnp.float32)
+  lengths = np.array([11, 6, 1])[np.arange(np.prod(batch)) % 3].reshape(batch + (1,))
+  padding = np.arange(11) < lengths
+  mask = nnx.combine_masks(nnx.make_causal_mask(x[..., 0]),
+                           nnx.make_attention_mask(np.ones(batch + (11,), bool), padding))
+
+  def outputs_and_grads(layer, x, mask):
+    def loss(layer, x):
+      return jnp.sum(jnp.sin(layer(x, mask=mask).astype(jnp.float32)))
+    return layer(x, mask=mask), nnx.grad(loss, argnums=(0, 1))(layer, x)
+
+  with x64():
+    reference = _with_attention_fn(flax_layer, nnx.dot_product_attention, dtype=jnp.float64,
+                                   param_dtype=jnp.float64)
+    expected = [outputs_and_grads(reference, x.astype(jnp.float64), m) for m in (mask, None)]
+  for m, (expected_out, (expected_params, expected_x)) in zip((mask, None), expected):
+    out, (params, dx) = outputs_and_grads(mine, x, m)
+    assert out.dtype == dtype and out.shape == expected_out.shape
+    assert_close(out, expected_out, factor=8)
+    assert_close(dx, expected_x, dtype, factor=16, name="dx")
+    for (path, a), (_, e) in zip(nnx.to_flat_state(params), nnx.to_flat_state(expected_params)):
+      if path[:2] == ("key", "bias"):
+        continue  # zero but for rounding: the key bias shifts a query's scores all alike
+      # Rows of a few heads, summed over 2-6 x 11 bf16 products (flax's own reaches 0.21).
+      assert_close(a[...], e[...], dtype, factor=32, name=str(path), axis=0)
+
+
+def test_dot_product_attention_leaves_dropout_and_sown_weights_to_flax(rng):
+  flax_layer = _mha(rng, dropout_rate=0.5)
+  mine = _with_attention_fn(flax_layer, nn.dot_product_attention, dropout_rate=0.5)
+  x = random(rng, (2, 7, 16), jnp.float32)
+  call = lambda layer: layer(x, rngs=nnx.Rngs(dropout=3), deterministic=False)
+  np.testing.assert_array_equal(call(mine), call(flax_layer))
+  q = random(rng, (2, 7, 4, 4), jnp.float32)
+  with pytest.raises(NotImplementedError, match="dropout"):
+    nn.dot_product_attention(q, q, q, dropout_rate=0.1, dropout_rng=jax.random.key(0),
+                             implementation="xla")
+  with pytest.raises(NotImplementedError, match="sowing"):
+    nn.dot_product_attention(q, q, q, module=mine, implementation="xla")
+
+
+def _attention_f64(q, k, v, keep, soft_cap=None):
+  """float64 attention of (B, T, N, H) q and (B, S, K, H) k, v; keep: (B, T, S) booleans."""
+  q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+  groups = q.shape[2] // k.shape[2]
+  k, v = np.repeat(k, groups, axis=2), np.repeat(v, groups, axis=2)
+  scores = np.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(q.shape[-1])
+  if soft_cap is not None:
+    scores = soft_cap * np.tanh(scores / soft_cap)
+  scores = np.where(keep[:, None], scores, -np.inf)
+  weights = np.exp(scores - scores.max(-1, keepdims=True))
+  return np.einsum("bnts,bsnh->btnh", weights / weights.sum(-1, keepdims=True), v)
+
+
+@pytest.mark.parametrize("options", [
+    {}, dict(num_kv_heads=2), dict(local_window_size=3), dict(logits_soft_cap=0.7),
+    dict(segments=True, num_kv_heads=1), dict(lengths=True), dict(qkv_features=24),
+], ids=["causal", "gqa", "window", "soft-cap", "segments-mqa", "lengths", "head-dim-6"])
+def test_causal_self_attention(rng, options):
+  options = dict(options)
+  segments, lengths = options.pop("segments", False), options.pop("lengths", False)
+  layer = nn.CausalSelfAttention(4, 16, rngs=nnx.Rngs(0), **options)
+  _randomize(layer, rng)
+  x = random(rng, (3, 13, 16), jnp.float32, scale=0.5)
+  i, j = np.arange(13)[:, None], np.arange(13)
+  keep = np.broadcast_to(j <= i, (3, 13, 13))
+  kwargs = {}
+  if "local_window_size" in options:
+    keep = keep & (j >= i - options["local_window_size"])
+  if segments:
+    ids = np.sort(rng.integers(0, 4, (3, 13)), axis=1)
+    keep = keep & (ids[:, :, None] == ids[:, None, :])
+    kwargs["segment_ids"] = jnp.asarray(ids, jnp.int32)
+  if lengths:
+    seq = np.array([13, 5, 1])
+    keep = keep & (j < seq[:, None, None])
+    kwargs["seq_lengths"] = jnp.asarray(seq, jnp.int32)
+  q, k, v = layer.query(x), layer.key(x), layer.value(x)
+  heads = _attention_f64(q, k, v, keep, options.get("logits_soft_cap"))
+  expected = np.einsum("btnh,nhf->btf", heads, np.asarray(layer.out.kernel[...], np.float64))
+  expected += np.asarray(layer.out.bias[...], np.float64)
+  assert_close(layer(x, **kwargs), expected, factor=8)
+  check_grads(lambda x: layer(x, **kwargs), (x,), order=1, modes=["rev"],
+                            atol=1e-2, rtol=1e-2)
+
+
+def test_causal_self_attention_shares_multi_head_attention_checkpoints(rng):
+  mha = nnx.MultiHeadAttention(4, 16, num_kv_heads=2, decode=False, rngs=nnx.Rngs(0))
+  _randomize(mha, rng)
+  layer = nn.CausalSelfAttention(4, 16, num_kv_heads=2, rngs=nnx.Rngs(1))
+  nnx.update(layer, nnx.state(mha, nnx.Param))
+  x = random(rng, (2, 9, 16), jnp.float32)
+  expected = mha(x, mask=nnx.make_causal_mask(x[..., 0]))
+  assert_close(layer(x), np.asarray(expected, np.float64), factor=8)
+  nnx.update(mha, nnx.state(layer, nnx.Param))
+  assert (jax.tree.structure(nnx.state(layer, nnx.Param))
+          == jax.tree.structure(nnx.state(mha, nnx.Param)))
+
+
+def test_causal_self_attention_rejects_bad_heads():
+  with pytest.raises(ValueError, match="num_kv_heads"):
+    nn.CausalSelfAttention(4, 16, num_kv_heads=3, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="num_heads"):
+    nn.CausalSelfAttention(5, 16, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="in_features"):
+    nn.CausalSelfAttention(4, 16, rngs=nnx.Rngs(0))(jnp.ones((2, 3, 8)))
+
+
+def test_cross_entropy_loss_is_optax(rng):
+  optax = pytest.importorskip("optax")
+  logits = random(rng, (4, 5, 37), jnp.float32, scale=3.0)
+  labels = jnp.asarray(rng.integers(0, 37, (4, 5)), jnp.int32)
+  where = jnp.asarray(rng.random((4, 5)) > 0.3)
+  expected = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+  assert_close(nn.cross_entropy_loss(logits, labels, reduction="none"), expected)
+  masked = nn.cross_entropy_loss(logits, labels, where=where)
+  assert_close(masked, jnp.sum(jnp.where(where, expected, 0)) / jnp.sum(where))
+  targets = jax.nn.softmax(random(rng, (4, 5, 37), jnp.float32))
+  expected = optax.softmax_cross_entropy(logits, targets)
+  assert_close(nn.cross_entropy_loss(logits, targets, reduction="none"), expected)
+  loss = lambda f: lambda logits: jnp.sum(jnp.where(where, f(logits), 0))
+  assert_close(jax.grad(loss(lambda z: nn.cross_entropy_loss(z, targets, reduction="none")))(
+      logits), jax.grad(loss(lambda z: optax.softmax_cross_entropy(z, targets)))(logits))
+  smoothed = 0.9 * targets + 0.1 / 37
+  assert_close(nn.cross_entropy_loss(logits, targets, label_smoothing=0.1, where=where),
+               jnp.sum(jnp.where(where, optax.softmax_cross_entropy(logits, smoothed), 0))
+               / jnp.sum(where))
+  onehot = jax.nn.one_hot(labels, 37)
+  assert_close(nn.cross_entropy_loss(logits, onehot, z_loss=0.01, reduction="sum"),
+               nn.cross_entropy_loss(logits, labels, z_loss=0.01, reduction="sum"))
+
+
+def test_cross_entropy_loss_rejects_bad_inputs():
+  logits = jnp.ones((4, 5))
+  with pytest.raises(ValueError, match="where"):
+    nn.cross_entropy_loss(logits, jnp.zeros((4,), jnp.int32), where=jnp.ones((5,), bool))
+  with pytest.raises(ValueError, match="ignore_index"):
+    nn.cross_entropy_loss(logits, jnp.ones((4, 5)) / 5, ignore_index=0)
+  with pytest.raises(ValueError, match="labels"):
+    nn.cross_entropy_loss(logits, jnp.ones((4, 3)) / 3)
+  with pytest.raises(ValueError, match="label_smoothing"):
+    nn.cross_entropy_loss(logits, jnp.ones((4, 5)) / 5, label_smoothing=1.5)
 
 
 def test_jaxfuse_imports_without_flax():

@@ -3,10 +3,15 @@
 ``RMSNorm`` and ``LayerNorm`` are drop-ins for ``flax.nnx.RMSNorm`` and ``flax.nnx.LayerNorm``:
 the same constructor arguments, parameters (``scale``, ``bias``) and dtype rules, so a
 checkpoint of one loads into the other. ``LSTM`` and ``GRU`` hold the flat cuDNN-layout weights
-of ``jaxfuse.lstm`` and ``jaxfuse.gru``.
+of ``jaxfuse.lstm`` and ``jaxfuse.gru``. ``dot_product_attention`` is an ``attention_fn`` for
+``flax.nnx.MultiHeadAttention``, ``CausalSelfAttention`` a decoder's attention layer with
+``MultiHeadAttention``'s parameters, and ``cross_entropy_loss`` the training loop's loss.
 """
 
+from jaxfuse.nn.attention import CausalSelfAttention, dot_product_attention
+from jaxfuse.nn.losses import cross_entropy_loss
 from jaxfuse.nn.normalization import LayerNorm, RMSNorm
 from jaxfuse.nn.recurrent import GRU, LSTM
 
-__all__ = ["GRU", "LSTM", "LayerNorm", "RMSNorm"]
+__all__ = ["GRU", "LSTM", "CausalSelfAttention", "LayerNorm", "RMSNorm", "cross_entropy_loss",
+           "dot_product_attention"]
