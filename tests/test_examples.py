@@ -1,0 +1,94 @@
+"""The training examples run a few steps on tiny configurations, fused and unfused alike."""
+
+import dataclasses
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+pytest.importorskip("flax.nnx")
+pytest.importorskip("optax")
+
+EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+sys.path.insert(0, str(EXAMPLES))
+
+import gpt  # noqa: E402
+
+
+def _tiny(**changes):
+  return dataclasses.replace(gpt.PRESETS["tiny"], **changes)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["stream", "packed"])
+@pytest.mark.parametrize("dtype,tolerance", [("float32", 1e-5), ("bfloat16", 2e-2)])
+def test_gpt_fused_and_unfused_losses_match(packed, dtype, tolerance):
+  mesh = gpt.make_mesh(None)
+  cfg = _tiny(dtype=dtype, layers=1, seq_len=64)
+  fused = gpt.train(cfg, "fused", 4, mesh=mesh, packed=packed, progress=False)
+  unfused = gpt.train(cfg, "unfused-xla", 4, mesh=mesh, packed=packed, progress=False)
+  assert len(fused) == 4 and all(np.isfinite(fused))
+  assert fused[-1] < fused[0]  # it learns
+  np.testing.assert_allclose(fused, unfused, rtol=tolerance)
+
+
+def test_packed_rows_restart_positions_and_drop_labels_across_documents():
+  rng = np.random.default_rng(3)
+  cfg = _tiny(seq_len=4097 // 4, batch=3)
+  for batch in (gpt.text_batch(rng, cfg, packed=True), gpt.random_batch(rng, cfg, packed=True)):
+    tokens, labels, positions, segments = batch
+    assert tokens.shape == labels.shape == positions.shape == segments.shape == (3, cfg.seq_len)
+    for row in range(3):
+      for t in range(cfg.seq_len):
+        start = t == 0 or segments[row, t] != segments[row, t - 1]
+        assert positions[row, t] == (0 if start else positions[row, t - 1] + 1)
+        last = t + 1 < cfg.seq_len and segments[row, t + 1] != segments[row, t]
+        if last:
+          assert labels[row, t] == -1
+        elif t + 1 < cfg.seq_len:
+          assert labels[row, t] == tokens[row, t + 1]
+  assert np.all(np.diff(segments, axis=1) >= 0) and (segments[:, -1] == 3).all()
+
+
+def test_gpt_bench_reports_every_variant(tmp_path):
+  out = tmp_path / "bench.json"
+  record = gpt.main(["--bench", "--preset", "tiny", "--vocab", "300", "--batch", "8",
+                     "--no-max-batch", "--json", str(out)])
+  assert [r["variant"] for r in record["rows"]] == ["fused", "unfused-xla"]
+  assert json.loads(out.read_text())["rows"][0]["tokens_per_s"] > 0
+  assert all(r["temp_bytes"] > 0 for r in record["rows"])
+
+
+_SHARDED = textwrap.dedent("""
+    import re, sys
+    sys.path.insert(0, sys.argv[1])
+    import dataclasses, jax, numpy as np, gpt
+    assert jax.device_count() == 8
+    cfg = dataclasses.replace(gpt.PRESETS["tiny"], dtype="float32", layers=1, seq_len=64)
+    for spec in ("8,1", "4,2"):
+      mesh = gpt.make_mesh(spec)
+      losses = {}
+      for variant in ("fused", "unfused-xla"):
+        trainer = gpt.Trainer(cfg, variant, mesh, 3)
+        hlo = trainer.compiled(cfg.batch, True).as_text()
+        if variant == "fused":
+          assert not re.search(r"all-gather(-start)?\\(", hlo), spec
+          assert re.search(r"all-reduce(-start)?\\(", hlo), spec  # the gradients' sum
+        losses[variant] = gpt.train(cfg, variant, 3, mesh=mesh, packed=True, progress=False)
+      np.testing.assert_allclose(losses["fused"], losses["unfused-xla"], rtol=1e-5)
+      kernel = trainer.params["blocks"][0]["fc"]["kernel"][...]
+      assert kernel.sharding.spec == jax.sharding.PartitionSpec(None, "model")
+    print("ok")
+""")
+
+
+def test_gpt_sharded_step_adds_no_all_gathers():
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             JAX_PLATFORMS="cpu")
+  result = subprocess.run([sys.executable, "-c", _SHARDED, str(EXAMPLES)], env=env,
+                          capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
