@@ -33,6 +33,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import math
 import pathlib
 import sys
 import sysconfig
@@ -396,29 +397,44 @@ def _bench_variant(cfg, variant, mesh, packed, steps, find_max_batch) -> dict:
   return row
 
 
-def largest_batch(trainer: Trainer, packed: bool) -> int | None:
-  """The largest batch (a multiple of the data axis) whose compiled step fits the device's
-  memory by the compiler's own accounting: doubling, then bisection to within an eighth."""
-  limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+def largest_batch(trainer: Trainer, packed: bool, limit: int | None = None) -> int | None:
+  """The largest batch (a multiple of the data axis, to within a sixteenth) whose compiled
+  step fits the device's memory by the compiler's own accounting. The step's memory is about
+  linear in the batch: two compiles fit the line, a few more bracket where it meets the
+  limit and bisect."""
+  limit = limit or (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
   if limit is None:
     return None
   unit = trainer.mesh.shape["data"]
 
-  def fits(multiple):
+  @functools.cache
+  def used(multiple):
     try:
       m = trainer.compiled(multiple * unit, packed).memory_analysis()
     except Exception:  # noqa: BLE001  (an allocation the compiler refuses does not fit)
-      return False
-    used = m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
-    return used - m.alias_size_in_bytes <= limit
+      return math.inf
+    return (m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
+            - m.alias_size_in_bytes)
+
+  def fits(multiple):
+    return used(multiple) <= limit
 
   low = max(1, trainer.cfg.batch // unit)
   if not fits(low):
     return 0
-  high = low * 2
-  while fits(high):
-    low, high = high, high * 2
-  while high - low > max(1, low // 8):
+  at_low, at_double = used(low), used(2 * low)
+  guess = max(low, int(low + (limit - at_low) * low // max(at_double - at_low, 1)))
+  step = max(1, guess // 16)
+  if fits(guess):
+    low, high = guess, guess + step
+    while fits(high):
+      low, high = high, high + step
+  else:
+    high = guess
+    while not fits(high - step) and high - step > low:
+      high -= step
+    low = max(low, high - step)
+  while high - low > max(1, low // 16):
     mid = (low + high) // 2
     low, high = (mid, high) if fits(mid) else (low, mid)
   return low * unit
@@ -462,6 +478,9 @@ def main(argv=None):
   parser.add_argument("--plot", default=None, help="loss-curve PNG path")
   parser.add_argument("--json", default=None, help="write losses or bench rows here")
   parser.add_argument("--bench", action="store_true")
+  parser.add_argument("--variants", default=None,
+                      help="--bench: comma-separated (fused, unfused-xla, unfused-cudnn, "
+                           "unfused-default)")
   parser.add_argument("--no-max-batch", action="store_true",
                       help="--bench without searching the largest batch that fits")
   args = parser.parse_args(argv)
@@ -478,6 +497,7 @@ def main(argv=None):
     variants = ["fused", "unfused-xla" if not args.packed else "unfused-default"]
     if jax.devices()[0].platform == "gpu":
       variants.append("unfused-cudnn")
+    variants = args.variants.split(",") if args.variants else variants
     record["rows"] = bench(cfg, variants, mesh, packed=args.packed,
                            find_max_batch=not args.no_max_batch)
   else:

@@ -162,3 +162,26 @@ def test_bad_inputs(rng, change, error, match):
   options = {k: args.pop(k) for k in list(args) if k not in ("x", "weight", "labels")}
   with pytest.raises(error, match=match):
     jaxfuse.linear_cross_entropy(args["x"], args["weight"], args["labels"], **options)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_gpt2_vocabulary_on_the_gpu(rng, reduction):
+  """An odd vocabulary (padded to whole tiles inside), several chunks, a tied embedding in
+  bfloat16: the shape class of the GPT example, on the device's matmuls."""
+  if jax.default_backend() != "gpu":
+    pytest.skip("needs a GPU")
+  x = random(rng, (4097, 256), jnp.bfloat16)
+  embedding = random(rng, (50257, 256), jnp.bfloat16, scale=256 ** -0.5)
+  labels = jnp.asarray(rng.integers(0, 50257, (4097,)), jnp.int32)
+  loss = lambda x, e: jaxfuse.linear_cross_entropy(x, e.T, labels, reduction=reduction)
+  if reduction == "none":
+    value = loss(x, embedding)
+    want, _ = expected(x, embedding.T, None, labels, reduction="none")
+    assert_close(value[:, None], want[:, None], jnp.float32, factor=4, name="losses")
+    return
+  value, (dx, dembedding) = jax.value_and_grad(loss, (0, 1))(x, embedding)
+  want, (want_dx, want_dweight) = expected(x, embedding.T, None, labels, argnums=(0, 1))
+  assert_close(value, want, jnp.float32, factor=4, name="loss")
+  assert_close(dx, want_dx, jnp.bfloat16, factor=4, name="dx")
+  assert_close(dembedding, want_dweight.T, jnp.bfloat16, factor=4, name="dembedding")

@@ -35,7 +35,9 @@ def linear_cross_entropy(x, weight, labels, *, bias=None, ignore_index: int | No
   Args:
     x: ``(..., W)`` floating point: the last hidden states.
     weight: ``(W, V)`` floating point, the layout of ``flax.nnx.Linear``'s kernel; a tied
-      embedding ``(V, W)`` is passed as ``embedding.T``, which the products read in place.
+      embedding ``(V, W)`` is passed as ``embedding.T``, which the products read in place
+      (a vocabulary that is not a multiple of 128 is padded to one, once per call: one copy
+      of the weight in the operands' dtype, where XLA's own products would pad it per chunk).
     labels: integer array of ``x.shape[:-1]``.
     bias: optional ``(V,)`` floating point.
     ignore_index, label_smoothing, z_loss, reduction: as in ``softmax_cross_entropy``.
@@ -87,7 +89,6 @@ def _linear_cross_entropy_jit(x, weight, bias, labels, st):
   vocab = weight.shape[1]
   # The products' operand dtype; the casts' own gradients return dx in x's dtype.
   operand = jnp.result_type(x, weight, *(() if bias is None else (bias,)))
-  bias = jnp.zeros((vocab,), operand) if bias is None else bias
   labels = labels.astype(jnp.int32)
   valid = counted_labels(labels, vocab, st.ignore_index)
   args = (x.astype(operand).reshape(-1, x.shape[-1]), weight, bias,
@@ -105,7 +106,8 @@ def _walk(x, weight, bias, labels, st, **grads_from):
 
 
 def _cast_like(grads, g, x, weight, bias):
-  return tuple((g * d).astype(a.dtype) for d, a in zip(grads, (x, weight, bias)))
+  return tuple(None if a is None else (g * d).astype(a.dtype)
+               for d, a in zip(grads, (x, weight, bias)))
 
 
 # Per-row losses ('none'): the backward needs each row's cotangent, so it walks the chunks

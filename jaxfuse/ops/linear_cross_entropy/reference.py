@@ -40,13 +40,19 @@ def walk(x, weight, bias, labels, *, label_smoothing, z_loss, row_grad=None, lse
          chunk_elements=CHUNK_ELEMENTS):
   """Per-row loss (0 where ``labels`` is -1) and log-sum-exp, and with ``row_grad`` (the
   cotangent of each row's loss) the gradients ``(dx, dweight, dbias)`` in float32 (float64
-  for float64). ``x (N, W)`` in the products' operand dtype, ``weight (W, V)``, ``bias (V,)``,
+  for float64; dbias None without a bias). ``x (N, W)`` in the products' operand dtype,
+  ``weight (W, V)``, ``bias (V,)`` or None,
   ``labels (N,)`` int32; ``lse`` spares recomputing the log-sum-exps of a forward pass."""
   tokens, vocab = x.shape[0], weight.shape[1]
   accumulate = jnp.promote_types(jnp.float32, x.dtype)
   rows = rows_per_chunk(tokens, vocab, chunk_elements)
-  weight = weight.astype(x.dtype)
-  bias = bias.astype(accumulate)
+  # A vocabulary of whole 128-column tiles: for an odd one (GPT-2's 50257) XLA would pad the
+  # weight for cuBLAS in every chunk, or pick generated matmuls at a fraction of its rate
+  # (GPU profile: benchmarks/profile_gpt.py). Padded once here, the extra columns' logits are
+  # sliced off and their softmax gradient is zero.
+  padded = vocab + -vocab % 128
+  weight = jnp.pad(weight.astype(x.dtype), ((0, 0), (0, padded - vocab)))
+  bias = None if bias is None else bias.astype(accumulate)
   with_grads = row_grad is not None
 
   def chunk(index, carry):
@@ -57,7 +63,9 @@ def walk(x, weight, bias, labels, *, label_smoothing, z_loss, row_grad=None, lse
         a, jnp.where(new.reshape((rows,) + (1,) * (a.ndim - 1)), part, take(a)), start, 0)
     xs, label = take(x), take(labels)
     logits = lax.dot_general(xs, weight, (((1,), (0,)), ((), ())),
-                             preferred_element_type=accumulate) + bias
+                             preferred_element_type=accumulate)[:, :vocab]
+    if bias is not None:
+      logits = logits + bias
     row_lse = jax.nn.logsumexp(logits, axis=1) if lse is None else take(lse)
     picked = jnp.take_along_axis(logits, jnp.maximum(label, 0)[:, None], axis=1)[:, 0]
     loss = row_lse - (1.0 - label_smoothing) * picked
@@ -76,18 +84,21 @@ def walk(x, weight, bias, labels, *, label_smoothing, z_loss, row_grad=None, lse
          - jnp.where(hit, (1.0 - label_smoothing) * counted[:, None], 0.0)
          - label_smoothing / vocab * counted[:, None])
     # The products take d in the operands' dtype, as XLA's gradient of x @ weight would.
-    operand = d.astype(x.dtype)
+    operand = jnp.pad(d.astype(x.dtype), ((0, 0), (0, padded - vocab)))
     dx = lax.dot_general(operand, weight, (((1,), (1,)), ((), ())),
                          preferred_element_type=accumulate)
     dweight = lax.dot_general(xs, operand, (((0,), (0,)), ((), ())),
                               preferred_element_type=accumulate)
-    return dict(carry, dx=put(carry["dx"], dx), dweight=carry["dweight"] + dweight,
-                dbias=carry["dbias"] + jnp.sum(d, axis=0))
+    carry = dict(carry, dx=put(carry["dx"], dx), dweight=carry["dweight"] + dweight)
+    if bias is not None:
+      carry["dbias"] = carry["dbias"] + jnp.sum(d, axis=0)
+    return carry
 
   init = dict(loss=jnp.zeros((tokens,), accumulate), lse=jnp.zeros((tokens,), accumulate))
   if with_grads:
-    init.update(dx=jnp.zeros(x.shape, accumulate), dweight=jnp.zeros(weight.shape, accumulate),
-                dbias=jnp.zeros((vocab,), accumulate))
+    init.update(dx=jnp.zeros(x.shape, accumulate), dweight=jnp.zeros(weight.shape, accumulate))
+    if bias is not None:
+      init["dbias"] = jnp.zeros((vocab,), accumulate)
   out = lax.fori_loop(0, -(-tokens // rows), chunk, init)
-  grads = (out["dx"], out["dweight"], out["dbias"]) if with_grads else None
+  grads = (out["dx"], out["dweight"][:, :vocab], out.get("dbias")) if with_grads else None
   return out["loss"], out["lse"], grads
