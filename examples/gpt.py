@@ -181,7 +181,7 @@ def text_batch(rng, cfg: Config, packed: bool):
   docs = stdlib_documents()
   t = cfg.seq_len
   if not packed:
-    stream = _stream()
+    stream = stdlib_stream()
     starts = rng.integers(0, stream.size - t - 1, cfg.batch)
     rows = np.stack([stream[s:s + t + 1] for s in starts]).astype(np.int32)
     positions = np.broadcast_to(np.arange(t, dtype=np.int32), (cfg.batch, t))
@@ -210,7 +210,7 @@ def _packed(rows, segments):
 
 
 @functools.cache
-def _stream() -> np.ndarray:
+def stdlib_stream() -> np.ndarray:
   return np.concatenate(stdlib_documents())
 
 
@@ -323,31 +323,38 @@ def train(cfg: Config, variant: str, steps: int, *, mesh, packed: bool, seed: in
   trainer = Trainer(cfg, variant, mesh, steps, seed)
   rng = np.random.default_rng(seed + jax.process_index())
   local = dataclasses.replace(cfg, batch=cfg.batch // jax.process_count())
+  return run_steps(lambda: trainer.step(text_batch(rng, local, packed)), steps,
+                   cfg.batch * cfg.seq_len, variant if progress else None)
+
+
+def run_steps(step, steps: int, tokens_per_step: int, name: str | None) -> list[float]:
+  """Calls ``step()`` (returning the loss) ``steps`` times; with a ``name``, a progress bar
+  with the loss and tokens/s. Losses are read in groups of ten: no host sync every step."""
   losses, pending, t0 = [], [], time.perf_counter()
   for i in range(steps):
-    pending.append(trainer.step(text_batch(rng, local, packed)))
-    if len(pending) == 10 or i == steps - 1:  # read losses in groups: no sync every step
+    pending.append(step())
+    if len(pending) == 10 or i == steps - 1:
       losses += [float(l) for l in pending]
       # tokens/s of the group just read (the first includes compiling).
-      rate = len(pending) * cfg.batch * cfg.seq_len / (time.perf_counter() - t0)
+      rate = len(pending) * tokens_per_step / (time.perf_counter() - t0)
       pending, t0 = [], time.perf_counter()
-      if progress:
+      if name:
         bar = "#" * (30 * (i + 1) // steps)
-        print(f"\r{variant:>14} [{bar:<30}] {i + 1}/{steps}  loss {losses[-1]:.4f}  "
+        print(f"\r{name:>14} [{bar:<30}] {i + 1}/{steps}  loss {losses[-1]:.4f}  "
               f"{rate:,.0f} tokens/s", end="", file=sys.stderr, flush=True)
-  if progress:
+  if name:
     print(file=sys.stderr)
   return losses
 
 
-def plot(path: str, curves: dict[str, list[float]]):
+def plot(path: str, curves: dict[str, list[float]], title: str = "GPT on the stdlib corpus"):
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   fig, ax = plt.subplots(figsize=(7, 4))
   for name, losses in curves.items():
     ax.plot(np.arange(1, len(losses) + 1), losses, label=name, linewidth=1)
-  ax.set(xlabel="step", ylabel="training loss (nats/byte)", title="GPT on the stdlib corpus")
+  ax.set(xlabel="step", ylabel="training loss (nats/byte)", title=title)
   ax.legend()
   fig.tight_layout()
   fig.savefig(path, dpi=120)

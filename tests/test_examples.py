@@ -92,3 +92,25 @@ def test_gpt_sharded_step_adds_no_all_gathers():
   result = subprocess.run([sys.executable, "-c", _SHARDED, str(EXAMPLES)], env=env,
                           capture_output=True, text=True, timeout=600)
   assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+def test_lstm_language_model_fused_and_unfused_losses_match():
+  import lstm_lm
+  cfg = dataclasses.replace(lstm_lm.PRESETS["tiny"], seq_len=17, batch=5, hidden=24)
+  unfused, fused = lstm_lm.build_pair(cfg)
+  losses = [lstm_lm.train(cfg, model, 4, name=name, progress=False)
+            for name, model in (("fused", fused), ("unfused", unfused))]
+  assert losses[0][-1] < losses[0][0]
+  np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
+
+
+def test_ragged_batches_are_zero_past_each_length():
+  import lstm_lm
+  cfg = lstm_lm.PRESETS["tiny"]
+  tokens, labels, lengths = lstm_lm.ragged_batch(np.random.default_rng(1), cfg)
+  assert tokens.shape == labels.shape == (cfg.batch, cfg.seq_len)
+  assert lengths.min() >= cfg.seq_len // 4 and lengths.max() <= cfg.seq_len
+  past = np.arange(cfg.seq_len) >= lengths[:, None]
+  assert (tokens[past] == 0).all() and (labels[past] == 0).all()
+  inside = ~past[:, :-1] & ~past[:, 1:]
+  np.testing.assert_array_equal(labels[:, :-1][inside], tokens[:, 1:][inside])
