@@ -149,7 +149,6 @@ class CausalSelfAttention(nnx.Module):
       raise ValueError(f"CausalSelfAttention: x must end in in_features={self.in_features}, "
                        f"got shape {tuple(x.shape)}")
     query, key, value = self.query(x), self.key(x), self.value(x)
-    query, key, value = dtypes.promote_dtype((query, key, value), dtype=None)
     window = None if self.local_window_size is None else (self.local_window_size, 0)
     out = attention(query, key, value, is_causal=True, segment_ids=segment_ids,
                     key_value_seq_lengths=seq_lengths, local_window_size=window,
