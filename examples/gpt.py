@@ -241,7 +241,7 @@ def make_mesh(spec: str | None):
                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
 
-def parameter_spec(path, value) -> P:
+def parameter_spec(path) -> P:
   """Megatron-style tensor parallelism over ``model``: attention heads and MLP columns in,
   their output projections' rows out, the rest replicated."""
   names = tuple(str(p.key) for p in path if hasattr(p, "key"))  # the module path
@@ -293,7 +293,7 @@ class Trainer:
       raise ValueError(f"the batch ({cfg.batch}) must divide over the data axis "
                        f"({mesh.shape['data']}) and the processes ({jax.process_count()})")
     shardings = jax.tree_util.tree_map_with_path(
-        lambda path, v: NamedSharding(mesh, parameter_spec(path, v)), params)
+        lambda path, _: NamedSharding(mesh, parameter_spec(path)), params)
     self.params = jax.device_put(params, shardings)
     tx, self.step_fn = make_train_step(graphdef, cfg, total_steps)
     self.opt_state = jax.jit(tx.init)(self.params)
@@ -385,23 +385,34 @@ def _bench_variant(cfg, variant, mesh, packed, steps, find_max_batch) -> dict:
   memory = step.memory_analysis()
   rng = np.random.default_rng(0)
   batches = [trainer.device_batch(random_batch(rng, cfg, packed)) for _ in range(2)]
-  run = lambda i: step(trainer.params, trainer.opt_state, batches[i % 2])
-  for i in range(3):  # warm up
-    trainer.params, trainer.opt_state, loss = run(i)
-  float(loss)
-  t0 = time.perf_counter()
-  for i in range(steps):
-    trainer.params, trainer.opt_state, loss = run(i)
-  float(loss)
-  ms = (time.perf_counter() - t0) / steps * 1e3
+
+  def run(i):
+    trainer.params, trainer.opt_state, loss = step(trainer.params, trainer.opt_state,
+                                                   batches[i % 2])
+    return loss
+
+  ms, loss = step_ms(run, steps)
   row = dict(variant=variant, batch=cfg.batch, seq_len=cfg.seq_len, packed=packed,
              step_ms=ms, tokens_per_s=cfg.batch * cfg.seq_len / ms * 1e3,
              temp_bytes=getattr(memory, "temp_size_in_bytes", None),
-             argument_bytes=getattr(memory, "argument_size_in_bytes", None), loss=float(loss))
+             argument_bytes=getattr(memory, "argument_size_in_bytes", None), loss=loss)
   del batches
   if find_max_batch:
     row["max_batch"] = largest_batch(trainer, packed)
   return row
+
+
+def step_ms(run, steps: int, warmup: int = 3) -> tuple[float, float]:
+  """Wall-clock milliseconds per ``run(i)`` (a training step returning its loss) over
+  ``steps`` calls after ``warmup``, waiting only at the ends; and the last loss."""
+  for i in range(warmup):
+    loss = run(i)
+  float(loss)
+  t0 = time.perf_counter()
+  for i in range(steps):
+    loss = run(i)
+  loss = float(loss)
+  return (time.perf_counter() - t0) / steps * 1e3, loss
 
 
 def largest_batch(trainer: Trainer, packed: bool, limit: int | None = None) -> int | None:

@@ -20,7 +20,6 @@ import dataclasses
 import functools
 import json
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +29,7 @@ from flax import nnx
 
 import jaxfuse
 import jaxfuse.nn as jnn
-from gpt import plot, run_steps, stdlib_stream
+from gpt import plot, run_steps, stdlib_stream, step_ms
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,16 +166,14 @@ def bench(cfg: Config, steps: int = 10):
   for name, model in zip(("unfused", "fused"), build_pair(cfg)):
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     tx, step = make_train_step(graphdef, rest, cfg)
-    opt_state = tx.init(params)
-    batch = ragged_batch(np.random.default_rng(0), cfg)
-    for _ in range(3):
-      params, opt_state, loss = step(params, opt_state, batch)
-    float(loss)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-      params, opt_state, loss = step(params, opt_state, batch)
-    float(loss)
-    ms = (time.perf_counter() - t0) / steps * 1e3
+    state = [params, tx.init(params)]
+    batch = jax.device_put(ragged_batch(np.random.default_rng(0), cfg))
+
+    def run(_):
+      state[0], state[1], loss = step(*state, batch)
+      return loss
+
+    ms, _ = step_ms(run, steps)
     rows.append(dict(variant=name, step_ms=ms, tokens_per_s=cfg.batch * cfg.seq_len / ms * 1e3))
     print(f"{name:>8}  {ms:8.2f} ms/step  {rows[-1]['tokens_per_s']:10,.0f} tokens/s",
           flush=True)
