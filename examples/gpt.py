@@ -89,10 +89,11 @@ def jax_nn_attention(implementation):
 
 class Block(nnx.Module):
 
-  def __init__(self, cfg: Config, fused: bool, attention: str | None, rngs: nnx.Rngs):
+  def __init__(self, cfg: Config, fused: bool, attention: str | None, rngs: nnx.Rngs,
+               remat: bool = False):
     kw = dict(dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.float32, rngs=rngs)
     norm = jnn.LayerNorm if fused else nnx.LayerNorm
-    self.fused = fused
+    self.fused, self.remat = fused, remat
     self.ln1, self.ln2 = norm(cfg.width, **kw), norm(cfg.width, **kw)
     if fused:
       self.attn = jnn.CausalSelfAttention(cfg.heads, cfg.width, num_kv_heads=cfg.kv_heads, **kw)
@@ -112,19 +113,26 @@ class Block(nnx.Module):
     else:
       h = self.attn(h, mask=mask)
     x = x + h
-    return x + self.proj(jax.nn.gelu(self.fc(self.ln2(x))))
+    mlp = lambda x: self.proj(jax.nn.gelu(self.fc(self.ln2(x))))
+    if self.remat:
+      # Keep the products' outputs and recompute the elementwise rest in the backward: the
+      # MLP's LayerNorm and GELU outputs are not held (H100: 4.26 against 6.83 GiB for 4% of
+      # the step; the GELU alone saves less at the same cost,
+      # benchmarks/results/2026-11-24-h100-gpt2-bench-remat*.json).
+      mlp = jax.checkpoint(mlp, policy=jax.checkpoint_policies.dots_saveable)
+    return x + mlp(x)
 
 
 class GPT(nnx.Module):
   """Pre-norm decoder with learned positions and an output layer tied to the embedding."""
 
   def __init__(self, cfg: Config, *, fused: bool, attention: str | None = "xla",
-               rngs: nnx.Rngs):
+               rngs: nnx.Rngs, remat: bool = False):
     dtype = jnp.dtype(cfg.dtype)
     self.fused = fused
     self.embed = nnx.Embed(cfg.vocab, cfg.width, dtype=dtype, rngs=rngs)
     self.position = nnx.Embed(cfg.seq_len, cfg.width, dtype=dtype, rngs=rngs)
-    blocks = [Block(cfg, fused, attention, rngs) for _ in range(cfg.layers)]
+    blocks = [Block(cfg, fused, attention, rngs, remat) for _ in range(cfg.layers)]
     self.blocks = nnx.List(blocks) if hasattr(nnx, "List") else blocks  # flax < 0.12
     norm = jnn.LayerNorm if fused else nnx.LayerNorm
     self.ln_f = norm(cfg.width, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
@@ -152,11 +160,14 @@ class GPT(nnx.Module):
 
 def build(cfg: Config, variant: str, seed: int = 0):
   """The model of ``variant`` (``fused``, or ``unfused-<attention>`` with attention ``xla``,
-  ``cudnn`` or ``default``), initialized from ``seed``: the same parameters for every variant."""
-  fused = variant == "fused"
+  ``cudnn`` or ``default``; ``-remat`` appended recomputes each MLP's elementwise outputs in
+  the backward), initialized from ``seed``: the same parameters for every variant."""
+  name = variant.removesuffix("-remat")
+  fused = name == "fused"
   attention = None if fused else {"xla": "xla", "cudnn": "cudnn", "default": None}[
-      variant.removeprefix("unfused-")]
-  return GPT(cfg, fused=fused, attention=attention, rngs=nnx.Rngs(seed))
+      name.removeprefix("unfused-")]
+  return GPT(cfg, fused=fused, attention=attention, rngs=nnx.Rngs(seed),
+             remat=variant.endswith("-remat"))
 
 
 # --- data ---------------------------------------------------------------------------------
@@ -498,7 +509,7 @@ def main(argv=None):
   parser.add_argument("--bench", action="store_true")
   parser.add_argument("--variants", default=None,
                       help="--bench: comma-separated (fused, unfused-xla, unfused-cudnn, "
-                           "unfused-default)")
+                           "unfused-default; any of them with -remat appended)")
   parser.add_argument("--no-max-batch", action="store_true",
                       help="--bench without searching the largest batch that fits")
   args = parser.parse_args(argv)

@@ -35,6 +35,17 @@ def expected(x, weight, bias, labels, argnums=(0, 1, 2), **options):
     return np.asarray(value), [np.asarray(g) for g in jax.grad(loss, argnums)(*wide)]
 
 
+@pytest.fixture(params=["xla", pytest.param("cuda", marks=pytest.mark.gpu)])
+def impl(request):
+  """Every implementation: 'cuda' only where a GPU is (its tests are marked gpu)."""
+  from jaxfuse.ops.linear_cross_entropy import cuda
+  if request.param == "cuda" and (reason := cuda.unavailable()):
+    pytest.skip(reason)
+  # A GPU's float32 products default to TF32: compare with float64 at full precision.
+  with jax.default_matmul_precision("highest"):
+    yield request.param
+
+
 @pytest.fixture(params=[2000, 1 << 27], ids=["chunked", "one-chunk"])
 def chunk(request, monkeypatch):
   """Logits per chunk: 2000 walks 2 rows at a time at vocabulary 1000, every row alone past
@@ -46,9 +57,9 @@ def chunk(request, monkeypatch):
 @pytest.mark.parametrize("batch,width,vocab", [((1,), 3, 1), ((5,), 7, 3), ((37,), 16, 1000),
                                                ((2, 3), 8, 4097), ((13,), 24, 128)])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_matches_full_logits(rng, chunk, batch, width, vocab, dtype):
+def test_matches_full_logits(rng, impl, chunk, batch, width, vocab, dtype):
   x, weight, bias, labels = make(rng, batch, width, vocab, dtype)
-  loss = lambda x, w, b: jaxfuse.linear_cross_entropy(x, w, labels, bias=b)
+  loss = lambda x, w, b: jaxfuse.linear_cross_entropy(x, w, labels, bias=b, implementation=impl)
   value, grads = jax.value_and_grad(loss, (0, 1, 2))(x, weight, bias)
   want, want_grads = expected(x, weight, bias, labels)
   assert value.dtype == jnp.float32
@@ -62,10 +73,11 @@ def test_matches_full_logits(rng, chunk, batch, width, vocab, dtype):
     dict(label_smoothing=0.1), dict(z_loss=1e-2), dict(ignore_index=3, reduction="sum"),
     dict(reduction="none"), dict(label_smoothing=0.2, z_loss=1e-3, reduction="sum"),
 ])
-def test_options(rng, chunk, options):
+def test_options(rng, impl, chunk, options):
   x, weight, bias, labels = make(rng, (29,), 12, 300, jnp.float32)
   labels = labels.at[:4].set(jnp.asarray([3, -1, 300, 7]))  # ignored and out-of-range rows
-  loss = lambda x, w, b: jaxfuse.linear_cross_entropy(x, w, labels, bias=b, **options)
+  loss = lambda x, w, b: jaxfuse.linear_cross_entropy(x, w, labels, bias=b, implementation=impl,
+                                                      **options)
   want, want_grads = expected(x, weight, bias, labels, **options)
   assert_close(loss(x, weight, bias), want, jnp.float32, factor=4, name="loss", axis=0)
   if want_grads is not None:
@@ -74,7 +86,7 @@ def test_options(rng, chunk, options):
       assert_close(g, e, jnp.float32, factor=4, name=name, axis=0 if name == "dbias" else -1)
 
 
-def test_rows_of_the_last_chunk_overlap(rng, monkeypatch):
+def test_rows_of_the_last_chunk_overlap(rng, impl, monkeypatch):
   """7 rows in chunks of 3 (300 logits at vocabulary 100): the last chunk is rows 4-6, of
   which 4 and 5 were done by the second."""
   monkeypatch.setattr(reference, "CHUNK_ELEMENTS", 300)
@@ -82,7 +94,7 @@ def test_rows_of_the_last_chunk_overlap(rng, monkeypatch):
   labels = jnp.asarray([0, 36, 50, 63, 64, 80, 99], jnp.int32)
   for reduction in ("none", "sum"):
     loss = lambda x, w, b: jaxfuse.linear_cross_entropy(x, w, labels, bias=b, label_smoothing=0.1,
-                                                        reduction=reduction)
+                                                        reduction=reduction, implementation=impl)
     want, _ = expected(x, weight, bias, labels, reduction="none", label_smoothing=0.1)
     got = loss(x, weight, bias)
     assert_close(got if reduction == "none" else got[None], want if reduction == "none" else
@@ -93,10 +105,10 @@ def test_rows_of_the_last_chunk_overlap(rng, monkeypatch):
       assert_close(g, e, jnp.float32, factor=4, name=name, axis=0 if name == "dbias" else -1)
 
 
-def test_without_bias_and_with_a_tied_embedding(rng, chunk):
+def test_without_bias_and_with_a_tied_embedding(rng, impl, chunk):
   x, _, _, labels = make(rng, (11,), 10, 77, jnp.float32, bias=False)
   embedding = random(rng, (77, 10), jnp.float32, scale=0.3)
-  loss = lambda x, e: jaxfuse.linear_cross_entropy(x, e.T, labels)
+  loss = lambda x, e: jaxfuse.linear_cross_entropy(x, e.T, labels, implementation=impl)
   grads = jax.grad(loss, (0, 1))(x, embedding)
   want, want_grads = expected(x, embedding.T, None, labels, argnums=(0, 1))
   assert_close(loss(x, embedding), want, jnp.float32, factor=4, name="loss")
@@ -104,31 +116,35 @@ def test_without_bias_and_with_a_tied_embedding(rng, chunk):
   assert_close(grads[1], want_grads[1].T, jnp.float32, factor=4, name="dembedding")
 
 
-def test_nothing_counted_gives_zero_mean(rng):
+def test_nothing_counted_gives_zero_mean(rng, impl):
   x, weight, bias, labels = make(rng, (6,), 4, 9, jnp.float32)
-  loss = lambda x: jaxfuse.linear_cross_entropy(x, weight, jnp.full_like(labels, -1), bias=bias)
+  loss = lambda x: jaxfuse.linear_cross_entropy(x, weight, jnp.full_like(labels, -1), bias=bias,
+                                                 implementation=impl)
   assert float(loss(x)) == 0.0
   assert not np.any(np.asarray(jax.grad(loss)(x)))
 
 
-def test_nan_propagates_to_its_row(rng):
+def test_nan_propagates_to_its_row(rng, impl):
   x, weight, bias, labels = make(rng, (6,), 4, 9, jnp.float32)
   rows = jaxfuse.linear_cross_entropy(x.at[2, 1].set(jnp.nan), weight, labels, bias=bias,
-                                      reduction="none")
+                                      reduction="none", implementation=impl)
   assert np.isnan(rows[2]) and np.all(np.isfinite(np.delete(np.asarray(rows), 2)))
 
 
-def test_vmap_and_jit(rng):
+def test_vmap_and_jit(rng, impl):
   x, weight, bias, labels = make(rng, (3, 8), 6, 50, jnp.float32)
-  run = lambda x, l: jaxfuse.linear_cross_entropy(x, weight, l, bias=bias, reduction="sum")
+  run = lambda x, l: jaxfuse.linear_cross_entropy(x, weight, l, bias=bias, reduction="sum",
+                                                  implementation=impl)
   mapped = jax.jit(jax.vmap(run))(x, labels)
   for i in range(3):
     np.testing.assert_allclose(mapped[i], run(x[i], labels[i]), rtol=1e-6)
 
 
-def test_temporary_memory_does_not_grow_with_tokens_times_vocabulary(rng, monkeypatch):
-  monkeypatch.setattr(reference, "CHUNK_ELEMENTS", 16 * 16384)
-  tokens, width, vocab = 512, 32, 16384
+def test_temporary_memory_does_not_grow_with_tokens_times_vocabulary(rng, impl, monkeypatch):
+  # A GPU's temporaries include cuBLAS's workspace (tens of MiB): logits of 1 GiB there.
+  on_gpu = jax.default_backend() == "gpu"
+  monkeypatch.setattr(reference, "CHUNK_ELEMENTS", (1 << 24) if on_gpu else 16 * 16384)
+  tokens, width, vocab = (8192, 64, 32768) if on_gpu else (512, 32, 16384)
   x, weight, bias, labels = make(rng, (tokens,), width, vocab, jnp.float32)
   logits_bytes = tokens * vocab * 4
 
@@ -136,11 +152,49 @@ def test_temporary_memory_does_not_grow_with_tokens_times_vocabulary(rng, monkey
     compiled = jax.jit(jax.value_and_grad(fn, (0, 1, 2))).lower(x, weight, bias).compile()
     return compiled.memory_analysis().temp_size_in_bytes
 
-  fused = temp(lambda x, w, b: jaxfuse.linear_cross_entropy(x, w, labels, bias=b))
+  fused = temp(lambda x, w, b: jaxfuse.linear_cross_entropy(x, w, labels, bias=b,
+                                                            implementation=impl))
   full = temp(lambda x, w, b: jaxfuse.softmax_cross_entropy(x @ w + b, labels,
                                                             implementation="xla"))
   assert full >= logits_bytes  # the check can fail: the unfused loss holds the logits
-  assert fused < logits_bytes / 4
+  assert fused < logits_bytes / 4, (fused, logits_bytes)
+
+
+def test_cuda_row_pass_with_a_stand_in_kernel(rng, monkeypatch):
+  """The 'cuda' path's plumbing on any machine: padding, bias, counted columns, the operand
+  dtype of the gradient and the batching rule, around an XLA stand-in for the kernel."""
+  from jaxfuse.ops.linear_cross_entropy import api, cuda
+  from jaxfuse.ops.softmax import cuda as softmax_cuda
+
+  def stand_in(logits, labels, *, mode, label_smoothing, z_loss, classes, bias=None,
+               row_scale=None, grad_dtype=None):
+    assert logits.dtype == jnp.float32 and logits.shape[1] % 128 == 0
+    loss, lse, grad, _ = reference.xla_rows(
+        logits, None if bias is None else bias[:classes], labels,
+        row_scale if mode == "fused" else None, None, classes=classes,
+        label_smoothing=label_smoothing, z_loss=z_loss, grad_dtype=grad_dtype)
+    return (loss, lse) if mode == "loss" else (loss, grad)
+
+  monkeypatch.setattr(softmax_cuda, "cross_entropy", stand_in)
+  monkeypatch.setitem(api._BACKENDS, "cuda", lambda: None)
+  monkeypatch.setattr(reference, "CHUNK_ELEMENTS", 2000)
+  cuda._row_call.cache_clear()
+  x, weight, bias, labels = make(rng, (3, 9), 8, 300, jnp.bfloat16)
+  options = dict(label_smoothing=0.1, z_loss=1e-3, reduction="sum")
+  for impl in ("xla", "cuda"):
+    run = lambda x, b, l, impl=impl: jaxfuse.linear_cross_entropy(
+        x, weight, l, bias=b, implementation=impl, **options)
+    got = jax.vmap(jax.value_and_grad(run, (0, 1)))(x, bias * jnp.arange(1, 4)[:, None]
+                                                    .astype(bias.dtype), labels)
+    shared = jax.vmap(jax.value_and_grad(run, (0, 1)), (0, None, 0))(x, bias, labels)
+    if impl == "xla":
+      want, want_shared = got, shared
+      continue
+    for a, b in zip(jax.tree.leaves((got, shared)), jax.tree.leaves((want, want_shared))):
+      assert a.dtype == b.dtype
+      np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                 rtol=2e-2, atol=1e-5)
+  cuda._row_call.cache_clear()
 
 
 @pytest.mark.parametrize("change,error,match", [
@@ -153,7 +207,7 @@ def test_temporary_memory_does_not_grow_with_tokens_times_vocabulary(rng, monkey
     (dict(label_smoothing=1.0), ValueError, "label_smoothing"),
     (dict(z_loss=-1.0), ValueError, "z_loss"),
     (dict(reduction="max"), ValueError, "reduction"),
-    (dict(implementation="cuda"), NotImplementedError, "cuda"),
+    (dict(implementation="mosaic"), NotImplementedError, "mosaic"),
     (dict(implementation="bogus"), ValueError, "implementation"),
 ])
 def test_bad_inputs(rng, change, error, match):
@@ -166,7 +220,7 @@ def test_bad_inputs(rng, change, error, match):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_gpt2_vocabulary_on_the_gpu(rng, reduction):
+def test_gpt2_vocabulary_on_the_gpu(rng, impl, reduction):
   """An odd vocabulary (padded to whole tiles inside), several chunks, a tied embedding in
   bfloat16: the shape class of the GPT example, on the device's matmuls."""
   if jax.default_backend() != "gpu":
@@ -174,7 +228,8 @@ def test_gpt2_vocabulary_on_the_gpu(rng, reduction):
   x = random(rng, (4097, 256), jnp.bfloat16)
   embedding = random(rng, (50257, 256), jnp.bfloat16, scale=256 ** -0.5)
   labels = jnp.asarray(rng.integers(0, 50257, (4097,)), jnp.int32)
-  loss = lambda x, e: jaxfuse.linear_cross_entropy(x, e.T, labels, reduction=reduction)
+  loss = lambda x, e: jaxfuse.linear_cross_entropy(x, e.T, labels, reduction=reduction,
+                                                    implementation=impl)
   if reduction == "none":
     value = loss(x, embedding)
     want, _ = expected(x, embedding.T, None, labels, reduction="none")

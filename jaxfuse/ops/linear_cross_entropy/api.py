@@ -11,9 +11,12 @@ import jax.numpy as jnp
 from jaxfuse._core import registry
 from jaxfuse._core.validation import (check_array, counted_labels, cross_entropy_options,
                                       describe, reduction_scale)
-from jaxfuse.ops.linear_cross_entropy import reference
+from jaxfuse.ops.linear_cross_entropy import cuda, reference
 
-_BACKENDS = {"xla": registry.xla_available}
+_BACKENDS = {"xla": registry.xla_available, "cuda": cuda.unavailable}
+# The CUDA row pass reads each chunk's logits once where XLA's reads them twice
+# (benchmarks/results/2026-11-24-h100-linear-cross-entropy.json).
+_PREFERENCE = ("cuda", "xla")
 
 
 def linear_cross_entropy(x, weight, labels, *, bias=None, ignore_index: int | None = None,
@@ -41,7 +44,9 @@ def linear_cross_entropy(x, weight, labels, *, bias=None, ignore_index: int | No
     labels: integer array of ``x.shape[:-1]``.
     bias: optional ``(V,)`` floating point.
     ignore_index, label_smoothing, z_loss, reduction: as in ``softmax_cross_entropy``.
-    implementation: ``'xla'`` or ``None``.
+    implementation: ``'xla'``, ``'cuda'`` (the products on cuBLAS through XLA, each chunk's
+      rows in one pass of a CUDA kernel; Hopper GPUs, float16, bfloat16 or float32 operands,
+      vocabularies up to 262144) or ``None`` (``'cuda'`` where it can run, else ``'xla'``).
 
   Returns:
     A float32 scalar (float64 for float64 operands), or per-row losses of ``labels.shape`` for
@@ -70,8 +75,15 @@ def linear_cross_entropy(x, weight, labels, *, bias=None, ignore_index: int | No
       raise ValueError(f"{op}: bias must be (vocabulary,) = ({vocab},), got {describe(bias)}")
   ignore_index, label_smoothing, z_loss = cross_entropy_options(
       op, ignore_index, label_smoothing, z_loss, reduction)
-  registry.resolve(op, implementation, _BACKENDS, ("xla",))  # 'xla' is the only one so far
-  st = _Static(label_smoothing, z_loss, reduction, ignore_index, reference.CHUNK_ELEMENTS)
+  impl = registry.resolve(op, implementation, _BACKENDS, _PREFERENCE)
+  if impl == "cuda":
+    operand = jnp.result_type(x, weight, *(() if bias is None else (bias,)))
+    if reason := cuda.unsupported(reference.padded_vocab(vocab), operand):
+      if implementation == "cuda":
+        raise NotImplementedError(f"{op}(implementation='cuda') cannot take x {describe(x)} "
+                                  f"and weight {describe(weight)}: {reason}")
+      impl = "xla"
+  st = _Static(label_smoothing, z_loss, reduction, ignore_index, reference.CHUNK_ELEMENTS, impl)
   return _linear_cross_entropy_jit(x, weight, bias, labels, st)
 
 
@@ -82,6 +94,7 @@ class _Static:
   reduction: str
   ignore_index: int | None
   chunk_elements: int
+  implementation: str
 
 
 @functools.partial(jax.jit, static_argnums=(4,))
@@ -102,7 +115,9 @@ def _linear_cross_entropy_jit(x, weight, bias, labels, st):
 
 def _walk(x, weight, bias, labels, st, **grads_from):
   return reference.walk(x, weight, bias, labels, label_smoothing=st.label_smoothing,
-                        z_loss=st.z_loss, chunk_elements=st.chunk_elements, **grads_from)
+                        z_loss=st.z_loss, chunk_elements=st.chunk_elements,
+                        row_pass=cuda.rows if st.implementation == "cuda" else None,
+                        **grads_from)
 
 
 def _cast_like(grads, g, x, weight, bias):

@@ -57,5 +57,5 @@ def cases(quick: bool = False) -> list[Case]:
         make_inputs=functools.partial(_inputs, tokens=tokens, width=width, vocab=vocab,
                                       dtype=dtype),
         forward=_forward, train=_train, forward_work=flops, train_work=3 * flops,
-        implementations=("optax", "xla", DEFAULT), unit="TFLOP/s"))
+        implementations=("optax", "xla", "cuda", DEFAULT), unit="TFLOP/s"))
   return out

@@ -36,21 +36,28 @@ def rows_per_chunk(tokens: int, vocab: int, elements: int) -> int:
   return min(rows, tokens)
 
 
+def padded_vocab(vocab: int) -> int:
+  return vocab + -vocab % 128
+
+
 def walk(x, weight, bias, labels, *, label_smoothing, z_loss, row_grad=None, lse=None,
-         chunk_elements=CHUNK_ELEMENTS):
+         chunk_elements=CHUNK_ELEMENTS, row_pass=None):
   """Per-row loss (0 where ``labels`` is -1) and log-sum-exp, and with ``row_grad`` (the
   cotangent of each row's loss) the gradients ``(dx, dweight, dbias)`` in float32 (float64
   for float64; dbias None without a bias). ``x (N, W)`` in the products' operand dtype,
   ``weight (W, V)``, ``bias (V,)`` or None,
-  ``labels (N,)`` int32; ``lse`` spares recomputing the log-sum-exps of a forward pass."""
+  ``labels (N,)`` int32; ``lse`` spares recomputing the log-sum-exps of a forward pass.
+  ``row_pass`` takes each chunk's logits to its rows' losses and gradient (``xla_rows``'s
+  contract; a kernel's may leave the log-sum-exps unwritten when it computes gradients)."""
+  row_pass = row_pass or xla_rows
   tokens, vocab = x.shape[0], weight.shape[1]
   accumulate = jnp.promote_types(jnp.float32, x.dtype)
   rows = rows_per_chunk(tokens, vocab, chunk_elements)
   # A vocabulary of whole 128-column tiles: for an odd one (GPT-2's 50257) XLA would pad the
   # weight for cuBLAS in every chunk, or pick generated matmuls at a fraction of its rate
-  # (GPU profile: benchmarks/profile_gpt.py). Padded once here, the extra columns' logits are
-  # sliced off and their softmax gradient is zero.
-  padded = vocab + -vocab % 128
+  # (GPU profile: benchmarks/profile_gpt.py). Padded once here, the extra columns' logits take
+  # no part in the loss and their softmax gradient is zero.
+  padded = padded_vocab(vocab)
   weight = jnp.pad(weight.astype(x.dtype), ((0, 0), (0, padded - vocab)))
   bias = None if bias is None else bias.astype(accumulate)
   with_grads = row_grad is not None
@@ -63,35 +70,19 @@ def walk(x, weight, bias, labels, *, label_smoothing, z_loss, row_grad=None, lse
         a, jnp.where(new.reshape((rows,) + (1,) * (a.ndim - 1)), part, take(a)), start, 0)
     xs, label = take(x), take(labels)
     logits = lax.dot_general(xs, weight, (((1,), (0,)), ((), ())),
-                             preferred_element_type=accumulate)[:, :vocab]
-    if bias is not None:
-      logits = logits + bias
-    row_lse = _logsumexp_rows(logits) if lse is None else take(lse)
-    picked = jnp.take_along_axis(logits, jnp.maximum(label, 0)[:, None], axis=1)[:, 0]
-    loss = row_lse - (1.0 - label_smoothing) * picked
-    if label_smoothing:
-      loss = loss - label_smoothing * jnp.mean(logits, axis=1)
-    if z_loss:
-      loss = loss + z_loss * row_lse * row_lse
-    carry = dict(carry, loss=put(carry["loss"], jnp.where(label >= 0, loss, 0.0)),
-                 lse=put(carry["lse"], row_lse))
+                             preferred_element_type=accumulate)
+    row_scale = jnp.where(new & (label >= 0), take(row_grad), 0.0) if with_grads else None
+    loss, row_lse, d, dbias = row_pass(
+        logits, bias, label, row_scale, None if lse is None else take(lse), classes=vocab,
+        label_smoothing=label_smoothing, z_loss=z_loss, grad_dtype=x.dtype)
+    carry = dict(carry, loss=put(carry["loss"], loss), lse=put(carry["lse"], row_lse))
     if not with_grads:
       return carry
-    counted = jnp.where(new & (label >= 0), take(row_grad), 0.0)
-    scale = counted * (1.0 + 2.0 * z_loss * row_lse)
-    hit = jnp.arange(vocab) == label[:, None]
-    d = (jnp.exp(logits - row_lse[:, None]) * scale[:, None]
-         - jnp.where(hit, (1.0 - label_smoothing) * counted[:, None], 0.0)
-         - label_smoothing / vocab * counted[:, None])
-    # The products take d in the operands' dtype, as XLA's gradient of x @ weight would.
-    operand = jnp.pad(d.astype(x.dtype), ((0, 0), (0, padded - vocab)))
-    dx = lax.dot_general(operand, weight, (((1,), (1,)), ((), ())),
-                         preferred_element_type=accumulate)
-    dweight = lax.dot_general(xs, operand, (((0,), (0,)), ((), ())),
-                              preferred_element_type=accumulate)
+    dx = lax.dot_general(d, weight, (((1,), (1,)), ((), ())), preferred_element_type=accumulate)
+    dweight = lax.dot_general(xs, d, (((0,), (0,)), ((), ())), preferred_element_type=accumulate)
     carry = dict(carry, dx=put(carry["dx"], dx), dweight=carry["dweight"] + dweight)
     if bias is not None:
-      carry["dbias"] = carry["dbias"] + jnp.sum(d, axis=0)
+      carry["dbias"] = carry["dbias"] + dbias
     return carry
 
   init = dict(loss=jnp.zeros((tokens,), accumulate), lse=jnp.zeros((tokens,), accumulate))
@@ -102,6 +93,38 @@ def walk(x, weight, bias, labels, *, label_smoothing, z_loss, row_grad=None, lse
   out = lax.fori_loop(0, -(-tokens // rows), chunk, init)
   grads = (out["dx"], out["dweight"][:, :vocab], out.get("dbias")) if with_grads else None
   return out["loss"], out["lse"], grads
+
+
+def xla_rows(logits, bias, labels, row_scale, lse, *, classes, label_smoothing, z_loss,
+             grad_dtype):
+  """One chunk's rows from their logits ``(R, P)`` (the first ``classes`` columns are the
+  classes, the rest padding), before ``bias (classes,)`` or None: the per-row loss (0 where
+  ``labels`` is -1) and log-sum-exp (``lse`` when given), and with ``row_scale`` (each row's
+  cotangent, 0 for rows not counted) the gradient of the scaled losses with respect to the
+  padded logits in ``grad_dtype`` (zero in the padding), the products' operand, and its column
+  sums (dbias, float32, None without a bias)."""
+  padded = logits.shape[1]
+  logits = logits[:, :classes]
+  if bias is not None:
+    logits = logits + bias
+  row_lse = _logsumexp_rows(logits) if lse is None else lse
+  picked = jnp.take_along_axis(logits, jnp.maximum(labels, 0)[:, None], axis=1)[:, 0]
+  loss = row_lse - (1.0 - label_smoothing) * picked
+  if label_smoothing:
+    loss = loss - label_smoothing * jnp.mean(logits, axis=1)
+  if z_loss:
+    loss = loss + z_loss * row_lse * row_lse
+  loss = jnp.where(labels >= 0, loss, 0.0)
+  if row_scale is None:
+    return loss, row_lse, None, None
+  scale = row_scale * (1.0 + 2.0 * z_loss * row_lse)
+  hit = jnp.arange(classes) == labels[:, None]
+  d = (jnp.exp(logits - row_lse[:, None]) * scale[:, None]
+       - jnp.where(hit, (1.0 - label_smoothing) * row_scale[:, None], 0.0)
+       - label_smoothing / classes * row_scale[:, None])
+  # The products take d in the operands' dtype, as XLA's gradient of x @ weight would.
+  operand = jnp.pad(d.astype(grad_dtype), ((0, 0), (0, padded - classes)))
+  return loss, row_lse, operand, None if bias is None else jnp.sum(d, axis=0)
 
 
 def _logsumexp_rows(logits):

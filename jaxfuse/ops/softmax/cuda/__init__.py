@@ -156,11 +156,20 @@ def softmax_backward(y, dy, *, scale: float, log: bool, tiling: Tiling | None = 
 
 
 def cross_entropy(logits, labels, *, label_smoothing, z_loss, ignore_index=None,
-                  row_scale=None, lse=None, mode, tiling: Tiling | None = None):
+                  row_scale=None, lse=None, mode, tiling: Tiling | None = None, bias=None,
+                  classes: int | None = None, grad_dtype=None):
   """Same contract as ``triton.cross_entropy``: ``logits (R, V)``, int32 ``labels (R,)``;
-  ``mode`` 'loss' -> ``(loss, lse)``, 'fused' -> ``(loss, grad)``, 'grad' -> ``grad``."""
+  ``mode`` 'loss' -> ``(loss, lse)``, 'fused' -> ``(loss, grad)``, 'grad' -> ``grad``.
+
+  For the logits of a fused linear layer: ``bias`` (float32 ``(V,)``) is added to every row,
+  only the first ``classes`` columns are classes (the rest pad the row to whole tiles and get a
+  zero gradient), and float32 logits may give their gradient in ``grad_dtype`` (bfloat16 or
+  float16), in the same pass."""
   n_rows, vocab = logits.shape
+  classes = vocab if classes is None else classes
   if mode == "grad":
+    if bias is not None or classes != vocab or grad_dtype is not None:
+      raise NotImplementedError("mode='grad' takes plain logits; the fused mode takes a layer's")
     # The gradient from a saved lse is one elementwise pass, which XLA fuses as well.
     valid = (labels >= 0) & (labels < vocab)
     if ignore_index is not None:
@@ -171,11 +180,13 @@ def cross_entropy(logits, labels, *, label_smoothing, z_loss, ignore_index=None,
   t.check(vocab)
   with_grad = mode == "fused"
   rows = jax.ShapeDtypeStruct((n_rows,), jnp.float32)
-  second = jax.ShapeDtypeStruct(logits.shape, logits.dtype) if with_grad else rows
+  second = (jax.ShapeDtypeStruct(logits.shape, grad_dtype or logits.dtype) if with_grad
+            else rows)
   scale = row_scale if with_grad else jnp.ones((1,), jnp.float32)
+  bias = jnp.zeros((0,), jnp.float32) if bias is None else bias.astype(jnp.float32)
   return jax.ffi.ffi_call("jaxfuse_cross_entropy", (rows, second))(
-      logits, labels.astype(jnp.int32), scale.astype(jnp.float32),
+      logits, labels.astype(jnp.int32), scale.astype(jnp.float32), bias,
       smoothing=np.float32(label_smoothing), z_loss=np.float32(z_loss),
       ignore_index=np.int64(0 if ignore_index is None else ignore_index),
       has_ignore=np.int64(ignore_index is not None), with_grad=np.int64(with_grad),
-      **_grid("cross_entropy", logits.dtype, with_grad, t, n_rows))
+      counted=np.int64(classes), **_grid("cross_entropy", logits.dtype, with_grad, t, n_rows))

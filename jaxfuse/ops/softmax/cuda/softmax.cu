@@ -79,16 +79,17 @@ __device__ __forceinline__ float3 cluster_max_sum(float3 part, ClusterScratch<fl
 // only -inf (or NaN) in it, and shifting by 0 keeps -inf - shift from turning into NaN.
 __device__ __forceinline__ float safe_shift(float max) { return max == -INFINITY ? 0.f : max; }
 
-// This thread's (max, sum) of z = x * scale2 over the units it holds, and the sum of z.
-template <typename T, int V>
-__device__ __forceinline__ float3 thread_max_sum(const Unit<T> (&xs)[V], const RowSlice& slice,
-                                                 float scale2, bool with_total) {
+// This thread's (max, sum) of z = x * scale2 over the units it holds, and the sum of z over
+// the columns before `counted`. unit(k, v) writes unit k's values to v.
+template <int V, typename UnitValues>
+__device__ __forceinline__ float3 thread_max_sum(UnitValues unit, const RowSlice& slice,
+                                                 float scale2, bool with_total, int counted) {
   float m = -INFINITY;
 #pragma unroll
   for (int k = 0; k < V; ++k) {
     if (!slice.holds(k)) continue;
     float v[kUnit];
-    xs[k].unpack(v);
+    unit(k, v);
 #pragma unroll
     for (int e = 0; e < kUnit; ++e) m = fmaxf(m, v[e] * scale2);
   }
@@ -98,9 +99,11 @@ __device__ __forceinline__ float3 thread_max_sum(const Unit<T> (&xs)[V], const R
   for (int k = 0; k < V; ++k) {
     if (!slice.holds(k)) continue;
     float v[kUnit];
-    xs[k].unpack(v);
+    unit(k, v);
     sum += unit_sum([&](int e) { return exp2f(fmaf(v[e], scale2, -shift)); });
-    if (with_total) total += unit_sum([&](int e) { return v[e] * scale2; });
+    const int column = slice.column(k);
+    if (with_total)
+      total += unit_sum([&](int e) { return column + e < counted ? v[e] * scale2 : 0.f; });
   }
   return make_float3(m, sum, total);
 }
@@ -119,7 +122,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   int64_t i = 0;
   for (int64_t r = walk.first; r < rows; r += walk.step, ++i) {
     xs.load(i);
-    const float3 part = thread_max_sum(xs.now, slice, scale2, false);
+    const float3 part = thread_max_sum<V>(
+        [&](int k, float (&v)[kUnit]) { xs.now[k].unpack(v); }, slice, scale2, false, n);
     xs.refill(i);
     const float3 row = cluster_max_sum<false>(part, scratch, parity);
     parity ^= 1;
@@ -205,30 +209,53 @@ struct CrossEntropyArgs {
   float smoothing, z_loss;
   int32_t ignore_index;
   bool has_ignore;
+  // The logits of a fused linear layer: a float32 bias added to each row (or nullptr), and the
+  // row's first `counted` columns the classes, the rest padding to whole tiles that takes no
+  // part and gets a zero gradient. A plain cross-entropy counts all n.
+  const float* bias;
+  int counted;
 };
 
 // Per row: loss = lse - (1 - s) x[label] - s mean(x) + z_loss lse^2, and with kGrad the
 // gradient of row_scale * loss, exp(x - lse) (1 + 2 z_loss lse) row_scale - target row_scale
-// with target = (1 - s) onehot(label) + s / V, written from the registers that hold the row.
+// with target = (1 - s) onehot(label) + s / V, written from the registers that hold the row,
+// as G (the float32 logits of a fused linear layer give their gradient in its operands' dtype).
 // Rows whose label is ignored, or outside [0, V), get a zero loss and gradient.
-template <typename T, bool kGrad, int V, bool kStaged>
+template <typename T, bool kGrad, int V, bool kStaged, typename G = T>
 __global__ void __launch_bounds__(kThreads, 2)
-    cross_entropy_kernel(const T* __restrict__ logits, T* __restrict__ grad, int64_t rows,
+    cross_entropy_kernel(const T* __restrict__ logits, G* __restrict__ grad, int64_t rows,
                          int n, CrossEntropyArgs args, int stages) {
   __shared__ ClusterScratch<float3> scratch;
   extern __shared__ uint4 staging[];
   const RowSlice slice = RowSlice::mine(V, n);
   const RowWalk walk = RowWalk::of_cluster();
   const bool leader = cg::this_cluster().block_rank() == 0 && threadIdx.x == 0;
+  const int classes = args.counted;
   auto xs = feed_of<RowFeed<T, V, kStaged, 1>>(logits, rows, n, walk, slice, staging, stages);
+  auto unit = [&](int k, float (&v)[kUnit]) {
+    xs.now[k].unpack(v);
+    const int column = slice.column(k);
+    if (args.bias != nullptr) {
+      const float4 low = __ldg(reinterpret_cast<const float4*>(args.bias + column));
+      const float4 high = __ldg(reinterpret_cast<const float4*>(args.bias + column) + 1);
+      const float b[kUnit] = {low.x, low.y, low.z, low.w, high.x, high.y, high.z, high.w};
+#pragma unroll
+      for (int e = 0; e < kUnit; ++e) v[e] += b[e];
+    }
+    if (column + kUnit > classes) {
+#pragma unroll
+      for (int e = 0; e < kUnit; ++e) v[e] = column + e < classes ? v[e] : -INFINITY;
+    }
+  };
   int parity = 0;
   xs.start();
   int64_t i = 0;
   for (int64_t r = walk.first; r < rows; r += walk.step, ++i) {
     xs.load(i);
     const int label = __ldg(args.labels + r);
-    const bool valid = label >= 0 && label < n && !(args.has_ignore && label == args.ignore_index);
-    const float3 mine = thread_max_sum(xs.now, slice, kLog2e, args.smoothing != 0.f);
+    const bool valid =
+        label >= 0 && label < classes && !(args.has_ignore && label == args.ignore_index);
+    const float3 mine = thread_max_sum<V>(unit, slice, kLog2e, args.smoothing != 0.f, classes);
     // The thread holding the label's logit picks it from its registers and writes the loss.
     bool owner = false;
     float picked = 0.f;
@@ -237,7 +264,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       const int offset = label - slice.column(k);
       if (!valid || !slice.holds(k) || offset < 0 || offset >= kUnit) continue;
       float v[kUnit];
-      xs.now[k].unpack(v);
+      unit(k, v);
 #pragma unroll
       for (int e = 0; e < kUnit; ++e) picked = e == offset ? v[e] : picked;
       owner = true;
@@ -249,7 +276,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     const float lse2 = safe_shift(row.x) + log2f(row.y), lse = lse2 * kLn2;
     if (owner) {
       float loss = lse - (1.f - args.smoothing) * picked;
-      if (args.smoothing != 0.f) loss -= args.smoothing * kLn2 / n * row.z;
+      if (args.smoothing != 0.f) loss -= args.smoothing * kLn2 / classes * row.z;
       if (args.z_loss != 0.f) loss += args.z_loss * lse * lse;
       args.loss[r] = loss;
     } else if (!valid && leader) {
@@ -259,20 +286,23 @@ __global__ void __launch_bounds__(kThreads, 2)
     if constexpr (kGrad) {
       const float row_scale = valid ? __ldg(args.row_scale + r * args.scale_stride) : 0.f;
       const float prob_scale = row_scale * (1.f + 2.f * args.z_loss * lse);
-      const float spread = args.smoothing / n * row_scale;
+      const float spread = args.smoothing / classes * row_scale;
       const float hit = (1.f - args.smoothing) * row_scale;
 #pragma unroll
       for (int k = 0; k < V; ++k) {
         if (!slice.holds(k)) continue;
         float v[kUnit];
-        xs.now[k].unpack(v);
+        unit(k, v);
         const int column = slice.column(k);
 #pragma unroll
         for (int e = 0; e < kUnit; ++e) {
           const float target = column + e == label ? hit + spread : spread;
-          v[e] = exp2f(fmaf(v[e], kLog2e, -lse2)) * prob_scale - target;
+          // Padding columns get an exact zero, even in a row whose scale is NaN: a product
+          // with the weight's zero padding must not carry it into the real columns.
+          v[e] = column + e < classes ? exp2f(fmaf(v[e], kLog2e, -lse2)) * prob_scale - target
+                                      : 0.f;
         }
-        Unit<T> out;
+        Unit<G> out;
         out.pack(v);
         out.store_streaming(grad + r * n + column);
       }
@@ -321,6 +351,16 @@ template <typename T, bool kFlag, int V, bool kStaged> struct Backward {
 };
 template <typename T, bool kFlag, int V, bool kStaged> struct CrossEntropy {
   static auto get() { return cross_entropy_kernel<T, kFlag, V, kStaged>; }
+};
+// The gradient of float32 logits in G, a fused linear layer's operand dtype. Other logits, and
+// the loss without a gradient, take the instantiations above.
+template <typename G> struct CrossEntropyInto {
+  template <typename T, bool kFlag, int V, bool kStaged> struct Kernel {
+    static auto get() {
+      using Out = std::conditional_t<std::is_same_v<T, float> && kFlag, G, T>;
+      return cross_entropy_kernel<T, kFlag, V, kStaged, Out>;
+    }
+  };
 };
 
 dim3 grid_of(const Tiling& t) { return dim3(t.cluster * t.clusters, 1, 1); }
@@ -408,11 +448,12 @@ ffi::Error SoftmaxBackwardImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::AnyBu
 ffi::Error CrossEntropyImpl(cudaStream_t stream, ffi::AnyBuffer logits,
                             ffi::Buffer<ffi::DataType::S32> labels,
                             ffi::Buffer<ffi::DataType::F32> row_scale,
+                            ffi::Buffer<ffi::DataType::F32> bias,
                             ffi::Result<ffi::Buffer<ffi::DataType::F32>> loss,
                             ffi::Result<ffi::AnyBuffer> lse_or_grad, float smoothing,
                             float z_loss, int64_t ignore_index, int64_t has_ignore,
-                            int64_t with_grad, int64_t cluster, int64_t threads, int64_t units,
-                            int64_t stages, int64_t clusters) {
+                            int64_t with_grad, int64_t counted, int64_t cluster,
+                            int64_t threads, int64_t units, int64_t stages, int64_t clusters) {
   Checks checks("cross_entropy");
   if (!check_rows(checks, "logits", logits)) return checks.error();
   const auto dims = logits.dimensions();
@@ -426,8 +467,22 @@ ffi::Error CrossEntropyImpl(cudaStream_t stream, ffi::AnyBuffer logits,
   });
   checks.count("loss", loss->element_count(), rows, "R");
   checks.flag("with_grad", with_grad);
+  checks.range("counted", counted, 1, dims[1]);
+  checks.require(bias.element_count() == 0 || bias.element_count() == dims[1], [&] {
+    return "bias has " + std::to_string(bias.element_count()) + " elements, neither 0 nor N = " +
+           std::to_string(dims[1]);
+  });
+  const DataType grad_type = lse_or_grad->element_type();
   if (with_grad) {
-    check_like(checks, "grad", *lse_or_grad, "logits", logits);
+    checks.same_shape("grad", *lse_or_grad, "logits", dims);
+    checks.require(grad_type == logits.element_type() ||
+                       (logits.element_type() == DataType::F32 &&
+                        (grad_type == DataType::BF16 || grad_type == DataType::F16)),
+                   [&] {
+                     return "grad is " + dtype_name(grad_type) + ", which must match logits (" +
+                            dtype_name(logits.element_type()) +
+                            "), or be bfloat16 or float16 for float32 logits";
+                   });
   } else {
     checks.dtype("lse", lse_or_grad->element_type(), {DataType::F32}, "float32");
     checks.count("lse", lse_or_grad->element_count(), rows, "R");
@@ -444,14 +499,24 @@ ffi::Error CrossEntropyImpl(cudaStream_t stream, ffi::AnyBuffer logits,
   const CrossEntropyArgs args{
       labels.typed_data(), row_scale.typed_data(), scales == 1 ? 0 : 1,
       loss->typed_data(), with_grad ? nullptr : static_cast<float*>(lse_or_grad->untyped_data()),
-      smoothing, z_loss, static_cast<int32_t>(ignore_index), has_ignore != 0};
+      smoothing, z_loss, static_cast<int32_t>(ignore_index), has_ignore != 0,
+      bias.element_count() ? bias.typed_data() : nullptr, static_cast<int>(counted)};
   cudaError_t err = cudaSuccess;
-  const bool known = dispatch_kernel<CrossEntropy, 1, true>(
-      logits.element_type(), with_grad, t, [&](auto kernel, size_t bytes) {
-        err = launch_clustered(kernel, grid_of(t), threads, cluster, bytes, stream,
-                               logits.untyped_data(), lse_or_grad->untyped_data(), dims[0],
-                               static_cast<int>(dims[1]), args, stages);
-      });
+  auto launch = [&](auto kernel, size_t bytes) {
+    err = launch_clustered(kernel, grid_of(t), threads, cluster, bytes, stream,
+                           logits.untyped_data(), lse_or_grad->untyped_data(), dims[0],
+                           static_cast<int>(dims[1]), args, stages);
+  };
+  bool known = true;
+  if (!with_grad || grad_type == logits.element_type()) {
+    known = dispatch_kernel<CrossEntropy, 1, true>(logits.element_type(), with_grad, t, launch);
+  } else {
+    known &= dispatch_float(grad_type, [&](auto type) {
+      using G = decltype(type);
+      known &= dispatch_kernel<CrossEntropyInto<G>::template Kernel, 1, true>(
+          logits.element_type(), true, t, launch);
+    });
+  }
   if (!known) return unbuilt("cross_entropy", t, logits);
   return launch_error("cross_entropy", err);
 }
@@ -492,6 +557,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseCrossEntropy, jaxfuse::CrossEntropyImpl,
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::DataType::S32>>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::DataType::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::DataType::F32>>()
                                   .Ret<xla::ffi::Buffer<xla::ffi::DataType::F32>>()
                                   .Ret<xla::ffi::AnyBuffer>()
                                   .Attr<float>("smoothing")
@@ -499,6 +565,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseCrossEntropy, jaxfuse::CrossEntropyImpl,
                                   .Attr<int64_t>("ignore_index")
                                   .Attr<int64_t>("has_ignore")
                                   .Attr<int64_t>("with_grad")
+                                  .Attr<int64_t>("counted")
                                   .Attr<int64_t>("cluster")
                                   .Attr<int64_t>("threads")
                                   .Attr<int64_t>("units")
