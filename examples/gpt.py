@@ -480,6 +480,7 @@ def _environment(argv):
   from jaxfuse._core.bench import environment
   env = environment("python examples/gpt.py")
   env["command"] = " ".join(["python examples/gpt.py"] + list(argv))
+  env["timing"] = "wall clock per step (step_ms), the device waited on only at the ends"
   return env
 
 

@@ -195,7 +195,8 @@ def main(argv=None):
   args = parser.parse_args(argv)
   cfg = PRESETS[args.preset]
   from jaxfuse._core.bench import environment
-  record = dict(environment("python examples/lstm_lm.py"), config=dataclasses.asdict(cfg))
+  record = dict(environment("python examples/lstm_lm.py"), config=dataclasses.asdict(cfg),
+                timing="wall clock per step (step_ms), the device waited on only at the ends")
   if args.bench:
     record["rows"] = bench(cfg)
   else:

@@ -13,6 +13,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxfuse
 from jaxfuse._core.testing import assert_close, random, x64
+from jaxfuse.ops.attention import reference
 
 IMPLS = ["xla", "triton"]
 
@@ -63,30 +64,6 @@ def dense_reference(q, k, v, *, scale=None, causal=False, offset=0, window=None,
     return np.asarray(out), np.asarray(lse), grads
 
 
-def gradient_floors(q, k, v, do, lse, *, causal=False, offset=0, scale=None):
-  """Per row of dq and of dk, the size of the terms each is the sum of, ``scale * dS_ij * k_j``
-  (``q_i``) with ``dS = P * (dP - D)``, their rounding errors adding in quadrature: where a query
-  sees one key (P = 1, dP = D) dq cancels to ~0, and the rounding of dP and D, not its own
-  size, bounds the error. Heads are grouped as the kernels group them (GQA)."""
-  q, k, v, do = (np.asarray(a, np.float64) for a in (q, k, v, do))
-  n, kh = q.shape[2], k.shape[2]
-  scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
-  kk, vv = (np.repeat(a, n // kh, axis=2) for a in (k, v))
-  lse = np.asarray(lse, np.float64)[..., None]
-  scores = np.einsum("btnh,bsnh->bnts", q, kk) * scale
-  t, s = q.shape[1], k.shape[1]
-  keep = np.logical_or(not causal, np.arange(s)[None, :] <= np.arange(t)[:, None] + offset)
-  p = np.where(keep & np.isfinite(lse), np.exp(scores - np.where(np.isfinite(lse), lse, 0.0)),
-               0.0)
-  dp = np.einsum("btnh,bsnh->bnts", do, vv)
-  terms = p * (np.abs(dp) + np.abs((p * dp).sum(-1, keepdims=True)))
-  kn, qn = (np.linalg.norm(a, axis=-1) for a in (kk, q))  # (b, s, n), (b, t, n)
-  dq = scale * np.sqrt(np.einsum("bnts,bsn->btn", terms ** 2, kn ** 2))
-  dk = scale * np.sqrt(np.einsum("bnts,btn->bsn", terms ** 2, qn ** 2))
-  dk = dk.reshape(*dk.shape[:2], kh, n // kh).sum(-1)
-  return dq[..., None], dk[..., None]
-
-
 def inputs(rng, b, t, s, n, kh, h, hv=None, dtype=jnp.float32):
   return (random(rng, (b, t, n, h), dtype), random(rng, (b, s, kh, h), dtype),
           random(rng, (b, s, kh, hv or h), dtype), random(rng, (b, t, n, hv or h), dtype))
@@ -96,6 +73,12 @@ def run(impl, q, k, v, do, **kw):
   (out, lse), vjp = jax.vjp(lambda q, k, v: jaxfuse.attention(
       q, k, v, return_lse=True, implementation=impl, **kw), q, k, v)
   return out, lse, vjp((do, jnp.zeros_like(lse)))
+
+
+def gradient_floors(q, k, v, do, **kw):
+  with x64():
+    wide = (jnp.asarray(np.asarray(a, np.float64)) for a in (q, k, v, do))
+    return tuple(np.asarray(f) for f in reference.gradient_floors(*wide, **kw))
 
 
 def compare(got, ref, factor=10, dtype=None, floors=(0.0, 0.0)):
@@ -216,6 +199,20 @@ def test_bias_and_mask(rng, impl):
   assert dbias.shape == bias.shape and np.all(np.isfinite(np.asarray(dbias)))
 
 
+def test_gradient_floors_bound_the_cancelling_rows(rng):
+  # Causal: the first query sees one key, so its dq is 0 while its terms are not; the floors
+  # must not depend on the query block they are walked in (GQA, T not a multiple of it).
+  q, k, v, do = inputs(rng, 2, 13, 13, 4, 2, 16)
+  _, _, (dq, _, _) = dense_reference(q, k, v, causal=True, do=do)
+  whole = gradient_floors(q, k, v, do, causal=True)
+  walked = gradient_floors(q, k, v, do, causal=True, block=4)
+  for a, b in zip(whole, walked):
+    np.testing.assert_allclose(a, b, rtol=1e-12)
+  assert whole[0].shape == (2, 13, 4, 1) and whole[1].shape == (2, 13, 2, 1)
+  assert np.all(whole[0][:, 0] > 100 * np.linalg.norm(dq[:, 0], axis=-1, keepdims=True))
+  assert np.all(whole[0] > 0) and np.all(whole[1] > 0)
+
+
 def test_triton_refuses_bias_clearly(rng):
   q, k, v, _ = inputs(rng, 1, 8, 8, 1, 1, 32)
   with pytest.raises(NotImplementedError, match="bias"):
@@ -223,7 +220,7 @@ def test_triton_refuses_bias_clearly(rng):
 
 
 def test_chunked_xla_matches_and_is_linear_in_memory(rng, monkeypatch):
-  from jaxfuse.ops.attention import api, reference
+  from jaxfuse.ops.attention import api
   q, k, v, do = inputs(rng, 1, 50, 64, 2, 1, 32)
   ref = dense_reference(q, k, v, causal=True, window=(20, 0), do=do)
   monkeypatch.setattr(reference, "CHUNK_BYTES", 2 * 64 * 4 * 16)
@@ -359,7 +356,7 @@ def test_gpu_flash_attention(rng, causal, shape):
   ref = dense_reference(q, k, v, causal=causal, offset=offset, do=do)
   compare(run("triton", q, k, v, do, is_causal=causal, causal_offset=offset), ref, factor=4,
           dtype=jnp.bfloat16,
-          floors=gradient_floors(q, k, v, do, ref[1], causal=causal, offset=offset))
+          floors=gradient_floors(q, k, v, do, causal=causal, offset=offset))
 
 
 @pytest.mark.gpu
@@ -374,3 +371,54 @@ def test_gpu_default_runs_where_cudnn_refuses(rng, shape):
   assert_close(out, r_out, jnp.bfloat16, name="out")
   for name, g, r in zip(("dq", "dk", "dv"), vjp(do), r_grads):
     assert_close(g, r, jnp.bfloat16, factor=4, name=name)
+
+
+def _mosaic_or_skip():
+  from jaxfuse.ops.attention import mosaic
+  if reason := mosaic.unavailable():
+    pytest.skip(reason)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal,offset", [(False, 0), (True, 0), (True, None), (True, -100)])
+@pytest.mark.parametrize("shape", [(2, 256, 384, 4, 2, 128), (1, 384, 256, 3, 1, 64),
+                                   (1, 128, 512, 2, 2, 256), (1, 1024, 1024, 2, 2, 128)],
+                         ids=str)
+def test_gpu_mosaic_forward(rng, shape, causal, offset):
+  """The Hopper kernel's output and log-sum-exp; offset None is bottom-right (S - T), -100
+  leaves the first rows with no key at all."""
+  _mosaic_or_skip()
+  b, t, s, n, kh, h = shape
+  offset = s - t if offset is None else offset
+  q, k, v, _ = inputs(rng, b, t, s, n, kh, h, dtype=jnp.bfloat16)
+  out, lse = jaxfuse.attention(q, k, v, is_causal=causal, causal_offset=offset,
+                               return_lse=True, implementation="mosaic")
+  r_out, r_lse, _ = dense_reference(q, k, v, causal=causal, offset=offset)
+  assert_close(out, r_out, jnp.bfloat16, name="out")
+  finite = np.isfinite(r_lse)
+  assert np.array_equal(np.isfinite(np.asarray(lse)), finite)
+  assert_close(np.asarray(lse)[finite], r_lse[finite], jnp.bfloat16, name="lse")
+  again = jaxfuse.attention(q, k, v, is_causal=causal, causal_offset=offset,
+                            implementation="mosaic")
+  assert np.array_equal(np.asarray(again), np.asarray(out))  # same bits
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    (dict(segments=True), "segment_ids"), (dict(lengths=True), "query_seq_lengths"),
+    (dict(window=(4, 4)), "local_window_size"), (dict(cap=2.0), "logits_soft_cap"),
+    (dict(dtype=jnp.float32), "float32"), (dict(h=96), "96"), (dict(hv=64), "value head dim"),
+    (dict(t=200), "T="),
+])
+def test_mosaic_names_what_it_refuses(kwargs, name):
+  from jaxfuse.ops.attention import mosaic
+  from jaxfuse.ops.attention.reference import MaskSpec
+  h, t = kwargs.get("h", 128), kwargs.get("t", 256)
+  spec = MaskSpec(True, 0, kwargs.get("window"), kwargs.get("cap"))
+  reason = mosaic.unsupported(
+      (1, t, 2, h), (1, 256, 2, h), (1, 256, 2, kwargs.get("hv", h)),
+      kwargs.get("dtype", jnp.bfloat16), spec=spec, has_segments="segments" in kwargs,
+      has_q_len="lengths" in kwargs, has_kv_len="lengths" in kwargs)
+  assert reason is not None and name in reason
+  assert mosaic.unsupported((1, 256, 2, 128), (1, 256, 2, 128), (1, 256, 2, 128),
+                            jnp.bfloat16, spec=MaskSpec(True, 0, None, None),
+                            has_segments=False, has_q_len=False, has_kv_len=False) is None

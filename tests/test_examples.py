@@ -77,7 +77,9 @@ _SHARDED = textwrap.dedent("""
     sys.path.insert(0, sys.argv[1])
     import dataclasses, jax, numpy as np, gpt
     assert jax.device_count() == 8
+    from jaxfuse.ops.linear_cross_entropy import reference
     cfg = dataclasses.replace(gpt.PRESETS["tiny"], dtype="float32", layers=1, seq_len=64)
+    reference.CHUNK_ELEMENTS = 64 * cfg.vocab  # several loss chunks per device, as at GPT-2's
     for spec in ("8,1", "4,2"):
       mesh = gpt.make_mesh(spec)
       losses = {}

@@ -1,9 +1,12 @@
 """linear_cross_entropy against softmax cross-entropy of float64 logits computed in full."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import jaxfuse
 from jaxfuse._core.testing import assert_close, random, x64
@@ -140,6 +143,34 @@ def test_vmap_and_jit(rng, impl):
     np.testing.assert_allclose(mapped[i], run(x[i], labels[i]), rtol=1e-6)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_token_sharding_never_gathers(rng, monkeypatch, reduction, axis_type):
+  """Data parallelism: each device walks its own tokens (in several chunks here) and the
+  weight gradients are summed across devices; the tokens are never gathered."""
+  if jax.device_count() < 8:
+    pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+  monkeypatch.setattr(reference, "CHUNK_ELEMENTS", 4 * 97)
+  mesh = jax.make_mesh((8,), ("d",), axis_types=(getattr(jax.sharding.AxisType, axis_type),))
+  x, weight, bias, labels = make(rng, (8 * 13,), 16, 97, jnp.float32)
+  cotangent = random(rng, labels.shape, jnp.float32) if reduction == "none" else 1.0
+
+  def step(x, weight, bias, labels):
+    loss, vjp = jax.vjp(lambda x, w, b: jaxfuse.linear_cross_entropy(
+        x, w, labels, bias=b, reduction=reduction, implementation="xla"), x, weight, bias)
+    return loss, vjp(jnp.asarray(cotangent, loss.dtype))
+
+  single = jax.jit(step)(x, weight, bias, labels)
+  put = lambda a, *spec: jax.device_put(a, jax.sharding.NamedSharding(mesh, P(*spec)))
+  args = (put(x, "d"), put(weight), put(bias), put(labels, "d"))
+  compiled = jax.jit(step).lower(*args).compile()
+  sharded = compiled(*args)
+  assert not re.search(r"all-gather(-start)?\(", compiled.as_text())
+  assert re.search(r"all-reduce(-start)?\(", compiled.as_text())  # dweight, dbias
+  for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(single)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6)
+
+
 def test_temporary_memory_does_not_grow_with_tokens_times_vocabulary(rng, impl, monkeypatch):
   # A GPU's temporaries include cuBLAS's workspace (tens of MiB): logits of 1 GiB there.
   on_gpu = jax.default_backend() == "gpu"
@@ -162,8 +193,8 @@ def test_temporary_memory_does_not_grow_with_tokens_times_vocabulary(rng, impl, 
 
 def test_cuda_row_pass_with_a_stand_in_kernel(rng, monkeypatch):
   """The 'cuda' path's plumbing on any machine: padding, bias, counted columns, the operand
-  dtype of the gradient and the batching rule, around an XLA stand-in for the kernel."""
-  from jaxfuse.ops.linear_cross_entropy import api, cuda
+  dtype of the gradient and vmap (shared and per-example biases), around an XLA stand-in for the kernel."""
+  from jaxfuse.ops.linear_cross_entropy import api
   from jaxfuse.ops.softmax import cuda as softmax_cuda
 
   def stand_in(logits, labels, *, mode, label_smoothing, z_loss, classes, bias=None,
@@ -178,7 +209,6 @@ def test_cuda_row_pass_with_a_stand_in_kernel(rng, monkeypatch):
   monkeypatch.setattr(softmax_cuda, "cross_entropy", stand_in)
   monkeypatch.setitem(api._BACKENDS, "cuda", lambda: None)
   monkeypatch.setattr(reference, "CHUNK_ELEMENTS", 2000)
-  cuda._row_call.cache_clear()
   x, weight, bias, labels = make(rng, (3, 9), 8, 300, jnp.bfloat16)
   options = dict(label_smoothing=0.1, z_loss=1e-3, reduction="sum")
   for impl in ("xla", "cuda"):
@@ -194,7 +224,6 @@ def test_cuda_row_pass_with_a_stand_in_kernel(rng, monkeypatch):
       assert a.dtype == b.dtype
       np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                  rtol=2e-2, atol=1e-5)
-  cuda._row_call.cache_clear()
 
 
 @pytest.mark.parametrize("change,error,match", [

@@ -1,8 +1,10 @@
-"""vmap for kernel calls whose every operand and result has a leading batch axis.
+"""vmap for kernel calls wrapped for sharding.
 
 Pallas calls wrapped for sharding (``custom_partitioning``) have no batching rule of their own.
 For an op that is independent across its leading axis, a mapped axis is just more batch: the
-rule folds it into the leading axis, calls the op once, and unfolds the results.
+rule folds it into the leading axis, calls the op once, and unfolds the results. An op whose
+results mix over that axis (a weight gradient summed over the rows) takes the mapped examples
+one at a time instead.
 """
 
 from __future__ import annotations
@@ -24,6 +26,26 @@ def fold_into_batch(fn):
 
     outs = wrapped(*jax.tree.map(merge, list(args), list(in_batched)))
     outs = jax.tree.map(lambda o: o.reshape((axis_size, -1) + o.shape[1:]), outs)
+    return outs, jax.tree.map(lambda _: True, outs)
+
+  wrapped.def_vmap(rule)
+  return wrapped
+
+
+def one_example_at_a_time(fn):
+  """``fn(*operands)`` with a batching rule that calls it on each mapped example in a loop."""
+  wrapped = custom_vmap(fn)
+
+  def rule(axis_size, in_batched, *args):
+    mapped = [i for i, batched in enumerate(in_batched) if batched]
+
+    def one(example):
+      full = list(args)
+      for i, a in zip(mapped, example):
+        full[i] = a
+      return wrapped(*full)
+
+    outs = jax.lax.map(one, [args[i] for i in mapped])
     return outs, jax.tree.map(lambda _: True, outs)
 
   wrapped.def_vmap(rule)

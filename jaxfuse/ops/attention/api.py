@@ -14,7 +14,7 @@ from jaxfuse._core import registry
 from jaxfuse._core.batching import fold_into_batch
 from jaxfuse._core.sharding import parallel_call
 from jaxfuse._core.validation import check_array, describe, static_float, static_int
-from jaxfuse.ops.attention import reference, triton
+from jaxfuse.ops.attention import mosaic, reference, triton
 from jaxfuse.ops.attention.reference import MaskSpec
 
 OP = "attention"
@@ -27,7 +27,8 @@ def _cudnn_unavailable():
 
 
 _BACKENDS = {"xla": registry.xla_available, "cudnn": _cudnn_unavailable,
-             "triton": registry.triton_unavailable}
+             "triton": registry.triton_unavailable, "mosaic": mosaic.unavailable}
+_FLASH = {"triton": triton, "mosaic": mosaic}
 
 
 def attention(query, key, value, bias=None, mask=None, *, scale: float | None = None,
@@ -56,8 +57,10 @@ def attention(query, key, value, bias=None, mask=None, *, scale: float | None = 
     precision: ``jax.lax.Precision`` for the two matrix products (float32 inputs: DEFAULT may
       use TF32, HIGHEST does not), or a ``jax.lax.DotAlgorithmPreset`` (XLA only).
     implementation: ``'xla'`` (exact reference; chunked over queries when the scores would be
-      large, so memory stays linear in S), ``'cudnn'``, ``'triton'`` (our FlashAttention) or
-      ``None`` for the fastest that supports the arguments here.
+      large, so memory stays linear in S), ``'cudnn'``, ``'triton'`` (our FlashAttention),
+      ``'mosaic'`` (Hopper wgmma and TMA through Pallas Mosaic GPU; so far the forward only,
+      float16/bfloat16, head dims 64, 128 and 256, causal with offset, GQA, whole tiles of
+      T and S) or ``None`` for the fastest that supports the arguments here.
 
   Returns:
     ``(B, T, N, Hv)`` like ``query`` (and the lse if asked). A query row with no allowed key
@@ -258,9 +261,19 @@ def _tf32(precision):
   return names.get(precision, _UNSUPPORTED)
 
 
+def _mosaic_unsupported(call, arrays):
+  if call.has_bias or call.has_mask:
+    return "bias and mask arrays are not supported; use 'xla' or 'cudnn'"
+  q, k, v = arrays[:3]
+  return mosaic.unsupported(q.shape, k.shape, v.shape, call.dtype, spec=call.spec,
+                            has_segments=call.has_segments, has_q_len=call.has_q_len,
+                            has_kv_len=call.has_kv_len)
+
+
 def _resolve(implementation, call, arrays):
   checks = {"triton": _triton_unsupported,
-            "cudnn": functools.partial(_cudnn_unsupported, arrays=arrays)}
+            "cudnn": functools.partial(_cudnn_unsupported, arrays=arrays),
+            "mosaic": functools.partial(_mosaic_unsupported, arrays=arrays)}
 
   def available(name):
     def check():
@@ -284,26 +297,27 @@ def _attention_jit(q, k, v, bias, mask, q_seg, kv_seg, q_len, kv_len, impl, call
                                scale=call.scale, spec=call.spec, precision=call.precision)
   if impl == "cudnn":
     return _cudnn_call(q, k, v, bias, mask, q_len, kv_len, call), None
-  return _flash(q, k, v, (q_seg, kv_seg, q_len, kv_len), call)
+  return _flash(q, k, v, (q_seg, kv_seg, q_len, kv_len), (impl, call))
 
 
+# ``kernel`` is (implementation, call): 'triton' or 'mosaic' and the static configuration.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _flash(q, k, v, extras, call):
-  return _flash_fwd(q, k, v, extras, call)[0]
+def _flash(q, k, v, extras, kernel):
+  return _flash_fwd(q, k, v, extras, kernel)[0]
 
 
-def _flash_fwd(q, k, v, extras, call):
-  out, lse = _kernels(call)[0](q, k, v, extras)
+def _flash_fwd(q, k, v, extras, kernel):
+  out, lse = _kernels(*kernel)[0](q, k, v, extras)
   return (out, lse), (q, k, v, extras, out, lse)
 
 
-def _flash_bwd(call, residuals, cotangents):
+def _flash_bwd(kernel, residuals, cotangents):
   q, k, v, extras, out, lse = residuals
   do, dlse = cotangents
   delta = jnp.einsum("btnh,btnh->bnt", do.astype(jnp.float32), out.astype(jnp.float32))
   if dlse is not None:
     delta = delta - dlse
-  dq, dk, dv = _kernels(call)[1](q, k, v, extras, do, lse, delta)
+  dq, dk, dv = _kernels(*kernel)[1](q, k, v, extras, do, lse, delta)
   return dq, dk, dv, jax.tree.map(lambda _: None, extras)
 
 
@@ -311,13 +325,13 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 @functools.cache
-def _kernels(call):
+def _kernels(impl, call):
   """Forward and backward kernel calls for one static configuration, vmappable."""
-  return (fold_into_batch(functools.partial(_sharded, call, "forward")),
-          fold_into_batch(functools.partial(_sharded, call, "backward")))
+  return (fold_into_batch(functools.partial(_sharded, _FLASH[impl], call, "forward")),
+          fold_into_batch(functools.partial(_sharded, _FLASH[impl], call, "backward")))
 
 
-def _sharded(call, direction, q, k, v, extras, *grads):
+def _sharded(kernels, call, direction, q, k, v, extras, *grads):
   """The kernels under any sharding of batch and heads (T, S and head dims stay whole)."""
   present = [e for e in extras if e is not None]
   kind = ["qs", "ks", "len", "len"]
@@ -347,7 +361,7 @@ def _sharded(call, direction, q, k, v, extras, *grads):
   kw = dict(spec=call.spec, scale=call.scale, allow_tf32=tf32)
   if direction == "forward":
     def local(q, k, v, *rest):
-      out, lse = triton.forward(unsplit(q), k, v, rebuild(rest), **kw)
+      out, lse = kernels.forward(unsplit(q), k, v, rebuild(rest), **kw)
       return split(out, k.shape[2]), lse.reshape(lse.shape[0], k.shape[2], -1, lse.shape[-1])
 
     out, lse = parallel_call(OP, local, split(q), k, v, *present,
@@ -359,8 +373,8 @@ def _sharded(call, direction, q, k, v, extras, *grads):
 
   def local(q, k, v, do, lse, delta, *rest):
     merge = lambda a: a.reshape(a.shape[0], -1, a.shape[-1])
-    dq, dk, dv = triton.backward(unsplit(q), k, v, unsplit(do), merge(lse), merge(delta),
-                                 rebuild(rest), **kw)
+    dq, dk, dv = kernels.backward(unsplit(q), k, v, unsplit(do), merge(lse), merge(delta),
+                                  rebuild(rest), **kw)
     return split(dq, k.shape[2]), dk, dv
 
   dq, dk, dv = parallel_call(

@@ -13,9 +13,10 @@ import jax.numpy as jnp
 
 from jaxfuse._core import registry
 from jaxfuse._core.bench import Case
+from jaxfuse.ops.attention import reference
 from jaxfuse.ops.attention.api import attention
 
-GPU_SHAPES = [(4, 4096, 16, 128), (1, 16384, 16, 128), (8, 2048, 16, 64)]
+GPU_SHAPES = [(4, 4096, 16, 128), (1, 16384, 16, 128), (8, 2048, 16, 64), (2, 8192, 8, 256)]
 
 
 def _inputs(key, b, t, n, h, dtype):
@@ -36,6 +37,11 @@ def _train(causal, impl):
   return step
 
 
+def _train_floors(causal, q, k, v, do):
+  dq, dk = reference.gradient_floors(q, k, v, do, causal=causal)
+  return 0.0, dq, dk, 0.0
+
+
 def cases(quick: bool = False) -> list[Case]:
   if registry.platform() == "gpu":
     shapes = GPU_SHAPES[:1] if quick else GPU_SHAPES
@@ -46,7 +52,7 @@ def cases(quick: bool = False) -> list[Case]:
   for b, t, n, h in shapes:
     for causal in (False, True):
       flops = 4 * b * t * t * n * h / (2 if causal else 1)
-      impls = ("cudnn", "triton") if registry.platform() == "gpu" else ("xla",)
+      impls = ("cudnn", "triton", "mosaic") if registry.platform() == "gpu" else ("xla",)
       if registry.platform() == "gpu" and t <= 2048:
         impls = ("xla",) + impls
       out.append(Case(
@@ -54,5 +60,6 @@ def cases(quick: bool = False) -> list[Case]:
           make_inputs=functools.partial(_inputs, b=b, t=t, n=n, h=h, dtype=jnp.bfloat16),
           forward=functools.partial(_forward, causal), train=functools.partial(_train, causal),
           forward_work=flops, train_work=3.5 * flops, implementations=impls,
-          unit="TFLOP/s", check_only=check_only))
+          unit="TFLOP/s", check_only=check_only,
+          train_floors=functools.partial(_train_floors, causal)))
   return out

@@ -143,3 +143,42 @@ def attention(q, k, v, bias, mask, segs, lens, *, scale, spec, precision, chunk=
   out = jnp.moveaxis(outs, 0, 1).reshape(b, n_chunks * chunk, n, v.shape[-1])[:, :t]
   lse = jnp.moveaxis(lses, 0, 2).reshape(b, n, n_chunks * chunk)[..., :t]
   return out, lse
+
+
+def gradient_floors(q, k, v, do, *, causal=False, offset=0, scale=None, block=512):
+  """Per row of dq ``(B, T, N, 1)`` and of dk ``(B, S, K, 1)``: the size of the terms each is
+  the sum of, ``scale * dS_ij * k_j`` (``q_i``) with ``dS = P * (dP - D)``, their rounding
+  errors adding in quadrature. Where a query sees few keys, dq cancels to ~0 (one key: P = 1,
+  dP = D) and the rounding of dP and D, not its own size, bounds the error: the floor of
+  ``relative_error``. Queries are walked in blocks, so memory is ``B * N * block * S``."""
+  b, t, n, h = q.shape
+  s, kh = k.shape[1], k.shape[2]
+  scale = h ** -0.5 if scale is None else scale
+  k, v = (jnp.repeat(a, n // kh, axis=2) for a in (k, v))
+  block = min(block, t)
+  blocks = -(-t // block)
+
+  def split(a):  # zero rows pad T: their dO is 0, so they add no terms
+    a = jnp.pad(a, ((0, 0), (0, blocks * block - t), (0, 0), (0, 0)))
+    return a.reshape(b, blocks, block, n, a.shape[-1]).swapaxes(0, 1)
+
+  k_sq = jnp.sum(k * k, axis=-1)
+
+  def one_block(dk_sq, xs):
+    qb, dob, q_pos = xs
+    scores = jnp.einsum("btnh,bsnh->bnts", qb, k) * scale
+    if causal:
+      keep = jnp.arange(s)[None, :] <= q_pos[:, None] + offset
+      scores = jnp.where(keep, scores, -jnp.inf)
+    lse = jax.nn.logsumexp(scores, axis=-1, keepdims=True)
+    p = jnp.where(jnp.isfinite(lse), jnp.exp(scores - jnp.where(jnp.isfinite(lse), lse, 0)), 0)
+    dp = jnp.einsum("btnh,bsnh->bnts", dob, v)
+    terms_sq = (p * (jnp.abs(dp) + jnp.abs(jnp.sum(p * dp, -1, keepdims=True)))) ** 2
+    dq = scale * jnp.sqrt(jnp.einsum("bnts,bsn->btn", terms_sq, k_sq))
+    return dk_sq + jnp.einsum("bnts,btn->bsn", terms_sq, jnp.sum(qb * qb, -1)), dq
+
+  q_pos = jnp.arange(blocks * block).reshape(blocks, block)
+  dk_sq, dq = lax.scan(one_block, jnp.zeros((b, s, n), q.dtype), (split(q), split(do), q_pos))
+  dq = dq.swapaxes(0, 1).reshape(b, blocks * block, n)[:, :t]
+  dk = (scale * jnp.sqrt(dk_sq)).reshape(b, s, kh, n // kh).sum(-1)
+  return dq[..., None], dk[..., None]

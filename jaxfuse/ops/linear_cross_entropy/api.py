@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxfuse._core import registry
+from jaxfuse._core.batching import one_example_at_a_time
+from jaxfuse._core.sharding import parallel_call
 from jaxfuse._core.validation import (check_array, counted_labels, cross_entropy_options,
                                       describe, reduction_scale)
 from jaxfuse.ops.linear_cross_entropy import cuda, reference
@@ -113,11 +115,35 @@ def _linear_cross_entropy_jit(x, weight, bias, labels, st):
   return _reduced(*args, row_weight, st)
 
 
-def _walk(x, weight, bias, labels, st, **grads_from):
-  return reference.walk(x, weight, bias, labels, label_smoothing=st.label_smoothing,
-                        z_loss=st.z_loss, chunk_elements=st.chunk_elements,
-                        row_pass=cuda.rows if st.implementation == "cuda" else None,
-                        **grads_from)
+def _walk(x, weight, bias, labels, st, row_grad=None, lse=None):
+  """``reference.walk`` on each shard of the tokens: a token-sharded ``x`` (data parallelism)
+  stays sharded, each device walking its own rows, and the weight gradients are summed over
+  the shards, where XLA alone would gather the tokens to slice them into chunks."""
+  optional = {"bias": (bias, ("v",)), "row_grad": (row_grad, ("t",)), "lse": (lse, ("t",))}
+  present = [name for name, (a, _) in optional.items() if a is not None]
+  with_grads = row_grad is not None
+
+  def local(x, weight, labels, *rest):
+    given = dict(zip(present, rest))
+    loss, lse, grads = reference.walk(
+        x, weight, given.get("bias"), labels, label_smoothing=st.label_smoothing,
+        z_loss=st.z_loss, row_grad=given.get("row_grad"), lse=given.get("lse"),
+        chunk_elements=st.chunk_elements,
+        row_pass=cuda.rows if st.implementation == "cuda" else None)
+    return (loss, lse) + (tuple(g for g in grads if g is not None) if with_grads else ())
+
+  out_dims = [("t",), ("t",)]
+  if with_grads:
+    out_dims += [("t", "w"), ("w", "v")] + ([("v",)] if bias is not None else [])
+  in_dims = [("t", "w"), ("w", "v"), ("t",)] + [optional[name][1] for name in present]
+  # Under vmap each example has its own weight gradient: the examples are walked in turn.
+  sharded = one_example_at_a_time(lambda *args: parallel_call(
+      "linear_cross_entropy", local, *args, in_dims=in_dims, out_dims=out_dims,
+      parallel={"t"}))
+  outs = sharded(x, weight, labels, *(optional[name][0] for name in present))
+  if not with_grads:
+    return outs[0], outs[1], None
+  return outs[0], outs[1], (outs[2], outs[3], outs[4] if bias is not None else None)
 
 
 def _cast_like(grads, g, x, weight, bias):

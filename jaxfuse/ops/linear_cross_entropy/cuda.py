@@ -9,11 +9,7 @@ writing the gradient straight in the products' operand dtype.
 
 from __future__ import annotations
 
-import functools
-
 import jax.numpy as jnp
-from jax import lax
-from jax.custom_batching import custom_vmap
 
 from jaxfuse.ops.softmax import cuda as softmax_cuda
 
@@ -42,44 +38,13 @@ def rows(logits, bias, labels, row_scale, lse, *, classes, label_smoothing, z_lo
   (zeros), and a given ``lse`` is recomputed rather than read."""
   del lse  # one pass recomputes it from the row it already holds
   padded = logits.shape[1]
-  with_grad = row_scale is not None
-  call = _row_call(classes, label_smoothing, z_loss,
-                   jnp.dtype(grad_dtype) if with_grad else None)
-  loss, second = call(
-      logits, labels, row_scale if with_grad else jnp.ones(labels.shape, jnp.float32),
-      jnp.zeros((0,), jnp.float32) if bias is None
-      else jnp.pad(bias.astype(jnp.float32), (0, padded - classes)))
-  if not with_grad:
-    return loss, second, None, None
-  dbias = None if bias is None else jnp.sum(second[:, :classes], axis=0, dtype=jnp.float32)
-  return loss, jnp.zeros_like(loss), second, dbias
-
-
-@functools.cache
-def _row_call(classes, label_smoothing, z_loss, grad_dtype):
-  """The kernel on ``(logits (R, P), labels (R,), row_scale (R,), bias (P,) or (0,))`` with a
-  batching rule: a mapped axis over the rows is more rows, while a mapped bias (each example
-  its own layer) takes the examples one at a time."""
-  options = dict(label_smoothing=label_smoothing, z_loss=z_loss, classes=classes)
-
-  def call(logits, labels, row_scale, bias):
-    bias = bias if bias.size else None
-    if grad_dtype is None:
-      return softmax_cuda.cross_entropy(logits, labels, mode="loss", bias=bias, **options)
-    return softmax_cuda.cross_entropy(logits, labels, mode="fused", grad_dtype=grad_dtype,
-                                      row_scale=row_scale, bias=bias, **options)
-
-  wrapped = custom_vmap(call)
-
-  def rule(axis_size, in_batched, *operands):
-    spread = [o if batched else jnp.broadcast_to(o, (axis_size,) + o.shape)
-              for o, batched in zip(operands, in_batched)]
-    if in_batched[3]:
-      outs = lax.map(lambda example: wrapped(*example), spread)
-    else:
-      folded = [o.reshape((-1,) + o.shape[2:]) for o in spread[:3]] + [operands[3]]
-      outs = tuple(o.reshape((axis_size, -1) + o.shape[1:]) for o in wrapped(*folded))
-    return outs, (True, True)
-
-  wrapped.def_vmap(rule)
-  return wrapped
+  options = dict(label_smoothing=label_smoothing, z_loss=z_loss, classes=classes,
+                 bias=None if bias is None
+                 else jnp.pad(bias.astype(jnp.float32), (0, padded - classes)))
+  if row_scale is None:
+    loss, lse = softmax_cuda.cross_entropy(logits, labels, mode="loss", **options)
+    return loss, lse, None, None
+  loss, grad = softmax_cuda.cross_entropy(logits, labels, mode="fused", row_scale=row_scale,
+                                          grad_dtype=jnp.dtype(grad_dtype), **options)
+  dbias = None if bias is None else jnp.sum(grad[:, :classes], axis=0, dtype=jnp.float32)
+  return loss, jnp.zeros_like(loss), grad, dbias
