@@ -75,10 +75,17 @@ def run(impl, q, k, v, do, **kw):
   return out, lse, vjp((do, jnp.zeros_like(lse)))
 
 
-def gradient_floors(q, k, v, do, **kw):
+def gradient_floors(q, k, v, do, *, causal=False, offset=0, window=None, q_seg=None,
+                    kv_seg=None, q_len=None, kv_len=None, cap=None, block=512):
+  """reference.gradient_floors in float64, for ``dense_reference``'s mask keywords."""
+  del cap  # it only shrinks the terms
+  as_array = lambda a: None if a is None else jnp.asarray(a)
   with x64():
     wide = (jnp.asarray(np.asarray(a, np.float64)) for a in (q, k, v, do))
-    return tuple(np.asarray(f) for f in reference.gradient_floors(*wide, **kw))
+    spec = reference.MaskSpec(causal, offset, window)
+    return tuple(np.asarray(f) for f in reference.gradient_floors(
+        *wide, spec, (as_array(q_seg), as_array(kv_seg)), (as_array(q_len), as_array(kv_len)),
+        block=block))
 
 
 def compare(got, ref, factor=10, dtype=None, floors=(0.0, 0.0)):
@@ -119,18 +126,18 @@ FEATURES = [
 ]
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("feature", FEATURES, ids=str)
-def test_features_and_combinations(rng, impl, feature):
-  b, t, s, n, kh, h = 2, 25, 33, 4, 2, 32
-  q, k, v, do = inputs(rng, b, t, s, n, kh, h)
+def feature_kwargs(rng, feature, b, t, s, scale=1):
+  """``attention`` and ``dense_reference`` keywords for one of FEATURES, whose offsets,
+  windows and lengths are multiplied by ``scale``."""
   kw, ref_kw = {}, {}
+  offset = feature.get("offset", 0) * scale
   if feature.get("causal"):
-    kw.update(is_causal=True, causal_offset=feature.get("offset", 0))
-    ref_kw.update(causal=True, offset=feature.get("offset", 0))
+    kw.update(is_causal=True, causal_offset=offset)
+    ref_kw.update(causal=True, offset=offset)
   if "window" in feature:
-    kw.update(local_window_size=feature["window"], causal_offset=feature.get("offset", 0))
-    ref_kw.update(window=feature["window"], offset=feature.get("offset", 0))
+    window = tuple(w * scale for w in feature["window"])
+    kw.update(local_window_size=window, causal_offset=offset)
+    ref_kw.update(window=window, offset=offset)
   if "cap" in feature:
     kw["logits_soft_cap"] = ref_kw["cap"] = feature["cap"]
   if feature.get("segments"):
@@ -139,8 +146,18 @@ def test_features_and_combinations(rng, impl, feature):
     kw["segment_ids"] = (q_seg, kv_seg)
     ref_kw.update(q_seg=q_seg, kv_seg=kv_seg)
   if feature.get("lengths"):
-    kw.update(query_seq_lengths=jnp.array([t, 19]), key_value_seq_lengths=jnp.array([11, s]))
-    ref_kw.update(q_len=[t, 19], kv_len=[11, s])
+    q_len, kv_len = [t, 19 * scale][:b], [11 * scale, s][:b]
+    kw.update(query_seq_lengths=jnp.array(q_len), key_value_seq_lengths=jnp.array(kv_len))
+    ref_kw.update(q_len=q_len, kv_len=kv_len)
+  return kw, ref_kw
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("feature", FEATURES, ids=str)
+def test_features_and_combinations(rng, impl, feature):
+  b, t, s, n, kh, h = 2, 25, 33, 4, 2, 32
+  q, k, v, do = inputs(rng, b, t, s, n, kh, h)
+  kw, ref_kw = feature_kwargs(rng, feature, b, t, s)
   compare(run(impl, q, k, v, do, **kw), dense_reference(q, k, v, do=do, **ref_kw))
 
 
@@ -379,46 +396,99 @@ def _mosaic_or_skip():
     pytest.skip(reason)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("causal,offset", [(False, 0), (True, 0), (True, None), (True, -100)])
-@pytest.mark.parametrize("shape", [(2, 256, 384, 4, 2, 128), (1, 384, 256, 3, 1, 64),
-                                   (1, 128, 512, 2, 2, 256), (1, 1024, 1024, 2, 2, 128)],
-                         ids=str)
-def test_gpu_mosaic_forward(rng, shape, causal, offset):
-  """The Hopper kernel's output and log-sum-exp; offset None is bottom-right (S - T), -100
-  leaves the first rows with no key at all."""
-  _mosaic_or_skip()
-  b, t, s, n, kh, h = shape
-  offset = s - t if offset is None else offset
-  q, k, v, _ = inputs(rng, b, t, s, n, kh, h, dtype=jnp.bfloat16)
-  out, lse = jaxfuse.attention(q, k, v, is_causal=causal, causal_offset=offset,
-                               return_lse=True, implementation="mosaic")
-  r_out, r_lse, _ = dense_reference(q, k, v, causal=causal, offset=offset)
+def check_mosaic_forward(q, k, v, kw, ref_kw):
+  out, lse = jaxfuse.attention(q, k, v, return_lse=True, implementation="mosaic", **kw)
+  r_out, r_lse, _ = dense_reference(q, k, v, **ref_kw)
   assert_close(out, r_out, jnp.bfloat16, name="out")
   finite = np.isfinite(r_lse)
   assert np.array_equal(np.isfinite(np.asarray(lse)), finite)
   assert_close(np.asarray(lse)[finite], r_lse[finite], jnp.bfloat16, name="lse")
-  again = jaxfuse.attention(q, k, v, is_causal=causal, causal_offset=offset,
-                            implementation="mosaic")
+  again = jaxfuse.attention(q, k, v, implementation="mosaic", **kw)
   assert np.array_equal(np.asarray(again), np.asarray(out))  # same bits
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal,offset", [(False, 0), (True, 0), (True, None), (True, -100)])
+@pytest.mark.parametrize("shape", [(2, 256, 384, 4, 2, 128, 128), (1, 384, 256, 3, 1, 64, 64),
+                                   (1, 128, 512, 2, 2, 256, 256), (1, 1000, 1100, 2, 2, 128, 128),
+                                   (1, 77, 64, 1, 1, 64, 128), (1, 129, 200, 2, 2, 256, 128),
+                                   (2, 257, 257, 2, 1, 128, 256), (1, 300, 517, 2, 1, 64, 256)],
+                         ids=str)
+def test_gpu_mosaic_forward(rng, shape, causal, offset):
+  """The Hopper kernel's output and log-sum-exp on whole and partial tiles, value head dims
+  unlike the query's; offset None is bottom-right (S - T), -100 leaves the first rows with no
+  key at all."""
+  _mosaic_or_skip()
+  b, t, s, n, kh, h, hv = shape
+  offset = s - t if offset is None else offset
+  q, k, v, _ = inputs(rng, b, t, s, n, kh, h, hv, dtype=jnp.bfloat16)
+  check_mosaic_forward(q, k, v, dict(is_causal=causal, causal_offset=offset),
+                       dict(causal=causal, offset=offset))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("feature", FEATURES + [{}], ids=str)
+def test_gpu_mosaic_features(rng, feature):
+  """FEATURES at 40 times the CPU tests' sizes: bands that span many tiles (skipped, masked
+  and whole ones), three segments per row, lengths inside a tile; and the gradients."""
+  _mosaic_or_skip()
+  b, t, s, n, kh, h = 2, 1000, 1320, 4, 2, 128
+  q, k, v, do = inputs(rng, b, t, s, n, kh, h, dtype=jnp.bfloat16)
+  kw, ref_kw = feature_kwargs(rng, feature, b, t, s, scale=40)
+  check_mosaic_forward(q, k, v, kw, ref_kw)
+  compare(run("mosaic", q, k, v, do, **kw), dense_reference(q, k, v, do=do, **ref_kw),
+          factor=4, dtype=jnp.bfloat16, floors=gradient_floors(q, k, v, do, **ref_kw))
+
+
+def test_mosaic_segment_spans_reach_every_match(rng):
+  """Each block of query rows walks the key tiles from the first to the last holding one of
+  its rows' segment ids: exactly its documents' tiles when ids are sorted, and at least every
+  matching tile when they are not."""
+  from jaxfuse.ops.attention import mosaic
+  cfg = mosaic.Config(4, 8, 2)
+  t, s = 37, 45
+  tp, sp = 40, 48
+  for packed in (True, False):
+    ids, kv_ids = rng.integers(0, 5, (2, t)), rng.integers(0, 5, (2, s))
+    if packed:
+      ids, kv_ids = np.sort(ids, axis=1), np.sort(kv_ids, axis=1)
+    spans = np.asarray(mosaic._segment_spans(jnp.asarray(ids), jnp.asarray(kv_ids), tp, sp,
+                                             cfg))
+    assert spans.shape == (2, tp // cfg.block_q, 2)
+    for bi in range(2):
+      for qb in range(tp // cfg.block_q):
+        rows = ids[bi, qb * cfg.block_q:min(t, (qb + 1) * cfg.block_q)]
+        match = np.isin(kv_ids[bi], rows) if rows.size else np.zeros(s, bool)
+        tiles = np.unique(np.nonzero(match)[0] // cfg.block_kv)
+        lo, hi = spans[bi, qb]
+        assert lo <= hi
+        if tiles.size:
+          assert lo <= tiles[0] and tiles[-1] < hi
+  # Four sorted documents of 16 rows, tiles of 8 keys: each block sees its document's 2 tiles.
+  docs = jnp.repeat(jnp.arange(4, dtype=jnp.int32), 16)[None]
+  spans = np.asarray(mosaic._segment_spans(docs, docs, 64, 64, cfg))
+  np.testing.assert_array_equal(spans[0, :, 0], np.repeat([0, 2, 4, 6], 4))
+  np.testing.assert_array_equal(spans[0, :, 1], np.repeat([2, 4, 6, 8], 4))
+
+
 @pytest.mark.parametrize("kwargs,name", [
-    (dict(segments=True), "segment_ids"), (dict(lengths=True), "query_seq_lengths"),
-    (dict(window=(4, 4)), "local_window_size"), (dict(cap=2.0), "logits_soft_cap"),
-    (dict(dtype=jnp.float32), "float32"), (dict(h=96), "96"), (dict(hv=64), "value head dim"),
-    (dict(t=200), "T="),
+    (dict(dtype=jnp.float32), "float32"), (dict(h=96), "query/key head dim"),
+    (dict(hv=80), "value head dim"), (dict(h=32, hv=128), "32"),
 ])
 def test_mosaic_names_what_it_refuses(kwargs, name):
   from jaxfuse.ops.attention import mosaic
   from jaxfuse.ops.attention.reference import MaskSpec
-  h, t = kwargs.get("h", 128), kwargs.get("t", 256)
-  spec = MaskSpec(True, 0, kwargs.get("window"), kwargs.get("cap"))
-  reason = mosaic.unsupported(
-      (1, t, 2, h), (1, 256, 2, h), (1, 256, 2, kwargs.get("hv", h)),
-      kwargs.get("dtype", jnp.bfloat16), spec=spec, has_segments="segments" in kwargs,
-      has_q_len="lengths" in kwargs, has_kv_len="lengths" in kwargs)
+  h = kwargs.get("h", 128)
+  shapes = ((1, 200, 2, h), (1, 300, 2, h), (1, 300, 2, kwargs.get("hv", h)))
+  reason = mosaic.unsupported(*shapes, kwargs.get("dtype", jnp.bfloat16),
+                              spec=MaskSpec(True, 0, None, None), has_segments=False,
+                              has_q_len=False, has_kv_len=False)
   assert reason is not None and name in reason
-  assert mosaic.unsupported((1, 256, 2, 128), (1, 256, 2, 128), (1, 256, 2, 128),
-                            jnp.bfloat16, spec=MaskSpec(True, 0, None, None),
-                            has_segments=False, has_q_len=False, has_kv_len=False) is None
+
+
+def test_mosaic_takes_every_mask():
+  from jaxfuse.ops.attention import mosaic
+  from jaxfuse.ops.attention.reference import MaskSpec
+  assert mosaic.unsupported((2, 1000, 4, 64), (2, 1321, 2, 64), (2, 1321, 2, 256),
+                            jnp.float16, spec=MaskSpec(True, 7, (100, 3), 5.0),
+                            has_segments=True, has_q_len=True, has_kv_len=True) is None

@@ -29,6 +29,9 @@ def _cudnn_unavailable():
 _BACKENDS = {"xla": registry.xla_available, "cudnn": _cudnn_unavailable,
              "triton": registry.triton_unavailable, "mosaic": mosaic.unavailable}
 _FLASH = {"triton": triton, "mosaic": mosaic}
+# The Mosaic forward saves what the Triton kernel's does (the output and the natural-log lse),
+# and is differentiated by the Triton backward until it has its own.
+_BACKWARD = {"triton": "triton", "mosaic": "triton"}
 
 
 def attention(query, key, value, bias=None, mask=None, *, scale: float | None = None,
@@ -58,9 +61,11 @@ def attention(query, key, value, bias=None, mask=None, *, scale: float | None = 
       use TF32, HIGHEST does not), or a ``jax.lax.DotAlgorithmPreset`` (XLA only).
     implementation: ``'xla'`` (exact reference; chunked over queries when the scores would be
       large, so memory stays linear in S), ``'cudnn'``, ``'triton'`` (our FlashAttention),
-      ``'mosaic'`` (Hopper wgmma and TMA through Pallas Mosaic GPU; so far the forward only,
-      float16/bfloat16, head dims 64, 128 and 256, causal with offset, GQA, whole tiles of
-      T and S) or ``None`` for the fastest that supports the arguments here.
+      ``'mosaic'`` (Hopper wgmma and TMA through Pallas Mosaic GPU: every mask and length
+      above, GQA, float16/bfloat16, query and value head dims of 64, 128 or 256; its
+      gradients come from the ``'triton'`` backward, so they need Pallas's Triton backend)
+      or ``None`` for the fastest that supports the arguments here: cuDNN where it accepts
+      the call, then 'mosaic' on Hopper, then 'triton'.
 
   Returns:
     ``(B, T, N, Hv)`` like ``query`` (and the lse if asked). A query row with no allowed key
@@ -282,10 +287,14 @@ def _resolve(implementation, call, arrays):
     return check
 
   backends = {name: available(name) for name in _BACKENDS}
-  # cuDNN is the fastest where it applies (docs: benchmarks/results), then our kernel.
-  preference = ("xla",) if registry.platform() == "cpu" else ("cudnn", "triton", "xla")
+  # cuDNN is the fastest where it applies, then the Mosaic forward, then the Triton kernels
+  # (benchmarks/results/2026-11-25-h100-attention-mosaic.json). None takes 'mosaic' only
+  # where its gradients (the Triton backward) can run too.
+  preference = (("xla",) if registry.platform() == "cpu" else
+                ("cudnn", "mosaic", "triton", "xla") if registry.triton_unavailable() is None
+                else ("cudnn", "xla"))
   impl = registry.resolve(OP, implementation, backends, preference)
-  if impl == "triton":
+  if impl in _BACKWARD:
     registry.using_triton(named=implementation == "triton")
   return impl
 
@@ -327,8 +336,16 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 @functools.cache
 def _kernels(impl, call):
   """Forward and backward kernel calls for one static configuration, vmappable."""
-  return (fold_into_batch(functools.partial(_sharded, _FLASH[impl], call, "forward")),
-          fold_into_batch(functools.partial(_sharded, _FLASH[impl], call, "backward")))
+  forward = fold_into_batch(functools.partial(_sharded, _FLASH[impl], call, "forward"))
+  backward_impl = _BACKWARD[impl]
+  if backward_impl != impl and (reason := _BACKENDS[backward_impl]()) is not None:
+    def backward(*_):
+      raise NotImplementedError(f"{OP}(implementation={impl!r}) is differentiated by the "
+                                f"{backward_impl!r} backward, which cannot run here: {reason}")
+  else:
+    backward = fold_into_batch(functools.partial(_sharded, _FLASH[backward_impl], call,
+                                                 "backward"))
+  return forward, backward
 
 
 def _sharded(kernels, call, direction, q, k, v, extras, *grads):

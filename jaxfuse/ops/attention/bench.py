@@ -25,41 +25,76 @@ def _inputs(key, b, t, n, h, dtype):
   return tuple(jax.random.normal(k_, shape, dtype) for k_ in (kq, kk, kv, kd))
 
 
-def _forward(causal, impl):
-  return lambda q, k, v, do: attention(q, k, v, is_causal=causal, implementation=impl)
+def _forward(kw, impl):
+  return lambda q, k, v, do: attention(q, k, v, **kw, implementation=impl)
 
 
-def _train(causal, impl):
+def _train(kw, impl):
   def step(q, k, v, do):
-    out, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, is_causal=causal,
-                                                 implementation=impl), q, k, v)
+    out, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, **kw, implementation=impl), q, k, v)
     return (out,) + vjp(do)
   return step
 
 
-def _train_floors(causal, q, k, v, do):
-  dq, dk = reference.gradient_floors(q, k, v, do, causal=causal)
+def _mask_spec(kw):
+  window = kw.get("local_window_size")
+  return reference.MaskSpec(kw.get("is_causal", False), kw.get("causal_offset", 0),
+                            None if window is None else tuple(window))
+
+
+def _train_floors(kw, q, k, v, do):
+  ids = kw.get("segment_ids")
+  dq, dk = reference.gradient_floors(q, k, v, do, _mask_spec(kw), (ids, ids))
   return 0.0, dq, dk, 0.0
 
 
+def _allowed_pairs(b, t, kw):
+  """(query, key) pairs the masks keep, over the batch: the FLOPs that count are 4 H per pair
+  per head."""
+  ids = kw.get("segment_ids")
+  keep = reference.allowed(_mask_spec(kw), jnp.arange(t), jnp.arange(t), ids, ids)
+  return b * t * t if keep is None else int(keep.sum()) * (b // keep.shape[0])
+
+
+# The calls cuDNN refuses, at (4, 4096, 16, 128) or near it: rates count only the pairs the
+# masks keep, to be read against cuDNN's plain causal (or full) rate in the same run.
+REFUSED = [("4 documents causal", 4096, dict(is_causal=True), 4),
+           ("causal offset 512", 4096, dict(is_causal=True, causal_offset=512), None),
+           ("window (256, 256)", 4096, dict(local_window_size=(256, 256)), None),
+           ("full", 4000, {}, None), ("causal", 4000, dict(is_causal=True), None)]
+
+
 def cases(quick: bool = False) -> list[Case]:
-  if registry.platform() == "gpu":
+  gpu = registry.platform() == "gpu"
+  if gpu:
     shapes = GPU_SHAPES[:1] if quick else GPU_SHAPES
     check_only = ()
   else:
     shapes, check_only = [(1, 256, 2, 64)], ("triton",)
   out = []
+
+  def add(label, b, t, n, h, kw, flops, impls):
+    out.append(Case(
+        op="attention", label=label, size=t,
+        make_inputs=functools.partial(_inputs, b=b, t=t, n=n, h=h, dtype=jnp.bfloat16),
+        forward=functools.partial(_forward, kw), train=functools.partial(_train, kw),
+        forward_work=flops, train_work=3.5 * flops, implementations=impls,
+        unit="TFLOP/s", check_only=check_only,
+        train_floors=functools.partial(_train_floors, kw)))
+
   for b, t, n, h in shapes:
     for causal in (False, True):
-      flops = 4 * b * t * t * n * h / (2 if causal else 1)
-      impls = ("cudnn", "triton", "mosaic") if registry.platform() == "gpu" else ("xla",)
-      if registry.platform() == "gpu" and t <= 2048:
+      impls = ("cudnn", "triton", "mosaic") if gpu else ("xla",)
+      if gpu and t <= 2048:
         impls = ("xla",) + impls
-      out.append(Case(
-          op="attention", label=f"{b}x{t}x{n}x{h} {'causal' if causal else 'full'}", size=t,
-          make_inputs=functools.partial(_inputs, b=b, t=t, n=n, h=h, dtype=jnp.bfloat16),
-          forward=functools.partial(_forward, causal), train=functools.partial(_train, causal),
-          forward_work=flops, train_work=3.5 * flops, implementations=impls,
-          unit="TFLOP/s", check_only=check_only,
-          train_floors=functools.partial(_train_floors, causal)))
+      add(f"{b}x{t}x{n}x{h} {'causal' if causal else 'full'}", b, t, n, h,
+          dict(is_causal=causal), 4 * b * t * t * n * h / (2 if causal else 1), impls)
+  if gpu and not quick:
+    b, n, h = 4, 16, 128
+    for name, t, kw, documents in REFUSED:
+      if documents:
+        ids = jnp.repeat(jnp.arange(documents, dtype=jnp.int32), t // documents)
+        kw = dict(kw, segment_ids=jnp.broadcast_to(ids, (b, t)))
+      add(f"{b}x{t}x{n}x{h} {name}", b, t, n, h, kw, 4 * _allowed_pairs(b, t, kw) * n * h,
+          ("cudnn", "triton", "mosaic"))
   return out

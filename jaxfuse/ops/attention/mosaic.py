@@ -1,4 +1,5 @@
-"""Attention forward on Hopper's matrix units: Pallas Mosaic GPU, wgmma and TMA.
+"""Attention forward on Hopper's matrix units: Pallas Mosaic GPU, wgmma and TMA. (Its
+gradients come from the Triton backward, which takes the same residuals: see ``api``.)
 
 A CTA owns ``2 * block_q`` query rows of one head and runs three warpgroups. The third is the
 producer: it streams the key and value tiles of ``block_kv`` rows into a ring of ``stages``
@@ -10,13 +11,16 @@ by wgmma. A schedule barrier the consumers pass twice per tile makes them take t
 tensor cores, so one's softmax runs while the other's products do (FlashAttention-3's
 ping-pong).
 
-Causal masks: tiles wholly below the diagonal run without a mask, the diagonal's with one, and
-tiles wholly above it are not loaded or computed. A consumer whose rows end before its partner's
-still passes every tile the producer loads, arriving on its barriers without computing.
+Masks come from positions (causal with an offset, a (left, right) window, key and query
+lengths) and from segment ids. Each consumer walks the key tiles of its band in three runs:
+masked tiles at the band's lower edge, tiles whose keys every row sees (no mask), masked tiles
+at the upper edge; tiles wholly outside the band are not loaded. Segment ids and query lengths
+mask every tile. The producer loads the union of both consumers' bands; a consumer passes the
+tiles only its partner needs, waiting and arriving on their barriers without computing (a
+Mosaic barrier's phase is tracked per thread, so no wait may be skipped).
 
-So far: the forward and its log-sum-exp, float16 and bfloat16, head dims 64, 128 and 256 (equal
-for query and value), GQA/MQA, ``causal_offset``, and sequence lengths that are whole tiles;
-every other argument is refused by :func:`unsupported`.
+Partial tiles: queries and keys past T and S are read as zeros by TMA, which also drops stores
+past T; keys past S are masked. Query and value head dims are 64, 128 or 256, independently.
 """
 
 from __future__ import annotations
@@ -51,7 +55,9 @@ class Config:
       raise ValueError(f"Config.stages must be at least 2, got {self.stages}")
 
 
-# Per head dim: tiles whose Q, K and V slots fit the 227 KiB of shared memory.
+# Per head dim (the larger of the query's and the value's; the kernel is Hopper's only): tiles
+# whose Q, K, V (and output) slots fit the 227 KiB of shared memory, the fastest of those timed
+# (benchmarks/results/2026-11-24-h100-tune-attention-mosaic-hd128.json).
 CONFIGS = {64: Config(64, 128, 3), 128: Config(64, 128, 2), 256: Config(64, 64, 2)}
 
 
@@ -68,59 +74,109 @@ def unavailable() -> str | None:
   return None
 
 
+def _config(h: int, hv: int) -> Config:
+  return CONFIGS[max(h, hv)]
+
+
 def unsupported(q_shape, k_shape, v_shape, dtype, *, spec, has_segments, has_q_len,
                 has_kv_len, return_lse=False) -> str | None:
   """Why the kernel cannot take this call, naming the argument, or None."""
-  del return_lse  # always computed
-  _, t, _, h = q_shape
-  s, hv = k_shape[1], v_shape[3]
-  for present, name in ((has_segments, "segment_ids"), (has_q_len, "query_seq_lengths"),
-                        (has_kv_len, "key_value_seq_lengths"),
-                        (spec.window is not None, "local_window_size"),
-                        (spec.soft_cap is not None, "logits_soft_cap")):
-    if present:
-      return f"the 'mosaic' kernel has no {name} yet"
+  del spec, has_segments, has_q_len, has_kv_len, return_lse  # all taken
+  h, hv = q_shape[3], v_shape[3]
   if jnp.dtype(dtype) not in (jnp.float16, jnp.bfloat16):
     return f"the 'mosaic' kernel takes float16 and bfloat16, not {jnp.dtype(dtype).name}"
-  if h not in CONFIGS:
-    return f"the 'mosaic' kernel takes head dims {tuple(CONFIGS)}, not {h}"
-  if hv != h:
-    return f"the 'mosaic' kernel needs the value head dim ({hv}) equal to the query's ({h})"
-  cfg = CONFIGS[h]
-  if t % (_CONSUMERS * cfg.block_q) or s % cfg.block_kv:
-    return (f"the 'mosaic' kernel needs T a multiple of {_CONSUMERS * cfg.block_q} and S of "
-            f"{cfg.block_kv} (T={t}, S={s})")
+  for name, dim in (("query/key head dim", h), ("value head dim", hv)):
+    if dim not in CONFIGS:
+      return f"the 'mosaic' kernel takes a {name} in {tuple(CONFIGS)}, not {dim}"
   return None
 
 
 def forward(q, k, v, extras, *, spec, scale, allow_tf32=None, config: Config | None = None):
-  """``(out (B, T, N, H), lse (B, N, T) float32)`` for ``q (B, T, N, H)``,
-  ``k, v (B, S, K, H)``; ``extras`` must be empty (see :func:`unsupported`)."""
+  """``(out (B, T, N, Hv), lse (B, N, T) float32)`` for ``q (B, T, N, H)``,
+  ``k (B, S, K, H)``, ``v (B, S, K, Hv)``; ``extras = (q_seg (B, T), kv_seg (B, S),
+  q_len (B,), kv_len (B,))``, each possibly None."""
   del allow_tf32  # 16-bit operands only
-  if any(e is not None for e in extras):
-    raise NotImplementedError("the 'mosaic' kernel takes no segment ids or lengths")
-  cfg = config or CONFIGS[q.shape[-1]]
-  return _forward(q, k, v, spec.is_causal, spec.causal_offset, float(scale), cfg)
+  cfg = config or _config(q.shape[3], v.shape[3])
+  q_seg, kv_seg, q_len, kv_len = extras
+  t, s = q.shape[1], k.shape[1]
+  # TMA copies of 8 x 64 tiles need T and S multiples of 8 (the rows past them are masked or
+  # dropped); other tails TMA's bounds take care of, without a copy.
+  pad_rows = lambda a, n: a if a.shape[1] == n else jnp.pad(
+      a, ((0, 0), (0, n - a.shape[1])) + ((0, 0),) * (a.ndim - 2))
+  q = pad_rows(q, -(-t // 8) * 8)
+  kv_tiles = -(-s // cfg.block_kv)
+  # Where the pipeline's first loads reach the last tile, their static start must keep the
+  # whole tile in bounds: so few keys are padded to whole tiles.
+  kv_rows = kv_tiles * cfg.block_kv if kv_tiles <= max(2, cfg.stages) else -(-s // 8) * 8
+  k, v = (pad_rows(a, kv_rows) for a in (k, v))
+  tp = -(-t // (_CONSUMERS * cfg.block_q)) * _CONSUMERS * cfg.block_q
+  sp = -(-s // cfg.block_kv) * cfg.block_kv
+  # Segment rows are padded to whole tiles: TMA needs 16-byte row strides, and every tile's
+  # ids then lie in bounds.
+  seg = lambda a, n: None if a is None else pad_rows(a.astype(jnp.int32), n)
+  as_int = lambda a: None if a is None else a.astype(jnp.int32)
+  spans = None if q_seg is None else _segment_spans(q_seg, kv_seg, tp, sp, cfg)
+  out, lse = _forward(q, k, v, seg(q_seg, tp), seg(kv_seg, sp), spans, as_int(q_len),
+                      as_int(kv_len), t, s, spec, float(scale), cfg)
+  return out[:, :t], lse[..., :t]
 
 
-def backward(*args, **kwargs):
-  raise NotImplementedError("the 'mosaic' attention has no backward yet; differentiate "
-                            "implementation='triton', 'cudnn' or None")
+def _segment_spans(q_seg, kv_seg, tp: int, sp: int, cfg: Config):
+  """``(B, tp // block_q, 2)``: per block of query rows, the key tiles ``[lo, hi)`` from the
+  first to the last whose range of segment ids meets the block's. Packed documents (sorted
+  ids) then walk only their own document's tiles; any ids stay correct, as every tile is
+  masked."""
+  b = q_seg.shape[0]
+  # Padding repeats the last id, widening no range (padded keys are masked by S).
+  edge = lambda a, n: jnp.pad(a.astype(jnp.int32), ((0, 0), (0, n - a.shape[1])), mode="edge")
+  qs = edge(q_seg, tp).reshape(b, -1, cfg.block_q)
+  ks = edge(kv_seg, sp).reshape(b, -1, cfg.block_kv)
+  meets = ((qs.min(-1)[:, :, None] <= ks.max(-1)[:, None, :])
+           & (ks.min(-1)[:, None, :] <= qs.max(-1)[:, :, None]))
+  lo = jnp.argmax(meets, -1)
+  hi = jnp.where(meets.any(-1), ks.shape[1] - jnp.argmax(meets[..., ::-1], -1), lo)
+  return jnp.stack([lo, hi], -1).astype(jnp.int32)
 
 
-def _forward(q, k, v, causal: bool, offset: int, scale: float, cfg: Config):
+def _minimum(a, b):
+  return min(a, b) if isinstance(a, int) and isinstance(b, int) else jnp.minimum(a, b)
+
+
+def _maximum(a, b):
+  return max(a, b) if isinstance(a, int) and isinstance(b, int) else jnp.maximum(a, b)
+
+
+def _loop(lower, upper, fn, carry):
+  """``lax.fori_loop``, nothing at all where the bounds are Python ints and empty."""
+  if isinstance(lower, int) and isinstance(upper, int) and lower >= upper:
+    return carry
+  return lax.fori_loop(lower, upper, fn, carry)
+
+
+def _div(a, b: int):
+  """``a // b`` for ``a >= 0``, a Python int where ``a`` is one."""
+  return a // b if isinstance(a, int) else lax.div(a, jnp.int32(b))
+
+
+def _forward(q, k, v, q_seg, kv_seg, spans, q_len, kv_len, t: int, s: int, spec,
+             scale: float, cfg: Config):
+  """The kernel on ``q`` and ``k, v`` whose rows past ``t`` and ``s`` are padding."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
-  b, t, n, h = q.shape
-  s, kv_heads = k.shape[1], k.shape[2]
+  b, _, n, h = q.shape
+  kv_heads, hv = k.shape[2], v.shape[3]
   groups = n // kv_heads
   dtype = q.dtype
   block_q, block_kv = cfg.block_q, cfg.block_kv
   rows_per_cta = _CONSUMERS * block_q
-  kv_tiles = s // block_kv
+  q_tiles, kv_tiles = -(-t // rows_per_cta), -(-s // block_kv)
   stages = max(2, min(cfg.stages, kv_tiles))
-  scale2 = scale * _LOG2E  # scores in base 2: exp(x) = exp2(x log2 e)
+  causal, offset, window, cap = spec.is_causal, spec.causal_offset, spec.window, spec.soft_cap
+  has_segments = q_seg is not None
+  optional = [a for a in (q_seg, kv_seg, spans, q_len, kv_len) if a is not None]
+  # Every tile is masked when a mask depends on data (segments, query lengths).
+  mask_every_tile = has_segments or q_len is not None
 
   def iota(shape, axis):
     return plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=plgpu.Layout.WGMMA)
@@ -131,19 +187,62 @@ def _forward(q, k, v, causal: bool, offset: int, scale: float, cfg: Config):
       return fn() if condition else None
     return pl.when(condition)(fn)
 
-  def tiles_needed(last_row):
-    """Key tiles that rows up to ``last_row`` see: all, or up to the causal diagonal."""
-    if not causal:
-      return kv_tiles  # a Python int: loop bounds and conditions known at trace time
-    seen = last_row + 1 + offset
-    return jnp.clip(lax.div(seen + block_kv - 1, block_kv), 0, kv_tiles).astype(jnp.int32)
+  def tile_range(first, last, keys, span=None):
+    """Key tiles that rows ``first..last`` (clipped to T) see, ``lo <= full_lo <= full_hi <=
+    hi``: ``[lo, hi)`` is every tile with an allowed key, ``[full_lo, full_hi)`` those whose
+    keys every row sees (no mask). ``keys``: the keys that exist (S, or this batch's length);
+    ``span``: the tiles the rows' segments reach. Python ints where nothing is traced."""
+    last = _minimum(last, t - 1)
+    end, begin = keys, 0          # keys allowed to some row: [begin, end)
+    full_end, full_begin = keys, 0  # keys allowed to every row
+    if causal:
+      end = _minimum(end, last + offset + 1)
+      full_end = _minimum(full_end, first + offset + 1)
+    if window is not None:
+      left, right = window
+      end = _minimum(end, last + offset + right + 1)
+      full_end = _minimum(full_end, first + offset + right + 1)
+      begin = _maximum(0, first + offset - left)
+      full_begin = _maximum(0, last + offset - left)
+    lo = _div(_maximum(begin, 0), block_kv)
+    hi = _div(_maximum(end, 0) + block_kv - 1, block_kv)
+    if span is not None:
+      lo, hi = _maximum(lo, span[0]), _minimum(hi, span[1])
+    hi = _maximum(lo, hi)
+    if mask_every_tile:
+      return lo, hi, hi, hi
+    full_lo = _minimum(hi, _maximum(lo, _div(full_begin + block_kv - 1, block_kv)))
+    full_hi = _minimum(hi, _maximum(full_lo, _div(_maximum(full_end, 0), block_kv)))
+    return lo, full_lo, full_hi, hi
 
-  def body(q_ref, k_ref, v_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
-           k_loaded, v_loaded, q_loaded, k_consumed, v_consumed, schedule):
+  def body(q_ref, k_ref, v_ref, *refs):
+    refs = list(refs)
+    q_seg_ref = refs.pop(0) if has_segments else None
+    kv_seg_ref = refs.pop(0) if has_segments else None
+    spans_ref = refs.pop(0) if has_segments else None
+    q_len_ref = refs.pop(0) if q_len is not None else None
+    kv_len_ref = refs.pop(0) if kv_len is not None else None
+    (out_ref, lse_ref, q_smem, k_smem, v_smem, o_smem, lse_smem, q_seg_smem, kv_seg_smem,
+     k_loaded, v_loaded, seg_loaded, q_loaded, k_consumed, v_consumed, schedule) = refs
     batch, head, tile = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("t")
     wg = lax.axis_index("wg")
+    keys = s if kv_len_ref is None else jnp.clip(kv_len_ref[batch], 0, s)
     cta_first = tile * rows_per_cta
-    cta_tiles = tiles_needed(cta_first + rows_per_cta - 1)
+
+    def block_range(i):
+      first = cta_first + i * block_q
+      span = None if spans_ref is None else (spans_ref[batch, tile * _CONSUMERS + i, 0],
+                                             spans_ref[batch, tile * _CONSUMERS + i, 1])
+      return tile_range(first, first + block_q - 1, keys, span)
+
+    if spans_ref is None:  # bands grow with the rows: the CTA's is its rows' band
+      cta_lo, _, _, cta_hi = tile_range(cta_first, cta_first + rows_per_cta - 1, keys)
+    else:  # the hull of both blocks' ranges, an empty one left out
+      (lo_0, _, _, hi_0), (lo_1, _, _, hi_1) = block_range(0), block_range(1)
+      cta_hi = jnp.maximum(jnp.where(lo_0 < hi_0, hi_0, 0), jnp.where(lo_1 < hi_1, hi_1, 0))
+      cta_lo = jnp.minimum(jnp.minimum(jnp.where(lo_0 < hi_0, lo_0, kv_tiles),
+                                       jnp.where(lo_1 < hi_1, lo_1, kv_tiles)), cta_hi)
+    slot_of = lambda j: lax.rem(j - cta_lo, stages)
 
     def take_turn():
       plgpu.barrier_arrive(schedule)
@@ -156,35 +255,64 @@ def _forward(q, k, v, causal: bool, offset: int, scale: float, cfg: Config):
       my_q = q_smem.at[wg]
       plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(first, block_q), head], my_q,
                               q_loaded.at[wg])
+      if has_segments:
+        plgpu.copy_gmem_to_smem(q_seg_ref.at[batch, pl.ds(first, block_q)],
+                                q_seg_smem.at[wg], seg_loaded.at[stages + wg])
+        plgpu.barrier_wait(seg_loaded.at[stages + wg])
+        q_ids = plgpu.load(q_seg_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
       plgpu.barrier_wait(q_loaded.at[wg])
-      my_tiles = tiles_needed(first + block_q - 1)
-      # Tiles every row of this block sees whole: no mask needed.
-      unmasked = (my_tiles if not causal else
-                  jnp.clip(lax.div(first + offset + 1, block_kv), 0, my_tiles))
+      lo, full_lo, full_hi, hi = block_range(wg)
+      if spans_ref is not None:  # within the hull: tiles the hull spans and these rows do not
+        lo = jnp.clip(lo, cta_lo, cta_hi)  # are passed as the partner's
+        full_lo = full_hi = hi = jnp.clip(hi, lo, cta_hi)
+      if q_len_ref is not None:
+        q_rows = jnp.clip(q_len_ref[batch], 0, t)
+
+      def mask(z, j, slot):
+        rows, cols = iota(z.shape, 0) + first, iota(z.shape, 1) + j * block_kv
+        ok = cols < keys
+        if causal:
+          ok = ok & (cols <= rows + offset)
+        if window is not None:
+          ok = ok & (cols >= rows + offset - window[0]) & (cols <= rows + offset + window[1])
+        if q_len_ref is not None:
+          ok = ok & (rows < q_rows)
+        if has_segments:
+          kv_ids = plgpu.load(kv_seg_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+          ok = ok & (lax.broadcast_in_dim(q_ids, z.shape, [0])
+                     == lax.broadcast_in_dim(kv_ids, z.shape, [1]))
+        return jnp.where(ok, z, -jnp.inf)
 
       row_stat = lambda value: plgpu.layout_cast(jnp.full((block_q,), value, jnp.float32),
-                                         plgpu.Layout.WGMMA.reduce(1))
-      carry = (plgpu.layout_cast(jnp.zeros((block_q, h), jnp.float32), plgpu.Layout.WGMMA),
+                                                 plgpu.Layout.WGMMA.reduce(1))
+      carry = (plgpu.layout_cast(jnp.zeros((block_q, hv), jnp.float32), plgpu.Layout.WGMMA),
                row_stat(-jnp.inf), row_stat(0.0))
 
-      when(my_tiles > 0, lambda: plgpu.barrier_wait(k_loaded.at[0]))
+      def wait_next_key(j):
+        when(j + 1 < cta_hi, lambda: plgpu.barrier_wait(k_loaded.at[slot_of(j + 1)]))
 
+      when(cta_lo < cta_hi, lambda: plgpu.barrier_wait(k_loaded.at[slot_of(cta_lo)]))
       pl.when(wg == 1)(take_turn)
 
       def step(j, carry, masked):
         acc, m_i, l_i = carry
-        slot = lax.rem(j, stages)
+        slot = slot_of(j)
 
         def scores(acc_ref):
-          plgpu.wgmma(acc_ref, my_q, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+          plgpu.wgmma(acc_ref, my_q, k_smem.at[slot].transpose((1, 0)))
           take_turn()
           return acc_ref[...]
 
-        z = pl.run_scoped(scores, plgpu.ACC((block_q, block_kv), jnp.float32)) * scale2
+        z = pl.run_scoped(scores, plgpu.ACC((block_q, block_kv), jnp.float32))
         plgpu.barrier_arrive(k_consumed.at[slot])
+        if cap is None:
+          z = z * (scale * _LOG2E)  # base 2: exp(x) = exp2(x log2 e)
+        else:
+          z = jnp.tanh(z * (scale / cap)) * (cap * _LOG2E)
+        if has_segments:
+          plgpu.barrier_wait(seg_loaded.at[slot])
         if masked:
-          rows, cols = iota(z.shape, 0), iota(z.shape, 1)
-          z = jnp.where(cols + j * block_kv <= rows + first + offset, z, -jnp.inf)
+          z = mask(z, j, slot)
         m_new = jnp.maximum(m_i, z.max(axis=1))
         # A row that has seen only masked scores keeps m = -inf: shift it by 0, not -inf.
         shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -200,79 +328,100 @@ def _forward(q, k, v, causal: bool, offset: int, scale: float, cfg: Config):
 
         def values(acc_ref):
           plgpu.wgmma(acc_ref, p, v_smem.at[slot])
-          nxt = j + 1
-
-          when(nxt < my_tiles, lambda: plgpu.barrier_wait(k_loaded.at[lax.rem(nxt, stages)]))
+          wait_next_key(j)
 
         acc = pl.run_state(values)(plgpu.ACC.init(acc))
         plgpu.barrier_arrive(v_consumed.at[slot])
         return acc, m_new, l_i
 
-      carry = lax.fori_loop(0, unmasked, functools.partial(step, masked=False), carry)
-      if causal:
-        carry = lax.fori_loop(unmasked, my_tiles, functools.partial(step, masked=True), carry)
+      def skip(j, carry):
+        """A tile the partner needs and these rows do not: its barriers pass, the turns
+        keep alternating."""
+        slot = slot_of(j)
+        plgpu.barrier_arrive(k_consumed.at[slot])
+        take_turn()
+        if has_segments:
+          plgpu.barrier_wait(seg_loaded.at[slot])
+        plgpu.barrier_wait(v_loaded.at[slot])
+        plgpu.barrier_arrive(v_consumed.at[slot])
+        take_turn()
+        wait_next_key(j)
+        return carry
 
-      if causal:
-        # Tiles the partner needs and this block does not: release them, keep the turns.
-        @pl.loop(my_tiles, cta_tiles)
-        def _(j):
-          slot = lax.rem(j, stages)
-          plgpu.barrier_arrive(k_consumed.at[slot])
-          plgpu.barrier_arrive(v_consumed.at[slot])
-          take_turn()
-          take_turn()
-
+      carry = _loop(cta_lo, lo, skip, carry)
+      carry = _loop(lo, full_lo, functools.partial(step, masked=True), carry)
+      carry = _loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
+      carry = _loop(full_hi, hi, functools.partial(step, masked=True), carry)
+      carry = _loop(hi, cta_hi, skip, carry)
       pl.when(wg == 0)(take_turn)
+
       acc, m_i, l_i = carry
       inverse = jnp.where(l_i == 0.0, 0.0, 1.0 / l_i)  # no key at all: 0, as the reference
-      my_q[...] = (acc * lax.broadcast_in_dim(inverse, acc.shape, [0])).astype(dtype)
+      my_out = my_q if o_smem is None else o_smem.at[wg]
+      my_out[...] = (acc * lax.broadcast_in_dim(inverse, acc.shape, [0])).astype(dtype)
       lse_smem.at[wg][...] = (m_i + jnp.log2(l_i)) * _LN2
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(my_q, out_ref.at[batch, pl.ds(first, block_q), head])
+      # Rows past T are dropped by TMA's bounds.
+      plgpu.copy_smem_to_gmem(my_out, out_ref.at[batch, pl.ds(first, block_q), head])
       plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, pl.ds(first, block_q)])
       plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == _CONSUMERS)
     def _producer():
       plgpu.set_max_registers(40, action="decrease")
-      kv_head = lax.div(head, groups)
+      kv_head = lax.div(head, jnp.int32(groups))
 
       def load(j, slot):
+        # Keys past S read as zeros (TMA's bounds) and are masked.
         rows = (batch, pl.ds(j * block_kv, block_kv), kv_head)
         plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_loaded.at[slot])
+        if has_segments:
+          plgpu.copy_gmem_to_smem(kv_seg_ref.at[batch, pl.ds(j * block_kv, block_kv)],
+                                  kv_seg_smem.at[slot], seg_loaded.at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_loaded.at[slot])
 
-      for j in range(stages):
-        when(j < cta_tiles, functools.partial(load, j, j))
+      for i in range(min(stages, kv_tiles)):  # a static start past S fails to trace
+        when(cta_lo + i < cta_hi, functools.partial(load, cta_lo + i, i))
 
-      @pl.loop(stages, jnp.maximum(cta_tiles, stages) if causal else max(kv_tiles, stages))
+      @pl.loop(cta_lo + stages, _maximum(cta_hi, cta_lo + stages))
       def _(j):
-        slot = lax.rem(j, stages)
+        slot = slot_of(j)
         plgpu.barrier_wait(k_consumed.at[slot])
         plgpu.barrier_wait(v_consumed.at[slot])
         load(j, slot)
 
-  def entry(q_ref, k_ref, v_ref, out_ref, lse_ref):
+  def entry(*refs):
     # wgmma reads shared memory in 8 x 64 tiles with the 128-byte swizzle.
-    transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-    pl.run_scoped(
-        lambda *scratch: body(q_ref, k_ref, v_ref, out_ref, lse_ref, *scratch),
-        plgpu.SMEM((_CONSUMERS, block_q, h), dtype, transforms=transforms),
-        plgpu.SMEM((stages, block_kv, h), dtype, transforms=transforms),
-        plgpu.SMEM((stages, block_kv, h), dtype, transforms=transforms),
+    tiled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+    scratch = [
+        plgpu.SMEM((_CONSUMERS, block_q, h), dtype, **tiled),
+        plgpu.SMEM((stages, block_kv, h), dtype, **tiled),
+        plgpu.SMEM((stages, block_kv, hv), dtype, **tiled),
+        plgpu.SMEM((_CONSUMERS, block_q, hv), dtype, **tiled) if hv != h else None,
         plgpu.SMEM((_CONSUMERS, block_q), jnp.float32),
+        plgpu.SMEM((_CONSUMERS, block_q), jnp.int32) if has_segments else None,
+        plgpu.SMEM((stages, block_kv), jnp.int32) if has_segments else None,
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
+        # Key segment ids per slot, then query segment ids per consumer.
+        plgpu.Barrier(num_barriers=stages + _CONSUMERS) if has_segments else None,
         plgpu.Barrier(num_barriers=_CONSUMERS),
         plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
         plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
         plgpu.Barrier(num_arrivals=_CONSUMERS),
-        collective_axes="wg",
-    )
+    ]
+    present = [x for x in scratch if x is not None]
 
-  out_types = (jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((b, n, t), jnp.float32))
+    def with_scratch(*allocated):
+      allocated = list(allocated)
+      body(*refs, *[None if x is None else allocated.pop(0) for x in scratch])
+
+    pl.run_scoped(with_scratch, *present, collective_axes="wg")
+
+  out_types = (jax.ShapeDtypeStruct((b, q.shape[1], n, hv), dtype),
+               jax.ShapeDtypeStruct((b, n, q_tiles * rows_per_cta), jnp.float32))
   kernel = plgpu.kernel(
-      entry, out_type=out_types, grid=(b, n, t // rows_per_cta), grid_names=("b", "n", "t"),
+      entry, out_type=out_types, grid=(b, n, q_tiles), grid_names=("b", "n", "t"),
       num_threads=_CONSUMERS + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True))
-  return kernel(q, k, v)
+  return kernel(q, k, v, *optional)

@@ -145,12 +145,16 @@ def attention(q, k, v, bias, mask, segs, lens, *, scale, spec, precision, chunk=
   return out, lse
 
 
-def gradient_floors(q, k, v, do, *, causal=False, offset=0, scale=None, block=512):
+def gradient_floors(q, k, v, do, spec: MaskSpec = MaskSpec(), segments=(None, None),
+                    lengths=(None, None), *, scale=None, block=512):
   """Per row of dq ``(B, T, N, 1)`` and of dk ``(B, S, K, 1)``: the size of the terms each is
   the sum of, ``scale * dS_ij * k_j`` (``q_i``) with ``dS = P * (dP - D)``, their rounding
-  errors adding in quadrature. Where a query sees few keys, dq cancels to ~0 (one key: P = 1,
-  dP = D) and the rounding of dP and D, not its own size, bounds the error: the floor of
-  ``relative_error``. Queries are walked in blocks, so memory is ``B * N * block * S``."""
+  errors adding in quadrature; ``dP_ij = dO_i . v_j`` and ``D_i = dO_i . O_i`` count as the
+  root-sum-square of their own products, which their rounding scales with (a dot product that
+  happens to be ~0 rounds like any other). Where a query sees few keys, dq cancels to ~0 (one
+  key: P = 1, dP = D) and this, not its own size, bounds the error: the floor of
+  ``relative_error``. ``spec``'s masks, ``segments`` and ``lengths`` apply (its soft-cap, which only shrinks
+  the terms, does not). Queries are walked in blocks, so memory is ``B * N * block * S``."""
   b, t, n, h = q.shape
   s, kh = k.shape[1], k.shape[2]
   scale = h ** -0.5 if scale is None else scale
@@ -159,26 +163,32 @@ def gradient_floors(q, k, v, do, *, causal=False, offset=0, scale=None, block=51
   blocks = -(-t // block)
 
   def split(a):  # zero rows pad T: their dO is 0, so they add no terms
-    a = jnp.pad(a, ((0, 0), (0, blocks * block - t), (0, 0), (0, 0)))
-    return a.reshape(b, blocks, block, n, a.shape[-1]).swapaxes(0, 1)
+    a = jnp.pad(a, ((0, 0), (0, blocks * block - t)) + ((0, 0),) * (a.ndim - 2))
+    return a.reshape(b, blocks, block, *a.shape[2:]).swapaxes(0, 1)
+
+  q_seg, kv_seg = segments
+  q_seg = jnp.zeros((b, t), jnp.int32) if q_seg is None else q_seg
+  kv_seg = jnp.zeros((b, s), jnp.int32) if kv_seg is None else kv_seg
 
   k_sq = jnp.sum(k * k, axis=-1)
 
   def one_block(dk_sq, xs):
-    qb, dob, q_pos = xs
+    qb, dob, q_pos, q_seg_b = xs
     scores = jnp.einsum("btnh,bsnh->bnts", qb, k) * scale
-    if causal:
-      keep = jnp.arange(s)[None, :] <= q_pos[:, None] + offset
-      scores = jnp.where(keep, scores, -jnp.inf)
+    keep = allowed(spec, q_pos, jnp.arange(s), q_seg_b, kv_seg, *lengths)
+    scores = jnp.where(keep[:, None], scores, -jnp.inf)
     lse = jax.nn.logsumexp(scores, axis=-1, keepdims=True)
     p = jnp.where(jnp.isfinite(lse), jnp.exp(scores - jnp.where(jnp.isfinite(lse), lse, 0)), 0)
-    dp = jnp.einsum("btnh,bsnh->bnts", dob, v)
-    terms_sq = (p * (jnp.abs(dp) + jnp.abs(jnp.sum(p * dp, -1, keepdims=True)))) ** 2
+    dp_size = jnp.sqrt(jnp.einsum("btnh,bsnh->bnts", dob * dob, v * v))
+    out = jnp.einsum("bnts,bsnh->btnh", p, v)
+    d_size = jnp.sqrt(jnp.sum((dob * out) ** 2, -1)).transpose(0, 2, 1)[..., None]
+    terms_sq = (p * (dp_size + d_size)) ** 2
     dq = scale * jnp.sqrt(jnp.einsum("bnts,bsn->btn", terms_sq, k_sq))
     return dk_sq + jnp.einsum("bnts,btn->bsn", terms_sq, jnp.sum(qb * qb, -1)), dq
 
   q_pos = jnp.arange(blocks * block).reshape(blocks, block)
-  dk_sq, dq = lax.scan(one_block, jnp.zeros((b, s, n), q.dtype), (split(q), split(do), q_pos))
+  dk_sq, dq = lax.scan(one_block, jnp.zeros((b, s, n), q.dtype),
+                       (split(q), split(do), q_pos, split(q_seg)))
   dq = dq.swapaxes(0, 1).reshape(b, blocks * block, n)[:, :t]
   dk = (scale * jnp.sqrt(dk_sq)).reshape(b, s, kh, n // kh).sum(-1)
   return dq[..., None], dk[..., None]
