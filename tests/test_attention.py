@@ -486,6 +486,36 @@ def test_mosaic_names_what_it_refuses(kwargs, name):
   assert reason is not None and name in reason
 
 
+@pytest.mark.parametrize("shape,spec,segments,lengths,dtype", [
+    ((256, 384, 128, 128), (False, 0, None, None), False, False, jnp.bfloat16),
+    ((1000, 1321, 64, 256), (True, 7, (100, 3), 5.0), True, True, jnp.bfloat16),
+    ((77, 64, 256, 128), (True, -3, None, None), False, True, jnp.float16),
+    ((512, 4096, 64, 64), (False, 0, (256, 256), None), False, False, jnp.float16),
+], ids=str)
+def test_mosaic_lowers_for_hopper(shape, spec, segments, lengths, dtype):
+  """The kernel lowered for CUDA on this machine, without a GPU: what changes between JAX
+  versions in Pallas Mosaic GPU (signatures, layouts, transforms) fails here in CI."""
+  pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+  from jax import export
+  from jaxfuse.ops.attention import mosaic
+  from jaxfuse.ops.attention.reference import MaskSpec
+  t, s, h, hv = shape
+  arrays = [jax.ShapeDtypeStruct(d, dtype) for d in ((2, t, 4, h), (2, s, 2, h), (2, s, 2, hv))]
+  ints = lambda *d: jax.ShapeDtypeStruct(d, jnp.int32)
+  extras = ((ints(2, t), ints(2, s)) if segments else (None, None)) + (
+      (ints(2), ints(2)) if lengths else (None, None))
+
+  def forward(q, k, v, *present):
+    present = list(present)
+    return mosaic.forward(q, k, v, tuple(present.pop(0) if e is not None else None
+                                         for e in extras), spec=MaskSpec(*spec), scale=0.1)
+
+  exported = export.export(jax.jit(forward), platforms=["cuda"])(
+      *arrays, *[e for e in extras if e is not None])
+  assert exported.out_avals[0].shape == (2, t, 4, hv)
+  assert exported.out_avals[1].shape == (2, 4, t)
+
+
 def test_mosaic_takes_every_mask():
   from jaxfuse.ops.attention import mosaic
   from jaxfuse.ops.attention.reference import MaskSpec

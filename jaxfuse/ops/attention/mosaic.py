@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 
 import jax
@@ -153,6 +154,14 @@ def _loop(lower, upper, fn, carry):
   return lax.fori_loop(lower, upper, fn, carry)
 
 
+def _load(plgpu, ref, layout):
+  """The whole of ``ref`` in registers: JAX 0.10's ``plgpu.load`` takes the index as an
+  argument, 0.11's deprecates it for ``ref.at``."""
+  if inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty:
+    return plgpu.load(ref, (), layout=layout)
+  return plgpu.load(ref, layout=layout)
+
+
 def _div(a, b: int):
   """``a // b`` for ``a >= 0``, a Python int where ``a`` is one."""
   return a // b if isinstance(a, int) else lax.div(a, jnp.int32(b))
@@ -259,7 +268,7 @@ def _forward(q, k, v, q_seg, kv_seg, spans, q_len, kv_len, t: int, s: int, spec,
         plgpu.copy_gmem_to_smem(q_seg_ref.at[batch, pl.ds(first, block_q)],
                                 q_seg_smem.at[wg], seg_loaded.at[stages + wg])
         plgpu.barrier_wait(seg_loaded.at[stages + wg])
-        q_ids = plgpu.load(q_seg_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+        q_ids = _load(plgpu, q_seg_smem.at[wg], plgpu.Layout.WGMMA.reduce(1))
       plgpu.barrier_wait(q_loaded.at[wg])
       lo, full_lo, full_hi, hi = block_range(wg)
       if spans_ref is not None:  # within the hull: tiles the hull spans and these rows do not
@@ -278,7 +287,7 @@ def _forward(q, k, v, q_seg, kv_seg, spans, q_len, kv_len, t: int, s: int, spec,
         if q_len_ref is not None:
           ok = ok & (rows < q_rows)
         if has_segments:
-          kv_ids = plgpu.load(kv_seg_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+          kv_ids = _load(plgpu, kv_seg_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
           ok = ok & (lax.broadcast_in_dim(q_ids, z.shape, [0])
                      == lax.broadcast_in_dim(kv_ids, z.shape, [1]))
         return jnp.where(ok, z, -jnp.inf)
