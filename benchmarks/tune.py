@@ -467,6 +467,26 @@ def _attention_mosaic(sweep):
                     f"attention {b}x{t}x{n}x{h} {'causal' if causal else 'full'} fwd", fwd,
                     [mosaic.CONFIGS[h], "cudnn"] + candidates[h], sets, flops, unit="TFLOP/s")
 
+  # Narrow bands (a window, packed documents) walk few tiles per query block: shorter key
+  # tiles waste fewer masked keys at the band's edges. Rates count only the kept pairs.
+  from jaxfuse.ops.attention import bench as attention_bench
+  b, t, n, h = 4, 4096, 16, 128
+  sets = _sets(lambda key: tuple(jax.random.normal(k_, (b, t, n, h), jnp.bfloat16)
+                                 for k_ in jax.random.split(key, 3)), 6 * b * t * n * h * 2)
+  ids = jnp.broadcast_to(jnp.repeat(jnp.arange(4, dtype=jnp.int32), t // 4), (b, t))
+  for name, kw, extras in (("window (256, 256)", dict(local_window_size=(256, 256)),
+                            (None,) * 4),
+                           ("4 documents causal", dict(is_causal=True, segment_ids=ids),
+                            (ids, ids, None, None))):
+    spec = attention_bench._mask_spec(kw)
+    flops = 4 * attention_bench._allowed_pairs(b, t, kw) * n * h
+
+    def masked_fwd(config, q, k, v, spec=spec, extras=extras):
+      return mosaic.forward(q, k, v, extras, spec=spec, scale=h ** -0.5, config=config)[0]
+
+    sweep.problem("attention_mosaic", f"attention {b}x{t}x{n}x{h} {name} fwd", masked_fwd,
+                  [mosaic.CONFIGS[h]] + candidates[h], sets, flops, unit="TFLOP/s")
+
 
 # --------------------------------------------------------------------------- rnn
 
