@@ -440,6 +440,27 @@ def test_gpu_mosaic_features(rng, feature):
           factor=4, dtype=jnp.bfloat16, floors=gradient_floors(q, k, v, do, **ref_kw))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,s,h,kw", [
+    (512, 512, 128, dict(is_causal=True, local_window_size=(64, 0), kv_len=100)),
+    (256, 128, 128, dict(local_window_size=(0, 0), causal_offset=64)),
+    (256, 256, 256, dict(is_causal=True, local_window_size=(32, 0), kv_len=64)),
+], ids=str)
+def test_gpu_mosaic_blocks_past_every_key(rng, t, s, h, kw):
+  """A CTA whose second query block's window starts a tile past the CTA's last key: that
+  block walks no tile (it once waited on one never loaded)."""
+  _mosaic_or_skip()
+  q, k, v, _ = inputs(rng, 1, t, s, 1, 1, h, dtype=jnp.bfloat16)
+  kw = dict(kw)
+  kv_len = kw.pop("kv_len", None)
+  ref_kw = dict(causal=kw.get("is_causal", False), offset=kw.get("causal_offset", 0),
+                window=kw["local_window_size"])
+  if kv_len is not None:
+    kw["key_value_seq_lengths"] = jnp.array([kv_len])
+    ref_kw["kv_len"] = [kv_len]
+  check_mosaic_forward(q, k, v, kw, ref_kw)
+
+
 def test_mosaic_segment_spans_reach_every_match(rng):
   """Each block of query rows walks the key tiles from the first to the last holding one of
   its rows' segment ids: exactly its documents' tiles when ids are sorted, and at least every
@@ -514,6 +535,52 @@ def test_mosaic_lowers_for_hopper(shape, spec, segments, lengths, dtype):
       *arrays, *[e for e in extras if e is not None])
   assert exported.out_avals[0].shape == (2, t, 4, hv)
   assert exported.out_avals[1].shape == (2, 4, t)
+
+
+def test_mosaic_bands_cover_every_allowed_pair(rng):
+  """The Hopper kernel's tile walk, on small tiles against the reference's mask, over random
+  masks: every allowed (query, key) pair lies in a tile its query block computes, the tiles it
+  computes unmasked allow every pair, and each block's tiles lie within those its CTA loads
+  (a block outside them would wait for a tile never loaded)."""
+  from jaxfuse.ops.attention import mosaic
+  from jaxfuse.ops.attention.reference import MaskSpec, allowed
+  block_q, block_kv = 4, 8
+  for _ in range(300):
+    t, s = (int(x) for x in rng.integers(1, 40, 2))
+    causal = bool(rng.integers(2))
+    window = tuple(int(x) for x in rng.integers(0, 12, 2)) if rng.integers(2) else None
+    spec = MaskSpec(causal, int(rng.integers(-20, 30)), window)
+    kv_len = int(rng.integers(0, s + 1)) if rng.integers(2) else None
+    q_len = int(rng.integers(0, t + 1)) if rng.integers(2) else None
+    segments = rng.integers(2)
+    q_ids, kv_ids = (np.sort(rng.integers(0, 3, n)) for n in (t, s))
+    q_tiles, kv_tiles = -(-t // (2 * block_q)), -(-s // block_kv)
+    band = mosaic._Band(t, spec, block_q, block_kv, kv_tiles,
+                        mask_every_tile=bool(segments) or q_len is not None)
+    ok = allowed(spec, np.arange(t), np.arange(s),  # numpy in, numpy out
+                 *((q_ids[None], kv_ids[None]) if segments else (None, None)),
+                 None if q_len is None else np.array([q_len]),
+                 None if kv_len is None else np.array([kv_len]))
+    ok = np.ones((t, s), bool) if ok is None else np.asarray(ok)[0]
+    ok = ok & (np.arange(s) < (s if kv_len is None else kv_len))[None]
+    if segments:
+      spans = np.asarray(mosaic._segment_spans(
+          jnp.asarray(q_ids)[None], jnp.asarray(kv_ids)[None], q_tiles * 2 * block_q,
+          kv_tiles * block_kv, mosaic.Config(block_q, block_kv, 2)))[0]
+    keys = s if kv_len is None else kv_len
+    for tile in range(q_tiles):
+      span_of = (lambda i: tuple(int(x) for x in spans[2 * tile + i])) if segments else None
+      cta_lo, cta_hi = (int(x) for x in band.cta(2 * tile * block_q, keys, span_of))
+      for i in range(2):
+        first = (2 * tile + i) * block_q
+        lo, full_lo, full_hi, hi = (int(x) for x in band.block(
+            first, keys, span_of(i) if segments else None, (cta_lo, cta_hi)))
+        case = (t, s, spec, kv_len, q_len, segments, tile, i)
+        assert cta_lo <= lo <= full_lo <= full_hi <= hi <= cta_hi <= kv_tiles, case
+        rows = ok[first:first + block_q]
+        keys_seen = np.nonzero(rows.any(0))[0]
+        assert np.all((keys_seen // block_kv >= lo) & (keys_seen // block_kv < hi)), case
+        assert rows[:, full_lo * block_kv:full_hi * block_kv].all(), case
 
 
 def test_mosaic_takes_every_mask():

@@ -167,6 +167,76 @@ def _div(a, b: int):
   return a // b if isinstance(a, int) else lax.div(a, jnp.int32(b))
 
 
+def _select(condition, a, b):
+  return (a if condition else b) if isinstance(condition, bool) else jnp.where(condition, a, b)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Band:
+  """Which key tiles query rows walk. Bounds are Python ints where nothing is traced (the
+  plain full case: static loops), else int32 scalars."""
+  t: int  # query rows (those past it are padding)
+  spec: object  # reference.MaskSpec
+  block_q: int
+  block_kv: int
+  kv_tiles: int
+  mask_every_tile: bool
+
+  def tiles(self, first, last, keys, span=None):
+    """Rows ``first..last`` (clipped to T): ``(lo, full_lo, full_hi, hi)``, ``[lo, hi)`` every
+    tile with a key some row may see, ``[full_lo, full_hi)`` those whose keys every row sees
+    (no mask). ``keys``: the keys that exist (S, or this batch's length); ``span``: the tiles
+    the rows' segment ids reach."""
+    spec, block_kv = self.spec, self.block_kv
+    offset = spec.causal_offset
+    last = _minimum(last, self.t - 1)
+    end, begin = keys, 0  # keys allowed to some row: [begin, end)
+    full_end, full_begin = keys, 0  # keys allowed to every row
+    if spec.is_causal:
+      end = _minimum(end, last + offset + 1)
+      full_end = _minimum(full_end, first + offset + 1)
+    if spec.window is not None:
+      left, right = spec.window
+      end = _minimum(end, last + offset + right + 1)
+      full_end = _minimum(full_end, first + offset + right + 1)
+      begin = _maximum(0, first + offset - left)
+      full_begin = _maximum(0, last + offset - left)
+    lo = _minimum(_div(_maximum(begin, 0), block_kv), self.kv_tiles)
+    hi = _div(_maximum(end, 0) + block_kv - 1, block_kv)
+    if span is not None:
+      lo, hi = _maximum(lo, span[0]), _minimum(hi, span[1])
+    hi = _maximum(lo, hi)
+    if self.mask_every_tile:
+      return lo, hi, hi, hi
+    full_lo = _minimum(hi, _maximum(lo, _div(full_begin + block_kv - 1, block_kv)))
+    full_hi = _minimum(hi, _maximum(full_lo, _div(_maximum(full_end, 0), block_kv)))
+    return lo, full_lo, full_hi, hi
+
+  def cta(self, cta_first, keys, span_of=None):
+    """``[cta_lo, cta_hi)``: the tiles the producer loads for a CTA's two query blocks, the
+    hull of their ranges (``span_of(i)``: block i's segment span, or None)."""
+    if span_of is None:  # bands grow with the rows: the CTA's is its rows' band
+      cta_lo, _, _, cta_hi = self.tiles(cta_first, cta_first + _CONSUMERS * self.block_q - 1,
+                                        keys)
+      return cta_lo, cta_hi
+    ranges = [self.tiles(cta_first + i * self.block_q, cta_first + (i + 1) * self.block_q - 1,
+                         keys, span_of(i)) for i in range(_CONSUMERS)]
+    cta_hi, cta_lo = 0, self.kv_tiles  # an empty block's range is left out
+    for lo, _, _, hi in ranges:
+      cta_hi = _maximum(cta_hi, _select(lo < hi, hi, 0))
+      cta_lo = _minimum(cta_lo, _select(lo < hi, lo, self.kv_tiles))
+    return _minimum(cta_lo, cta_hi), cta_hi
+
+  def block(self, first, keys, span, cta):
+    """The block of rows from ``first``: its ``tiles`` within the CTA's ``(cta_lo, cta_hi)``.
+    Tiles of the hull outside them are passed as the partner's; a block whose band lies past
+    the CTA's (no key for any of its rows) gets none."""
+    cta_lo, cta_hi = cta
+    lo, full_lo, full_hi, hi = self.tiles(first, first + self.block_q - 1, keys, span)
+    lo = _minimum(_maximum(lo, cta_lo), cta_hi)
+    return (lo,) + tuple(_minimum(_maximum(x, lo), cta_hi) for x in (full_lo, full_hi, hi))
+
+
 def _forward(q, k, v, q_seg, kv_seg, spans, q_len, kv_len, t: int, s: int, spec,
              scale: float, cfg: Config):
   """The kernel on ``q`` and ``k, v`` whose rows past ``t`` and ``s`` are padding."""
@@ -184,8 +254,9 @@ def _forward(q, k, v, q_seg, kv_seg, spans, q_len, kv_len, t: int, s: int, spec,
   causal, offset, window, cap = spec.is_causal, spec.causal_offset, spec.window, spec.soft_cap
   has_segments = q_seg is not None
   optional = [a for a in (q_seg, kv_seg, spans, q_len, kv_len) if a is not None]
-  # Every tile is masked when a mask depends on data (segments, query lengths).
-  mask_every_tile = has_segments or q_len is not None
+  band = _Band(t, spec, block_q, block_kv, kv_tiles,
+               # Every tile is masked when a mask depends on data (segments, query lengths).
+               mask_every_tile=has_segments or q_len is not None)
 
   def iota(shape, axis):
     return plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=plgpu.Layout.WGMMA)
@@ -195,34 +266,6 @@ def _forward(q, k, v, q_seg, kv_seg, spans, q_len, kv_len, t: int, s: int, spec,
     if isinstance(condition, bool):
       return fn() if condition else None
     return pl.when(condition)(fn)
-
-  def tile_range(first, last, keys, span=None):
-    """Key tiles that rows ``first..last`` (clipped to T) see, ``lo <= full_lo <= full_hi <=
-    hi``: ``[lo, hi)`` is every tile with an allowed key, ``[full_lo, full_hi)`` those whose
-    keys every row sees (no mask). ``keys``: the keys that exist (S, or this batch's length);
-    ``span``: the tiles the rows' segments reach. Python ints where nothing is traced."""
-    last = _minimum(last, t - 1)
-    end, begin = keys, 0          # keys allowed to some row: [begin, end)
-    full_end, full_begin = keys, 0  # keys allowed to every row
-    if causal:
-      end = _minimum(end, last + offset + 1)
-      full_end = _minimum(full_end, first + offset + 1)
-    if window is not None:
-      left, right = window
-      end = _minimum(end, last + offset + right + 1)
-      full_end = _minimum(full_end, first + offset + right + 1)
-      begin = _maximum(0, first + offset - left)
-      full_begin = _maximum(0, last + offset - left)
-    lo = _div(_maximum(begin, 0), block_kv)
-    hi = _div(_maximum(end, 0) + block_kv - 1, block_kv)
-    if span is not None:
-      lo, hi = _maximum(lo, span[0]), _minimum(hi, span[1])
-    hi = _maximum(lo, hi)
-    if mask_every_tile:
-      return lo, hi, hi, hi
-    full_lo = _minimum(hi, _maximum(lo, _div(full_begin + block_kv - 1, block_kv)))
-    full_hi = _minimum(hi, _maximum(full_lo, _div(_maximum(full_end, 0), block_kv)))
-    return lo, full_lo, full_hi, hi
 
   def body(q_ref, k_ref, v_ref, *refs):
     refs = list(refs)
@@ -238,19 +281,10 @@ def _forward(q, k, v, q_seg, kv_seg, spans, q_len, kv_len, t: int, s: int, spec,
     keys = s if kv_len_ref is None else jnp.clip(kv_len_ref[batch], 0, s)
     cta_first = tile * rows_per_cta
 
-    def block_range(i):
-      first = cta_first + i * block_q
-      span = None if spans_ref is None else (spans_ref[batch, tile * _CONSUMERS + i, 0],
-                                             spans_ref[batch, tile * _CONSUMERS + i, 1])
-      return tile_range(first, first + block_q - 1, keys, span)
-
-    if spans_ref is None:  # bands grow with the rows: the CTA's is its rows' band
-      cta_lo, _, _, cta_hi = tile_range(cta_first, cta_first + rows_per_cta - 1, keys)
-    else:  # the hull of both blocks' ranges, an empty one left out
-      (lo_0, _, _, hi_0), (lo_1, _, _, hi_1) = block_range(0), block_range(1)
-      cta_hi = jnp.maximum(jnp.where(lo_0 < hi_0, hi_0, 0), jnp.where(lo_1 < hi_1, hi_1, 0))
-      cta_lo = jnp.minimum(jnp.minimum(jnp.where(lo_0 < hi_0, lo_0, kv_tiles),
-                                       jnp.where(lo_1 < hi_1, lo_1, kv_tiles)), cta_hi)
+    span_of = None if spans_ref is None else (
+        lambda i: (spans_ref[batch, tile * _CONSUMERS + i, 0],
+                   spans_ref[batch, tile * _CONSUMERS + i, 1]))
+    cta_lo, cta_hi = band.cta(cta_first, keys, span_of)
     slot_of = lambda j: lax.rem(j - cta_lo, stages)
 
     def take_turn():
@@ -270,10 +304,8 @@ def _forward(q, k, v, q_seg, kv_seg, spans, q_len, kv_len, t: int, s: int, spec,
         plgpu.barrier_wait(seg_loaded.at[stages + wg])
         q_ids = _load(plgpu, q_seg_smem.at[wg], plgpu.Layout.WGMMA.reduce(1))
       plgpu.barrier_wait(q_loaded.at[wg])
-      lo, full_lo, full_hi, hi = block_range(wg)
-      if spans_ref is not None:  # within the hull: tiles the hull spans and these rows do not
-        lo = jnp.clip(lo, cta_lo, cta_hi)  # are passed as the partner's
-        full_lo = full_hi = hi = jnp.clip(hi, lo, cta_hi)
+      span = None if span_of is None else span_of(wg)
+      lo, full_lo, full_hi, hi = band.block(first, keys, span, (cta_lo, cta_hi))
       if q_len_ref is not None:
         q_rows = jnp.clip(q_len_ref[batch], 0, t)
 
