@@ -230,6 +230,23 @@ def test_gradient_floors_bound_the_cancelling_rows(rng):
   assert np.all(whole[0] > 0) and np.all(whole[1] > 0)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_offsets_and_windows_past_every_key(rng, impl):
+  """Offsets and windows beyond int32 mean what they say: every key, or none."""
+  q, k, v, _ = inputs(rng, 1, 9, 13, 2, 1, 32)
+  full = jaxfuse.attention(q, k, v, implementation=impl)
+  for kw in (dict(is_causal=True, causal_offset=2 ** 40), dict(local_window_size=2 ** 40),
+             dict(local_window_size=(2 ** 41, 0), causal_offset=2 ** 40)):
+    np.testing.assert_allclose(jaxfuse.attention(q, k, v, implementation=impl, **kw), full,
+                               rtol=1e-6, atol=1e-6)
+  none = jaxfuse.attention(q, k, v, is_causal=True, causal_offset=-2 ** 40, implementation=impl)
+  assert not np.any(np.asarray(none))
+  shifted = jaxfuse.attention(q, k, v, local_window_size=(2 ** 40, 2), causal_offset=3,
+                              implementation=impl)
+  ref, _, _ = dense_reference(q, k, v, window=(30, 2), offset=3)
+  assert_close(shifted, ref, name="out")
+
+
 def test_triton_refuses_bias_clearly(rng):
   q, k, v, _ = inputs(rng, 1, 8, 8, 1, 1, 32)
   with pytest.raises(NotImplementedError, match="bias"):

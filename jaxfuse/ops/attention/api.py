@@ -91,8 +91,8 @@ def attention(query, key, value, bias=None, mask=None, *, scale: float | None = 
   if kh == 0 or n % kh:
     raise ValueError(f"{OP}: the key/value heads ({kh}) must divide the query heads ({n})")
   scale = 1.0 / math.sqrt(h) if scale is None else _float("scale", scale)
-  causal_offset = _int("causal_offset", causal_offset)
-  window = _window(local_window_size)
+  causal_offset, window = _band(_int("causal_offset", causal_offset),
+                                _window(local_window_size), t, s)
   if logits_soft_cap is not None:
     logits_soft_cap = _float("logits_soft_cap", logits_soft_cap)
     if logits_soft_cap <= 0:
@@ -144,6 +144,17 @@ def _window(window):
   if left < 0 or right < 0:
     raise ValueError(f"{OP}: local_window_size must be >= 0, got {window!r}")
   return left, right
+
+
+def _band(offset, window, t, s):
+  """The mask compares ``j - i`` (in ``[1 - T, S - 1]``) with ``offset``, ``offset - left`` and
+  ``offset + right``: each is clamped to ``[-T, S]``, which keeps the mask and keeps the
+  kernels' int32 positions far from overflow (and equal masks one compilation)."""
+  clamp = lambda x: min(max(x, -t), s)
+  if window is None:
+    return clamp(offset), None
+  low, high, offset = clamp(offset - window[0]), clamp(offset + window[1]), clamp(offset)
+  return offset, (offset - low, high - offset)
 
 
 def _int_array(name, a, shape):
