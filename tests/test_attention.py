@@ -458,6 +458,21 @@ def test_gpu_mosaic_features(rng, feature):
 
 
 @pytest.mark.gpu
+def test_gpu_default_packed_documents(rng):
+  """What the GPT example's packed rows run (None on Hopper: the Mosaic forward, the Triton
+  backward): head dim 64, causal within documents of uneven lengths."""
+  _mosaic_or_skip()
+  b, t, n, h = 2, 1024, 4, 64
+  q, k, v, do = inputs(rng, b, t, t, n, n, h, dtype=jnp.bfloat16)
+  ends = np.sort(rng.choice(np.arange(1, t), size=(b, 3), replace=False), axis=1)
+  ids = jnp.asarray((np.arange(t)[None, :, None] >= ends[:, None, :]).sum(-1), jnp.int32)
+  ref_kw = dict(causal=True, q_seg=ids, kv_seg=ids)
+  compare(run(None, q, k, v, do, is_causal=True, segment_ids=ids),
+          dense_reference(q, k, v, do=do, **ref_kw), factor=4, dtype=jnp.bfloat16,
+          floors=gradient_floors(q, k, v, do, **ref_kw))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("t,s,h,kw", [
     (512, 512, 128, dict(is_causal=True, local_window_size=(64, 0), kv_len=100)),
     (256, 128, 128, dict(local_window_size=(0, 0), causal_offset=64)),
