@@ -111,7 +111,7 @@ def forward(q, k, v, extras, *, spec, scale, allow_tf32=None, config: Config | N
   kv_rows = kv_tiles * cfg.block_kv if kv_tiles <= max(2, cfg.stages) else -(-s // 8) * 8
   k, v = (pad_rows(a, kv_rows) for a in (k, v))
   tp = -(-t // (_CONSUMERS * cfg.block_q)) * _CONSUMERS * cfg.block_q
-  sp = -(-s // cfg.block_kv) * cfg.block_kv
+  sp = kv_tiles * cfg.block_kv
   # Segment rows are padded to whole tiles: TMA needs 16-byte row strides, and every tile's
   # ids then lie in bounds.
   seg = lambda a, n: None if a is None else pad_rows(a.astype(jnp.int32), n)
