@@ -193,7 +193,8 @@ def test_temporary_memory_does_not_grow_with_tokens_times_vocabulary(rng, impl, 
 
 def test_cuda_row_pass_with_a_stand_in_kernel(rng, monkeypatch):
   """The 'cuda' path's plumbing on any machine: padding, bias, counted columns, the operand
-  dtype of the gradient and vmap (shared and per-example biases), around an XLA stand-in for the kernel."""
+  dtype of the gradient and vmap (shared and per-example biases), around an XLA stand-in for
+  the kernel."""
   from jaxfuse.ops.linear_cross_entropy import api
   from jaxfuse.ops.softmax import cuda as softmax_cuda
 

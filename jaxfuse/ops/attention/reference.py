@@ -153,8 +153,9 @@ def gradient_floors(q, k, v, do, spec: MaskSpec = MaskSpec(), segments=(None, No
   root-sum-square of their own products, which their rounding scales with (a dot product that
   happens to be ~0 rounds like any other). Where a query sees few keys, dq cancels to ~0 (one
   key: P = 1, dP = D) and this, not its own size, bounds the error: the floor of
-  ``relative_error``. ``spec``'s masks, ``segments`` and ``lengths`` apply (its soft-cap, which only shrinks
-  the terms, does not). Queries are walked in blocks, so memory is ``B * N * block * S``."""
+  ``relative_error``. ``spec``'s masks, ``segments`` and ``lengths`` apply (its soft-cap,
+  which only shrinks the terms, does not). Queries are walked in blocks, so memory is
+  ``B * N * block * S``."""
   b, t, n, h = q.shape
   s, kh = k.shape[1], k.shape[2]
   scale = h ** -0.5 if scale is None else scale
