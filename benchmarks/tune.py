@@ -1,7 +1,7 @@
 """Times kernel tilings on this GPU, to choose the defaults in the ops' triton.py and cuda/ files.
 
     PYTHONPATH=. python benchmarks/tune.py [norm norm_cuda softmax cross_entropy softmax_cuda
-        attention attention_mosaic rnn_cuda]
+        attention attention_mosaic attention_mosaic_bwd rnn_cuda]
         [--only SUBSTR] [--json PATH]
 
 Each problem times its default tiling first and then the candidates, calling the kernels
@@ -434,38 +434,43 @@ def _attention(sweep):
                     bwd_sets, 2.5 * flops, unit="TFLOP/s")
 
 
+def _attention_problems(shapes, operands):
+  """``(shape, sets, spec, forward FLOPs)`` for each (B, T, N, H), full then causal: input sets
+  of ``operands`` bf16 arrays of that shape."""
+  from jaxfuse.ops.attention.reference import MaskSpec
+  for b, t, n, h in shapes:
+    def make(key, b=b, t=t, n=n, h=h):
+      return tuple(jax.random.normal(k_, (b, t, n, h), jnp.bfloat16)
+                   for k_ in jax.random.split(key, operands))
+
+    sets = _sets(make, 2 * operands * b * t * n * h * 2)
+    for causal in (False, True):
+      yield ((b, t, n, h), sets, MaskSpec(is_causal=causal),
+             4 * b * t * t * n * h / (2 if causal else 1))
+
+
 def _attention_mosaic(sweep):
   """The Hopper forward's tiles and pipeline depth per head dim, and cuDNN's forward on the
   same inputs (the variant named "cudnn") for the ratio within one run."""
   from jaxfuse.ops.attention import mosaic
-  from jaxfuse.ops.attention.reference import MaskSpec
   C = mosaic.Config
   # Shared memory bounds them: (64, 128, 3) at head dim 128 needs 120 bytes more than the H100
   # has, and at head dim 256 only (64, 64, 2) fits (wgmma needs 64-row key tiles).
   candidates = {64: [C(64, 128, 2), C(64, 128, 4), C(64, 64, 4), C(64, 256, 2)],
                 128: [C(64, 64, 4), C(64, 64, 2)],
                 256: []}
-  for b, t, n, h in ((4, 4096, 16, 128), (1, 16384, 16, 128), (8, 2048, 16, 64),
-                     (2, 8192, 8, 256)):
-    def make(key, b=b, t=t, n=n, h=h):
-      return tuple(jax.random.normal(k_, (b, t, n, h), jnp.bfloat16)
-                   for k_ in jax.random.split(key, 3))
+  for (b, t, n, h), sets, spec, flops in _attention_problems(
+      ((4, 4096, 16, 128), (1, 16384, 16, 128), (8, 2048, 16, 64), (2, 8192, 8, 256)), 3):
+    def fwd(config, q, k, v, spec=spec, h=h):
+      if config == "cudnn":
+        return jax.nn.dot_product_attention(q, k, v, is_causal=spec.is_causal,
+                                            implementation="cudnn")
+      return mosaic.forward(q, k, v, (None,) * 4, spec=spec, scale=h ** -0.5,
+                            config=config)[0]
 
-    sets = _sets(make, 6 * b * t * n * h * 2)
-    for causal in (False, True):
-      spec = MaskSpec(is_causal=causal)
-      flops = 4 * b * t * t * n * h / (2 if causal else 1)
-
-      def fwd(config, q, k, v, spec=spec, h=h):
-        if config == "cudnn":
-          return jax.nn.dot_product_attention(q, k, v, is_causal=spec.is_causal,
-                                              implementation="cudnn")
-        return mosaic.forward(q, k, v, (None,) * 4, spec=spec, scale=h ** -0.5,
-                              config=config)[0]
-
-      sweep.problem("attention_mosaic",
-                    f"attention {b}x{t}x{n}x{h} {'causal' if causal else 'full'} fwd", fwd,
-                    [mosaic.CONFIGS[h], "cudnn"] + candidates[h], sets, flops, unit="TFLOP/s")
+    sweep.problem("attention_mosaic",
+                  f"attention {b}x{t}x{n}x{h} {'causal' if spec.is_causal else 'full'} fwd", fwd,
+                  [mosaic.CONFIGS[h], "cudnn"] + candidates[h], sets, flops, unit="TFLOP/s")
 
   # Narrow bands (a window, packed documents) walk few tiles per query block: shorter key
   # tiles waste fewer masked keys at the band's edges. Rates count only the kept pairs.
@@ -486,6 +491,37 @@ def _attention_mosaic(sweep):
 
     sweep.problem("attention_mosaic", f"attention {b}x{t}x{n}x{h} {name} fwd", masked_fwd,
                   [mosaic.CONFIGS[h]] + candidates[h], sets, flops, unit="TFLOP/s")
+
+
+def _attention_mosaic_bwd(sweep):
+  """The Hopper backward's tiles per head dim, timed as the training step it serves (Mosaic
+  forward, then the backward named by the variant), against the Mosaic forward with the
+  Triton backward ("triton") and cuDNN's step ("cudnn") on the same inputs."""
+  from jaxfuse.ops.attention import mosaic, triton
+  B = mosaic.BackwardConfig
+  candidates = {64: [B(64, 64, 64, 64, 2), B(64, 64, 64, 128, 3), B(64, 128, 64, 128, 2)],
+                128: [B(64, 64, 64, 64, 3), B(64, 128, 64, 64, 2), B(64, 64, 64, 128, 2)]}
+  for (b, t, n, h), sets, spec, flops in _attention_problems(
+      ((4, 4096, 16, 128), (1, 16384, 16, 128), (8, 2048, 16, 64)), 4):
+    def step(config, q, k, v, do, spec=spec, h=h):
+      if config == "cudnn":
+        fn = functools.partial(jax.nn.dot_product_attention, is_causal=spec.is_causal,
+                               implementation="cudnn")
+        out, vjp = jax.vjp(fn, q, k, v)
+        return (out,) + vjp(do)
+      kw = dict(spec=spec, scale=h ** -0.5)
+      out, lse = mosaic.forward(q, k, v, (None,) * 4, **kw)
+      delta = jnp.einsum("btnh,btnh->bnt", do.astype(jnp.float32), out.astype(jnp.float32))
+      if config == "triton":
+        return (out,) + triton.backward(q, k, v, do, lse, delta, (None,) * 4, **kw)
+      return (out,) + mosaic.backward(q, k, v, do, lse, delta, (None,) * 4, config=config,
+                                      **kw)
+
+    sweep.problem("attention_mosaic_bwd",
+                  f"attention {b}x{t}x{n}x{h} {'causal' if spec.is_causal else 'full'} step",
+                  jax.jit(step, static_argnums=0),
+                  [mosaic.BACKWARD_CONFIGS[h], "triton", "cudnn"] + candidates[h], sets,
+                  3.5 * flops, unit="TFLOP/s")
 
 
 # --------------------------------------------------------------------------- rnn
@@ -551,7 +587,7 @@ def _rnn_cuda(sweep):
 FAMILIES = {"norm": _norm, "norm_cuda": _norm_cuda, "softmax": _softmax,
             "cross_entropy": _cross_entropy, "softmax_cuda": _softmax_cuda,
             "attention": _attention, "attention_mosaic": _attention_mosaic,
-            "rnn_cuda": _rnn_cuda}
+            "attention_mosaic_bwd": _attention_mosaic_bwd, "rnn_cuda": _rnn_cuda}
 
 
 def main():
@@ -564,7 +600,7 @@ def main():
   if unknown:
     sys.exit(f"unknown families {sorted(unknown)}; expected some of {list(FAMILIES)}")
   ceilings = {"copy GB/s": bench.copy_bandwidth()}
-  if {"attention", "attention_mosaic", "rnn_cuda"} & set(args.families):
+  if {"attention", "attention_mosaic", "attention_mosaic_bwd", "rnn_cuda"} & set(args.families):
     ceilings["matmul TFLOP/s"] = bench.matmul_rate()
   print(f"{jax.devices()[0].device_kind}: {ceilings}", flush=True)
   sweep = Sweep(ceilings, args.json, args.only)

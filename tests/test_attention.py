@@ -444,6 +444,28 @@ def test_gpu_mosaic_forward(rng, shape, causal, offset):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("causal,offset", [(False, 0), (True, 0), (True, None), (True, -100)])
+@pytest.mark.parametrize("shape", [(2, 256, 384, 4, 2, 128, 128), (1, 384, 256, 3, 1, 64, 64),
+                                   (1, 1000, 1100, 2, 2, 128, 128), (1, 77, 64, 1, 1, 64, 128),
+                                   (2, 257, 257, 4, 1, 128, 64), (1, 130, 200, 2, 2, 256, 128)],
+                         ids=str)
+def test_gpu_mosaic_backward(rng, shape, causal, offset):
+  """The Hopper backward's dQ, dK, dV (GQA summed over the group) on whole and partial tiles
+  and value head dims unlike the query's, deterministic; head dim 256 takes the Triton
+  backward."""
+  _mosaic_or_skip()
+  b, t, s, n, kh, h, hv = shape
+  offset = s - t if offset is None else offset
+  q, k, v, do = inputs(rng, b, t, s, n, kh, h, hv, dtype=jnp.bfloat16)
+  kw, ref_kw = dict(is_causal=causal, causal_offset=offset), dict(causal=causal, offset=offset)
+  got = run("mosaic", q, k, v, do, **kw)
+  compare(got, dense_reference(q, k, v, do=do, **ref_kw), factor=4, dtype=jnp.bfloat16,
+          floors=gradient_floors(q, k, v, do, **ref_kw))
+  for first, again in zip(got[2], run("mosaic", q, k, v, do, **kw)[2]):
+    assert np.array_equal(np.asarray(first), np.asarray(again))  # same bits
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("feature", FEATURES + [{}], ids=str)
 def test_gpu_mosaic_features(rng, feature):
   """FEATURES at 40 times the CPU tests' sizes: bands that span many tiles (skipped, masked
@@ -459,8 +481,8 @@ def test_gpu_mosaic_features(rng, feature):
 
 @pytest.mark.gpu
 def test_gpu_default_packed_documents(rng):
-  """What the GPT example's packed rows run (None on Hopper: the Mosaic forward, the Triton
-  backward): head dim 64, causal within documents of uneven lengths."""
+  """What the GPT example's packed rows run (None on Hopper: the Mosaic kernels): head dim
+  64, causal within documents of uneven lengths."""
   _mosaic_or_skip()
   b, t, n, h = 2, 1024, 4, 64
   q, k, v, do = inputs(rng, b, t, t, n, n, h, dtype=jnp.bfloat16)
@@ -498,7 +520,7 @@ def test_mosaic_segment_spans_reach_every_match(rng):
   its rows' segment ids: exactly its documents' tiles when ids are sorted, and at least every
   matching tile when they are not."""
   from jaxfuse.ops.attention import mosaic
-  cfg = mosaic.Config(4, 8, 2)
+  block_q, block_kv = 4, 8
   t, s = 37, 45
   tp, sp = 40, 48
   for packed in (True, False):
@@ -506,20 +528,20 @@ def test_mosaic_segment_spans_reach_every_match(rng):
     if packed:
       ids, kv_ids = np.sort(ids, axis=1), np.sort(kv_ids, axis=1)
     spans = np.asarray(mosaic._segment_spans(jnp.asarray(ids), jnp.asarray(kv_ids), tp, sp,
-                                             cfg))
-    assert spans.shape == (2, tp // cfg.block_q, 2)
+                                             block_q, block_kv))
+    assert spans.shape == (2, tp // block_q, 2)
     for bi in range(2):
-      for qb in range(tp // cfg.block_q):
-        rows = ids[bi, qb * cfg.block_q:min(t, (qb + 1) * cfg.block_q)]
+      for qb in range(tp // block_q):
+        rows = ids[bi, qb * block_q:min(t, (qb + 1) * block_q)]
         match = np.isin(kv_ids[bi], rows) if rows.size else np.zeros(s, bool)
-        tiles = np.unique(np.nonzero(match)[0] // cfg.block_kv)
+        tiles = np.unique(np.nonzero(match)[0] // block_kv)
         lo, hi = spans[bi, qb]
         assert lo <= hi
         if tiles.size:
           assert lo <= tiles[0] and tiles[-1] < hi
   # Four sorted documents of 16 rows, tiles of 8 keys: each block sees its document's 2 tiles.
   docs = jnp.repeat(jnp.arange(4, dtype=jnp.int32), 16)[None]
-  spans = np.asarray(mosaic._segment_spans(docs, docs, 64, 64, cfg))
+  spans = np.asarray(mosaic._segment_spans(docs, docs, 64, 64, 4, 8))
   np.testing.assert_array_equal(spans[0, :, 0], np.repeat([0, 2, 4, 6], 4))
   np.testing.assert_array_equal(spans[0, :, 1], np.repeat([2, 4, 6, 8], 4))
 
@@ -544,10 +566,13 @@ def test_mosaic_names_what_it_refuses(kwargs, name):
     ((1000, 1321, 64, 256), (True, 7, (100, 3), 5.0), True, True, jnp.bfloat16),
     ((77, 64, 256, 128), (True, -3, None, None), False, True, jnp.float16),
     ((512, 4096, 64, 64), (False, 0, (256, 256), None), False, False, jnp.float16),
+    ((1000, 1321, 128, 64), (True, 7, (100, 3), 5.0), True, True, jnp.bfloat16),
+    ((77, 64, 64, 128), (True, -3, None, None), False, True, jnp.float16),
 ], ids=str)
 def test_mosaic_lowers_for_hopper(shape, spec, segments, lengths, dtype):
-  """The kernel lowered for CUDA on this machine, without a GPU: what changes between JAX
-  versions in Pallas Mosaic GPU (signatures, layouts, transforms) fails here in CI."""
+  """The kernels (forward, and backward where it takes the head dims) lowered for CUDA on
+  this machine, without a GPU: what changes between JAX versions in Pallas Mosaic GPU
+  (signatures, layouts, transforms) fails here in CI."""
   pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
   from jax import export
   from jaxfuse.ops.attention import mosaic
@@ -563,17 +588,50 @@ def test_mosaic_lowers_for_hopper(shape, spec, segments, lengths, dtype):
     return mosaic.forward(q, k, v, tuple(present.pop(0) if e is not None else None
                                          for e in extras), spec=MaskSpec(*spec), scale=0.1)
 
-  exported = export.export(jax.jit(forward), platforms=["cuda"])(
-      *arrays, *[e for e in extras if e is not None])
+  present = [e for e in extras if e is not None]
+  exported = export.export(jax.jit(forward), platforms=["cuda"])(*arrays, *present)
   assert exported.out_avals[0].shape == (2, t, 4, hv)
   assert exported.out_avals[1].shape == (2, 4, t)
+  if mosaic.backward_unsupported(arrays[0].shape, arrays[2].shape):
+    return
+
+  def backward(q, k, v, do, lse, delta, *present):
+    present = list(present)
+    return mosaic.backward(q, k, v, do, lse, delta, tuple(
+        present.pop(0) if e is not None else None for e in extras), spec=MaskSpec(*spec),
+        scale=0.1)
+
+  stat = jax.ShapeDtypeStruct((2, 4, t), jnp.float32)
+  exported = export.export(jax.jit(backward), platforms=["cuda"])(
+      *arrays, jax.ShapeDtypeStruct((2, t, 4, hv), dtype), stat, stat, *present)
+  assert [a.shape for a in exported.out_avals] == [a.shape for a in arrays]
+
+
+def _check_band_walk(band, ok, limit, spans, case):
+  """Rows by columns ``ok`` (True: a pair the kernel must compute): every allowed pair lies in
+  a tile its block of rows computes, the tiles it computes unmasked allow every pair, and
+  each block's tiles lie within those its CTA loads (a block outside them would wait for a
+  tile never loaded)."""
+  rows_per_cta = 2 * band.block_rows
+  for cta in range(-(-band.rows // rows_per_cta)):
+    span_of = None if spans is None else (lambda i: tuple(int(x) for x in spans[2 * cta + i]))
+    cta_lo, cta_hi = (int(x) for x in band.cta(cta * rows_per_cta, limit, span_of))
+    for i in range(2):
+      first = cta * rows_per_cta + i * band.block_rows
+      lo, full_lo, full_hi, hi = (int(x) for x in band.block(
+          first, limit, None if spans is None else span_of(i), (cta_lo, cta_hi)))
+      where = (case, cta, i)
+      assert cta_lo <= lo <= full_lo <= full_hi <= hi <= cta_hi <= band.col_tiles, where
+      rows = ok[first:first + band.block_rows]
+      seen = np.nonzero(rows.any(0))[0] // band.block_cols
+      assert np.all((seen >= lo) & (seen < hi)), where
+      assert rows[:, full_lo * band.block_cols:full_hi * band.block_cols].all(), where
 
 
 def test_mosaic_bands_cover_every_allowed_pair(rng):
-  """The Hopper kernel's tile walk, on small tiles against the reference's mask, over random
-  masks: every allowed (query, key) pair lies in a tile its query block computes, the tiles it
-  computes unmasked allow every pair, and each block's tiles lie within those its CTA loads
-  (a block outside them would wait for a tile never loaded)."""
+  """The Hopper kernels' tile walks, on small tiles against the reference's mask over random
+  masks: queries by key tiles (forward and dQ) and keys by query tiles (dK/dV, where query
+  lengths bound the walk and key lengths only zero rows at the end)."""
   from jaxfuse.ops.attention import mosaic
   from jaxfuse.ops.attention.reference import MaskSpec, allowed
   block_q, block_kv = 4, 8
@@ -584,35 +642,48 @@ def test_mosaic_bands_cover_every_allowed_pair(rng):
     spec = MaskSpec(causal, int(rng.integers(-20, 30)), window)
     kv_len = int(rng.integers(0, s + 1)) if rng.integers(2) else None
     q_len = int(rng.integers(0, t + 1)) if rng.integers(2) else None
-    segments = rng.integers(2)
+    segments = bool(rng.integers(2))
     q_ids, kv_ids = (np.sort(rng.integers(0, 3, n)) for n in (t, s))
-    q_tiles, kv_tiles = -(-t // (2 * block_q)), -(-s // block_kv)
-    band = mosaic._Band(t, spec, block_q, block_kv, kv_tiles,
-                        mask_every_tile=bool(segments) or q_len is not None)
-    ok = allowed(spec, np.arange(t), np.arange(s),  # numpy in, numpy out
-                 *((q_ids[None], kv_ids[None]) if segments else (None, None)),
-                 None if q_len is None else np.array([q_len]),
-                 None if kv_len is None else np.array([kv_len]))
+    q_tiles, kv_tiles = -(-t // block_q), -(-s // block_kv)
+    q_rows, kv_rows = -(-t // (2 * block_q)) * 2 * block_q, -(-s // (2 * block_kv)) * 2 * block_kv
+    mask = lambda q_len, kv_len: allowed(
+        spec, np.arange(t), np.arange(s),  # numpy in, numpy out
+        *((q_ids[None], kv_ids[None]) if segments else (None, None)),
+        None if q_len is None else np.array([q_len]),
+        None if kv_len is None else np.array([kv_len]))
+    ok = mask(q_len, kv_len)
     ok = np.ones((t, s), bool) if ok is None else np.asarray(ok)[0]
-    ok = ok & (np.arange(s) < (s if kv_len is None else kv_len))[None]
-    if segments:
-      spans = np.asarray(mosaic._segment_spans(
-          jnp.asarray(q_ids)[None], jnp.asarray(kv_ids)[None], q_tiles * 2 * block_q,
-          kv_tiles * block_kv, mosaic.Config(block_q, block_kv, 2)))[0]
-    keys = s if kv_len is None else kv_len
-    for tile in range(q_tiles):
-      span_of = (lambda i: tuple(int(x) for x in spans[2 * tile + i])) if segments else None
-      cta_lo, cta_hi = (int(x) for x in band.cta(2 * tile * block_q, keys, span_of))
-      for i in range(2):
-        first = (2 * tile + i) * block_q
-        lo, full_lo, full_hi, hi = (int(x) for x in band.block(
-            first, keys, span_of(i) if segments else None, (cta_lo, cta_hi)))
-        case = (t, s, spec, kv_len, q_len, segments, tile, i)
-        assert cta_lo <= lo <= full_lo <= full_hi <= hi <= cta_hi <= kv_tiles, case
-        rows = ok[first:first + block_q]
-        keys_seen = np.nonzero(rows.any(0))[0]
-        assert np.all((keys_seen // block_kv >= lo) & (keys_seen // block_kv < hi)), case
-        assert rows[:, full_lo * block_kv:full_hi * block_kv].all(), case
+    case = (t, s, spec, kv_len, q_len, segments)
+    spans = lambda *a: np.asarray(mosaic._segment_spans(*a))[0] if segments else None
+    queries = mosaic._Band.of_queries(t, spec, block_q, block_kv, kv_tiles,
+                                      mask_every_tile=segments or q_len is not None)
+    _check_band_walk(queries, ok, s if kv_len is None else kv_len,
+                     spans(q_ids[None], kv_ids[None], q_rows, kv_tiles * block_kv, block_q,
+                           block_kv), case)
+    keys = mosaic._Band.of_keys(s, spec, block_kv, block_q, q_tiles, mask_every_tile=segments)
+    ok = mask(q_len, None)
+    ok = np.ones((t, s), bool) if ok is None else np.asarray(ok)[0]
+    _check_band_walk(keys, ok.T, t if q_len is None else q_len,
+                     spans(kv_ids[None], q_ids[None], kv_rows, q_tiles * block_q, block_kv,
+                           block_q), case)
+
+
+def test_mosaic_gradients_need_triton_only_at_head_dim_256(monkeypatch):
+  """The Mosaic backward takes head dims 64 and 128; at 256 the Triton backward does, and
+  without Triton the gradient is refused with both reasons, and None passes 'mosaic' over."""
+  from jaxfuse.ops.attention import api, mosaic, triton
+  small, large = (2, 100, 4, 128), (2, 100, 4, 256)
+  assert api._backward_kernels("mosaic", small, (2, 90, 2, 64)) is mosaic
+  assert api._backward_kernels("triton", small, small) is triton
+  monkeypatch.setitem(api._BACKENDS, "triton", lambda: None)
+  assert api._backward_kernels("mosaic", small, large) is triton
+  assert api._mosaic_differentiable(lambda: None, large, large) is None
+  monkeypatch.setitem(api._BACKENDS, "triton", lambda: "no Triton here")
+  with pytest.raises(NotImplementedError, match="256.*no Triton here"):
+    api._backward_kernels("mosaic", large, small)
+  assert "no Triton here" in api._mosaic_differentiable(lambda: None, small, large)
+  assert api._mosaic_differentiable(lambda: None, small, small) is None
+  assert api._mosaic_differentiable(lambda: "not Hopper", small, small) == "not Hopper"
 
 
 def test_mosaic_takes_every_mask():

@@ -29,9 +29,6 @@ def _cudnn_unavailable():
 _BACKENDS = {"xla": registry.xla_available, "cudnn": _cudnn_unavailable,
              "triton": registry.triton_unavailable, "mosaic": mosaic.unavailable}
 _FLASH = {"triton": triton, "mosaic": mosaic}
-# The Mosaic forward saves what the Triton kernel's does (the output and the natural-log lse),
-# and is differentiated by the Triton backward until it has its own.
-_BACKWARD = {"triton": "triton", "mosaic": "triton"}
 
 
 def attention(query, key, value, bias=None, mask=None, *, scale: float | None = None,
@@ -62,7 +59,7 @@ def attention(query, key, value, bias=None, mask=None, *, scale: float | None = 
     implementation: ``'xla'`` (exact reference; chunked over queries when the scores would be
       large, so memory stays linear in S), ``'cudnn'``, ``'triton'`` (our FlashAttention),
       ``'mosaic'`` (Hopper wgmma and TMA through Pallas Mosaic GPU: every mask and length
-      above, GQA, float16/bfloat16, query and value head dims of 64, 128 or 256; its
+      above, GQA, float16/bfloat16, query and value head dims of 64, 128 or 256; at 256 its
       gradients come from the ``'triton'`` backward, so they need Pallas's Triton backend)
       or ``None`` for the fastest that supports the arguments here: cuDNN where it accepts
       the call, then 'mosaic' on Hopper, then 'triton'.
@@ -286,6 +283,16 @@ def _mosaic_unsupported(call, arrays):
                             has_kv_len=call.has_kv_len)
 
 
+def _mosaic_differentiable(check, q_shape, v_shape):
+  if (reason := check()) is not None:
+    return reason
+  try:
+    _backward_kernels("mosaic", q_shape, v_shape)
+  except NotImplementedError as e:
+    return str(e)
+  return None
+
+
 def _resolve(implementation, call, arrays):
   checks = {"triton": _triton_unsupported,
             "cudnn": functools.partial(_cudnn_unsupported, arrays=arrays),
@@ -298,14 +305,15 @@ def _resolve(implementation, call, arrays):
     return check
 
   backends = {name: available(name) for name in _BACKENDS}
-  # cuDNN is the fastest where it applies, then the Mosaic forward, then the Triton kernels
-  # (benchmarks/results/2026-11-25-h100-attention-mosaic.json). None takes 'mosaic' only
-  # where its gradients (the Triton backward) can run too.
+  if implementation is None:  # None takes 'mosaic' only where its gradients can run too
+    backends["mosaic"] = functools.partial(_mosaic_differentiable, backends["mosaic"],
+                                           arrays[0].shape, arrays[2].shape)
+  # cuDNN is the fastest where it applies, then the Mosaic kernels, then the Triton kernels
+  # (benchmarks/results/2026-11-25-h100-attention-mosaic-backward.json).
   preference = (("xla",) if registry.platform() == "cpu" else
-                ("cudnn", "mosaic", "triton", "xla") if registry.triton_unavailable() is None
-                else ("cudnn", "xla"))
+                ("cudnn", "mosaic", "triton", "xla"))
   impl = registry.resolve(OP, implementation, backends, preference)
-  if impl in _BACKWARD:
+  if impl in _FLASH:
     registry.using_triton(named=implementation == "triton")
   return impl
 
@@ -347,19 +355,23 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 @functools.cache
 def _kernels(impl, call):
   """Forward and backward kernel calls for one static configuration, vmappable."""
-  forward = fold_into_batch(functools.partial(_sharded, _FLASH[impl], call, "forward"))
-  backward_impl = _BACKWARD[impl]
-  if backward_impl != impl and (reason := _BACKENDS[backward_impl]()) is not None:
-    def backward(*_):
-      raise NotImplementedError(f"{OP}(implementation={impl!r}) is differentiated by the "
-                                f"{backward_impl!r} backward, which cannot run here: {reason}")
-  else:
-    backward = fold_into_batch(functools.partial(_sharded, _FLASH[backward_impl], call,
-                                                 "backward"))
-  return forward, backward
+  return tuple(fold_into_batch(functools.partial(_sharded, impl, call, direction))
+               for direction in ("forward", "backward"))
 
 
-def _sharded(kernels, call, direction, q, k, v, extras, *grads):
+def _backward_kernels(impl, q_shape, v_shape):
+  """The kernels that differentiate ``impl``'s forward: its own, or (head dim 256, where the
+  Mosaic backward's accumulators outgrow the registers) the Triton backward, which takes
+  the same residuals (the output and the natural-log lse)."""
+  if impl != "mosaic" or (reason := mosaic.backward_unsupported(q_shape, v_shape)) is None:
+    return _FLASH[impl]
+  if (why := _BACKENDS["triton"]()) is not None:
+    raise NotImplementedError(f"{OP}(implementation='mosaic') has no gradient here: {reason}, "
+                              f"and the 'triton' backward that takes them cannot run: {why}")
+  return triton
+
+
+def _sharded(impl, call, direction, q, k, v, extras, *grads):
   """The kernels under any sharding of batch and heads (T, S and head dims stay whole)."""
   present = [e for e in extras if e is not None]
   kind = ["qs", "ks", "len", "len"]
@@ -389,7 +401,7 @@ def _sharded(kernels, call, direction, q, k, v, extras, *grads):
   kw = dict(spec=call.spec, scale=call.scale, allow_tf32=tf32)
   if direction == "forward":
     def local(q, k, v, *rest):
-      out, lse = kernels.forward(unsplit(q), k, v, rebuild(rest), **kw)
+      out, lse = _FLASH[impl].forward(unsplit(q), k, v, rebuild(rest), **kw)
       return split(out, k.shape[2]), lse.reshape(lse.shape[0], k.shape[2], -1, lse.shape[-1])
 
     out, lse = parallel_call(OP, local, split(q), k, v, *present,
@@ -398,6 +410,7 @@ def _sharded(kernels, call, direction, q, k, v, extras, *grads):
     return unsplit(out), lse.reshape(b, n, t)
 
   do, lse, delta = grads
+  kernels = _backward_kernels(impl, q.shape, v.shape)
 
   def local(q, k, v, do, lse, delta, *rest):
     merge = lambda a: a.reshape(a.shape[0], -1, a.shape[-1])

@@ -1,13 +1,12 @@
-"""Attention forward on Hopper's matrix units: Pallas Mosaic GPU, wgmma and TMA. (Its
-gradients come from the Triton backward, which takes the same residuals: see ``api``.)
+"""Attention on Hopper's matrix units, forward and backward: Pallas Mosaic GPU, wgmma and TMA.
 
-A CTA owns ``2 * block_q`` query rows of one head and runs three warpgroups. The third is the
-producer: it streams the key and value tiles of ``block_kv`` rows into a ring of ``stages``
-shared-memory slots by TMA, each slot guarded by a "loaded" barrier, and refills a slot once
-both consumers have arrived on its "consumed" barrier. The other two are consumers, each with
-``block_q`` query rows in registers: S = Q K^T by wgmma into a float32 accumulator, the online
-softmax in base 2 (running maximum of the scaled scores, exponentials as exp2), then O += P V
-by wgmma. A schedule barrier the consumers pass twice per tile makes them take turns on the
+Forward. A CTA owns ``2 * block_q`` query rows of one head and runs three warpgroups. The
+third is the producer: it streams the key and value tiles of ``block_kv`` rows into a ring of
+``stages`` shared-memory slots by TMA, each slot guarded by a "loaded" barrier, and refills a
+slot once both consumers have arrived on its "consumed" barrier. The other two are consumers,
+each with ``block_q`` query rows in registers: S = Q K^T by wgmma into a float32 accumulator,
+the online softmax in base 2 (running maximum of the scaled scores, exponentials as exp2), then
+O += P V by wgmma. A schedule barrier the consumers pass twice per tile makes them take turns on the
 tensor cores, so one's softmax runs while the other's products do (FlashAttention-3's
 ping-pong).
 
@@ -21,6 +20,16 @@ Mosaic barrier's phase is tracked per thread, so no wait may be skipped).
 
 Partial tiles: queries and keys past T and S are read as zeros by TMA, which also drops stores
 past T; keys past S are masked. Query and value head dims are 64, 128 or 256, independently.
+
+Backward: two kernels of the same shape (a producer streaming tiles to two consumers, bands
+walked in masked and unmasked runs), each summing in a fixed order, so the gradients are
+deterministic without atomics. The dK/dV kernel holds key blocks and streams the query tiles
+of every query head of the key's group in turn (GQA sums over the group in order); the dQ
+kernel holds query blocks and streams key tiles. Both recompute the probabilities from the
+saved log-sum-exp; a row with none saved (no allowed key, padding, past the query length) has
+lse = +inf and so no probability, which no mask has to see. At head dim 256 a key block's two
+float32 gradients outgrow a warpgroup's registers; ``api`` differentiates those calls with the
+Triton backward, which takes the same residuals.
 """
 
 from __future__ import annotations
@@ -102,40 +111,40 @@ def forward(q, k, v, extras, *, spec, scale, allow_tf32=None, config: Config | N
   t, s = q.shape[1], k.shape[1]
   # TMA copies of 8 x 64 tiles need T and S multiples of 8 (the rows past them are masked or
   # dropped); other tails TMA's bounds take care of, without a copy.
-  pad_rows = lambda a, n: a if a.shape[1] == n else jnp.pad(
-      a, ((0, 0), (0, n - a.shape[1])) + ((0, 0),) * (a.ndim - 2))
-  q = pad_rows(q, -(-t // 8) * 8)
+  q = _pad_rows(q, -(-t // 8) * 8)
   kv_tiles = -(-s // cfg.block_kv)
   # Where the pipeline's first loads reach the last tile, their static start must keep the
   # whole tile in bounds: so few keys are padded to whole tiles.
   kv_rows = kv_tiles * cfg.block_kv if kv_tiles <= max(2, cfg.stages) else -(-s // 8) * 8
-  k, v = (pad_rows(a, kv_rows) for a in (k, v))
+  k, v = (_pad_rows(a, kv_rows) for a in (k, v))
   tp = -(-t // (_CONSUMERS * cfg.block_q)) * _CONSUMERS * cfg.block_q
   sp = kv_tiles * cfg.block_kv
   # Segment rows are padded to whole tiles: TMA needs 16-byte row strides, and every tile's
   # ids then lie in bounds.
-  seg = lambda a, n: None if a is None else pad_rows(a.astype(jnp.int32), n)
+  seg = lambda a, n: None if a is None else _pad_rows(a.astype(jnp.int32), n)
   as_int = lambda a: None if a is None else a.astype(jnp.int32)
-  spans = None if q_seg is None else _segment_spans(q_seg, kv_seg, tp, sp, cfg)
+  spans = None if q_seg is None else _segment_spans(q_seg, kv_seg, tp, sp, cfg.block_q,
+                                                      cfg.block_kv)
   out, lse = _forward(q, k, v, seg(q_seg, tp), seg(kv_seg, sp), spans, as_int(q_len),
                       as_int(kv_len), t, s, spec, float(scale), cfg)
   return out[:, :t], lse[..., :t]
 
 
-def _segment_spans(q_seg, kv_seg, tp: int, sp: int, cfg: Config):
-  """``(B, tp // block_q, 2)``: per block of query rows, the key tiles ``[lo, hi)`` from the
-  first to the last whose range of segment ids meets the block's. Packed documents (sorted
-  ids) then walk only their own document's tiles; any ids stay correct, as every tile is
-  masked."""
-  b = q_seg.shape[0]
-  # Padding repeats the last id, widening no range (padded keys are masked by S).
+def _segment_spans(row_ids, col_ids, rows: int, cols: int, block_rows: int, block_cols: int):
+  """``(B, rows // block_rows, 2)``: per block of rows (queries in the forward), the column
+  tiles (keys) ``[lo, hi)`` from the first to the last whose range of segment ids meets the
+  block's. Packed documents (sorted ids) then walk only their own document's tiles; any ids
+  stay correct, as every tile is masked."""
+  b = row_ids.shape[0]
+  # Padding repeats the last id, widening no range (padded keys are masked by S, padded
+  # queries have no probability).
   edge = lambda a, n: jnp.pad(a.astype(jnp.int32), ((0, 0), (0, n - a.shape[1])), mode="edge")
-  qs = edge(q_seg, tp).reshape(b, -1, cfg.block_q)
-  ks = edge(kv_seg, sp).reshape(b, -1, cfg.block_kv)
-  meets = ((qs.min(-1)[:, :, None] <= ks.max(-1)[:, None, :])
-           & (ks.min(-1)[:, None, :] <= qs.max(-1)[:, :, None]))
+  rs = edge(row_ids, rows).reshape(b, -1, block_rows)
+  cs = edge(col_ids, cols).reshape(b, -1, block_cols)
+  meets = ((rs.min(-1)[:, :, None] <= cs.max(-1)[:, None, :])
+           & (cs.min(-1)[:, None, :] <= rs.max(-1)[:, :, None]))
   lo = jnp.argmax(meets, -1)
-  hi = jnp.where(meets.any(-1), ks.shape[1] - jnp.argmax(meets[..., ::-1], -1), lo)
+  hi = jnp.where(meets.any(-1), cs.shape[1] - jnp.argmax(meets[..., ::-1], -1), lo)
   return jnp.stack([lo, hi], -1).astype(jnp.int32)
 
 
@@ -162,6 +171,25 @@ def _load(plgpu, ref, layout):
   return plgpu.load(ref, layout=layout)
 
 
+def _when(condition, fn):
+  """``pl.when``, or ``fn`` run or skipped at trace time for a Python condition."""
+  if isinstance(condition, bool):
+    return fn() if condition else None
+  from jax.experimental import pallas as pl
+  return pl.when(condition)(fn)
+
+
+def _swizzled():
+  """wgmma reads shared memory in 8 x 64 tiles with the 128-byte swizzle."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  return dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+
+
+def _iota(shape, axis):
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  return plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=plgpu.Layout.WGMMA)
+
+
 def _div(a, b: int):
   """``a // b`` for ``a >= 0``, a Python int where ``a`` is one."""
   return a // b if isinstance(a, int) else lax.div(a, jnp.int32(b))
@@ -171,70 +199,109 @@ def _select(condition, a, b):
   return (a if condition else b) if isinstance(condition, bool) else jnp.where(condition, a, b)
 
 
+def _diagonals(spec):
+  """``(low, high)``: query i keeps key j where ``low <= j - i <= high`` (None: unbounded)."""
+  offset = spec.causal_offset
+  high = offset if spec.is_causal else None
+  low = None
+  if spec.window is not None:
+    left, right = spec.window
+    high = offset + right if high is None else min(high, offset + right)
+    low = offset - left
+  return low, high
+
+
 @dataclasses.dataclass(frozen=True)
 class _Band:
-  """Which key tiles query rows walk. Bounds are Python ints where nothing is traced (the
-  plain full case: static loops), else int32 scalars."""
-  t: int  # query rows (those past it are padding)
-  spec: object  # reference.MaskSpec
-  block_q: int
-  block_kv: int
-  kv_tiles: int
+  """Which column tiles blocks of rows walk, for a mask that keeps (row, col) where
+  ``low <= col - row <= high`` and col is below a limit. Rows are queries and columns keys
+  in the forward and the dQ kernel, the other way round in the dK/dV kernel. Bounds are
+  Python ints where nothing is traced (the plain full case: static loops), else int32
+  scalars."""
+  rows: int  # rows that exist (those past it are padding)
+  low: int | None
+  high: int | None
+  block_rows: int
+  block_cols: int
+  col_tiles: int
   mask_every_tile: bool
 
-  def tiles(self, first, last, keys, span=None):
-    """Rows ``first..last`` (clipped to T): ``(lo, full_lo, full_hi, hi)``, ``[lo, hi)`` every
-    tile with a key some row may see, ``[full_lo, full_hi)`` those whose keys every row sees
-    (no mask). ``keys``: the keys that exist (S, or this batch's length); ``span``: the tiles
-    the rows' segment ids reach."""
-    spec, block_kv = self.spec, self.block_kv
-    offset = spec.causal_offset
-    last = _minimum(last, self.t - 1)
-    end, begin = keys, 0  # keys allowed to some row: [begin, end)
-    full_end, full_begin = keys, 0  # keys allowed to every row
-    if spec.is_causal:
-      end = _minimum(end, last + offset + 1)
-      full_end = _minimum(full_end, first + offset + 1)
-    if spec.window is not None:
-      left, right = spec.window
-      end = _minimum(end, last + offset + right + 1)
-      full_end = _minimum(full_end, first + offset + right + 1)
-      begin = _maximum(0, first + offset - left)
-      full_begin = _maximum(0, last + offset - left)
-    lo = _minimum(_div(_maximum(begin, 0), block_kv), self.kv_tiles)
-    hi = _div(_maximum(end, 0) + block_kv - 1, block_kv)
+  @classmethod
+  def of_queries(cls, t, spec, block_q, block_kv, kv_tiles, mask_every_tile):
+    return cls(t, *_diagonals(spec), block_q, block_kv, kv_tiles, mask_every_tile)
+
+  @classmethod
+  def of_keys(cls, s, spec, block_kv, block_q, q_tiles, mask_every_tile):
+    low, high = _diagonals(spec)
+    negate = lambda x: None if x is None else -x
+    return cls(s, negate(high), negate(low), block_kv, block_q, q_tiles, mask_every_tile)
+
+  @property
+  def has_padding_block(self) -> bool:
+    """Whether the last CTA's second block lies wholly past the rows."""
+    return 0 < self.rows % (_CONSUMERS * self.block_rows) <= self.block_rows
+
+  def tiles(self, first, last, limit, span=None):
+    """Rows ``first..last`` (clipped to the rows that exist): ``(lo, full_lo, full_hi, hi)``,
+    ``[lo, hi)`` every tile with a column some row may keep, ``[full_lo, full_hi)`` those
+    whose columns every row keeps (no mask). ``limit``: the columns that exist (S, or this
+    batch's length); ``span``: the tiles the rows' segment ids reach."""
+    block = self.block_cols
+    last = _minimum(last, self.rows - 1)
+    end, begin = limit, 0  # columns kept by some row: [begin, end)
+    full_end, full_begin = limit, 0  # columns kept by every row
+    if self.high is not None:
+      end = _minimum(end, last + self.high + 1)
+      full_end = _minimum(full_end, first + self.high + 1)
+    if self.low is not None:
+      begin = _maximum(0, first + self.low)
+      full_begin = _maximum(0, last + self.low)
+    lo = _minimum(_div(_maximum(begin, 0), block), self.col_tiles)
+    hi = _div(_maximum(end, 0) + block - 1, block)
     if span is not None:
       lo, hi = _maximum(lo, span[0]), _minimum(hi, span[1])
     hi = _maximum(lo, hi)
+    if isinstance(first, int) or self.has_padding_block:
+      hi = _select(first <= last, hi, lo)  # a block of padding rows walks nothing
     if self.mask_every_tile:
       return lo, hi, hi, hi
-    full_lo = _minimum(hi, _maximum(lo, _div(full_begin + block_kv - 1, block_kv)))
-    full_hi = _minimum(hi, _maximum(full_lo, _div(_maximum(full_end, 0), block_kv)))
+    full_lo = _minimum(hi, _maximum(lo, _div(full_begin + block - 1, block)))
+    full_hi = _minimum(hi, _maximum(full_lo, _div(_maximum(full_end, 0), block)))
     return lo, full_lo, full_hi, hi
 
-  def cta(self, cta_first, keys, span_of=None):
-    """``[cta_lo, cta_hi)``: the tiles the producer loads for a CTA's two query blocks, the
+  def cta(self, cta_first, limit, span_of=None):
+    """``[cta_lo, cta_hi)``: the tiles the producer loads for a CTA's two blocks of rows, the
     hull of their ranges (``span_of(i)``: block i's segment span, or None)."""
     if span_of is None:  # bands grow with the rows: the CTA's is its rows' band
-      cta_lo, _, _, cta_hi = self.tiles(cta_first, cta_first + _CONSUMERS * self.block_q - 1,
-                                        keys)
+      cta_lo, _, _, cta_hi = self.tiles(
+          cta_first, cta_first + _CONSUMERS * self.block_rows - 1, limit)
       return cta_lo, cta_hi
-    ranges = [self.tiles(cta_first + i * self.block_q, cta_first + (i + 1) * self.block_q - 1,
-                         keys, span_of(i)) for i in range(_CONSUMERS)]
-    cta_hi, cta_lo = 0, self.kv_tiles  # an empty block's range is left out
+    ranges = [self.tiles(cta_first + i * self.block_rows,
+                         cta_first + (i + 1) * self.block_rows - 1, limit, span_of(i))
+              for i in range(_CONSUMERS)]
+    cta_hi, cta_lo = 0, self.col_tiles  # an empty block's range is left out
     for lo, _, _, hi in ranges:
       cta_hi = _maximum(cta_hi, _select(lo < hi, hi, 0))
-      cta_lo = _minimum(cta_lo, _select(lo < hi, lo, self.kv_tiles))
+      cta_lo = _minimum(cta_lo, _select(lo < hi, lo, self.col_tiles))
     return _minimum(cta_lo, cta_hi), cta_hi
 
-  def block(self, first, keys, span, cta):
+  def block(self, first, limit, span, cta):
     """The block of rows from ``first``: its ``tiles`` within the CTA's ``(cta_lo, cta_hi)``.
     Tiles of the hull outside them are passed as the partner's; a block whose band lies past
-    the CTA's (no key for any of its rows) gets none."""
+    the CTA's (no column for any of its rows) gets none."""
     cta_lo, cta_hi = cta
-    lo, full_lo, full_hi, hi = self.tiles(first, first + self.block_q - 1, keys, span)
+    lo, full_lo, full_hi, hi = self.tiles(first, first + self.block_rows - 1, limit, span)
     lo = _minimum(_maximum(lo, cta_lo), cta_hi)
     return (lo,) + tuple(_minimum(_maximum(x, lo), cta_hi) for x in (full_lo, full_hi, hi))
+
+  def allowed(self, rows, cols, limit):
+    """The position mask of a tile: ``rows``, ``cols`` are its positions broadcast to it."""
+    ok = cols < limit
+    if self.high is not None:
+      ok = ok & (cols <= rows + self.high)
+    if self.low is not None:
+      ok = ok & (cols >= rows + self.low)
+    return ok
 
 
 def _forward(q, k, v, q_seg, kv_seg, spans, q_len, kv_len, t: int, s: int, spec,
@@ -251,21 +318,13 @@ def _forward(q, k, v, q_seg, kv_seg, spans, q_len, kv_len, t: int, s: int, spec,
   rows_per_cta = _CONSUMERS * block_q
   q_tiles, kv_tiles = -(-t // rows_per_cta), -(-s // block_kv)
   stages = max(2, min(cfg.stages, kv_tiles))
-  causal, offset, window, cap = spec.is_causal, spec.causal_offset, spec.window, spec.soft_cap
+  cap = spec.soft_cap
   has_segments = q_seg is not None
   optional = [a for a in (q_seg, kv_seg, spans, q_len, kv_len) if a is not None]
-  band = _Band(t, spec, block_q, block_kv, kv_tiles,
-               # Every tile is masked when a mask depends on data (segments, query lengths).
-               mask_every_tile=has_segments or q_len is not None)
-
-  def iota(shape, axis):
-    return plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=plgpu.Layout.WGMMA)
-
-  def when(condition, fn):
-    """``pl.when``, or ``fn`` run or skipped at trace time for a Python condition."""
-    if isinstance(condition, bool):
-      return fn() if condition else None
-    return pl.when(condition)(fn)
+  band = _Band.of_queries(t, spec, block_q, block_kv, kv_tiles,
+                          # Every tile is masked when a mask depends on data (segments,
+                          # query lengths).
+                          mask_every_tile=has_segments or q_len is not None)
 
   def body(q_ref, k_ref, v_ref, *refs):
     refs = list(refs)
@@ -310,12 +369,8 @@ def _forward(q, k, v, q_seg, kv_seg, spans, q_len, kv_len, t: int, s: int, spec,
         q_rows = jnp.clip(q_len_ref[batch], 0, t)
 
       def mask(z, j, slot):
-        rows, cols = iota(z.shape, 0) + first, iota(z.shape, 1) + j * block_kv
-        ok = cols < keys
-        if causal:
-          ok = ok & (cols <= rows + offset)
-        if window is not None:
-          ok = ok & (cols >= rows + offset - window[0]) & (cols <= rows + offset + window[1])
+        rows, cols = _iota(z.shape, 0) + first, _iota(z.shape, 1) + j * block_kv
+        ok = band.allowed(rows, cols, keys)
         if q_len_ref is not None:
           ok = ok & (rows < q_rows)
         if has_segments:
@@ -330,9 +385,9 @@ def _forward(q, k, v, q_seg, kv_seg, spans, q_len, kv_len, t: int, s: int, spec,
                row_stat(-jnp.inf), row_stat(0.0))
 
       def wait_next_key(j):
-        when(j + 1 < cta_hi, lambda: plgpu.barrier_wait(k_loaded.at[slot_of(j + 1)]))
+        _when(j + 1 < cta_hi, lambda: plgpu.barrier_wait(k_loaded.at[slot_of(j + 1)]))
 
-      when(cta_lo < cta_hi, lambda: plgpu.barrier_wait(k_loaded.at[slot_of(cta_lo)]))
+      _when(cta_lo < cta_hi, lambda: plgpu.barrier_wait(k_loaded.at[slot_of(cta_lo)]))
       pl.when(wg == 1)(take_turn)
 
       def step(j, carry, masked):
@@ -389,11 +444,7 @@ def _forward(q, k, v, q_seg, kv_seg, spans, q_len, kv_len, t: int, s: int, spec,
         wait_next_key(j)
         return carry
 
-      carry = _loop(cta_lo, lo, skip, carry)
-      carry = _loop(lo, full_lo, functools.partial(step, masked=True), carry)
-      carry = _loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
-      carry = _loop(full_hi, hi, functools.partial(step, masked=True), carry)
-      carry = _loop(hi, cta_hi, skip, carry)
+      carry = _walk((lo, full_lo, full_hi, hi), (cta_lo, cta_hi), step, skip, carry)
       pl.when(wg == 0)(take_turn)
 
       acc, m_i, l_i = carry
@@ -422,7 +473,7 @@ def _forward(q, k, v, q_seg, kv_seg, spans, q_len, kv_len, t: int, s: int, spec,
         plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_loaded.at[slot])
 
       for i in range(min(stages, kv_tiles)):  # a static start past S fails to trace
-        when(cta_lo + i < cta_hi, functools.partial(load, cta_lo + i, i))
+        _when(cta_lo + i < cta_hi, functools.partial(load, cta_lo + i, i))
 
       @pl.loop(cta_lo + stages, _maximum(cta_hi, cta_lo + stages))
       def _(j):
@@ -431,38 +482,478 @@ def _forward(q, k, v, q_seg, kv_seg, spans, q_len, kv_len, t: int, s: int, spec,
         plgpu.barrier_wait(v_consumed.at[slot])
         load(j, slot)
 
-  def entry(*refs):
-    # wgmma reads shared memory in 8 x 64 tiles with the 128-byte swizzle.
-    tiled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
-    scratch = [
-        plgpu.SMEM((_CONSUMERS, block_q, h), dtype, **tiled),
-        plgpu.SMEM((stages, block_kv, h), dtype, **tiled),
-        plgpu.SMEM((stages, block_kv, hv), dtype, **tiled),
-        plgpu.SMEM((_CONSUMERS, block_q, hv), dtype, **tiled) if hv != h else None,
-        plgpu.SMEM((_CONSUMERS, block_q), jnp.float32),
-        plgpu.SMEM((_CONSUMERS, block_q), jnp.int32) if has_segments else None,
-        plgpu.SMEM((stages, block_kv), jnp.int32) if has_segments else None,
-        plgpu.Barrier(num_barriers=stages),
-        plgpu.Barrier(num_barriers=stages),
-        # Key segment ids per slot, then query segment ids per consumer.
-        plgpu.Barrier(num_barriers=stages + _CONSUMERS) if has_segments else None,
-        plgpu.Barrier(num_barriers=_CONSUMERS),
-        plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=_CONSUMERS),
-    ]
-    present = [x for x in scratch if x is not None]
+  tiled = _swizzled()
+  scratch = [
+      plgpu.SMEM((_CONSUMERS, block_q, h), dtype, **tiled),
+      plgpu.SMEM((stages, block_kv, h), dtype, **tiled),
+      plgpu.SMEM((stages, block_kv, hv), dtype, **tiled),
+      plgpu.SMEM((_CONSUMERS, block_q, hv), dtype, **tiled) if hv != h else None,
+      plgpu.SMEM((_CONSUMERS, block_q), jnp.float32),
+      plgpu.SMEM((_CONSUMERS, block_q), jnp.int32) if has_segments else None,
+      plgpu.SMEM((stages, block_kv), jnp.int32) if has_segments else None,
+      plgpu.Barrier(num_barriers=stages),
+      plgpu.Barrier(num_barriers=stages),
+      # Key segment ids per slot, then query segment ids per consumer.
+      plgpu.Barrier(num_barriers=stages + _CONSUMERS) if has_segments else None,
+      plgpu.Barrier(num_barriers=_CONSUMERS),
+      plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=_CONSUMERS),
+  ]
+  out_types = (jax.ShapeDtypeStruct((b, q.shape[1], n, hv), dtype),
+               jax.ShapeDtypeStruct((b, n, q_tiles * rows_per_cta), jnp.float32))
+  return _launch(body, scratch, out_types, (b, n, q_tiles), q, k, v, *optional)
 
+
+@dataclasses.dataclass(frozen=True)
+class BackwardConfig:
+  """Tiles of the two backward kernels. dK/dV: each consumer warpgroup holds ``dkdv_block_kv``
+  key rows and their two float32 gradients while query tiles of ``dkdv_block_q`` rows stream
+  past; dQ: each holds ``dq_block_q`` query rows and their gradient while key tiles of
+  ``dq_block_kv`` rows stream past. ``stages``: streamed tiles in flight."""
+  dkdv_block_kv: int = 64
+  dkdv_block_q: int = 64
+  dq_block_q: int = 64
+  dq_block_kv: int = 64
+  stages: int = 2
+
+  def __post_init__(self):
+    if self.stages < 2:
+      raise ValueError(f"BackwardConfig.stages must be at least 2, got {self.stages}")
+
+
+# Per head dim (the larger of the query's and the value's). At 128 neither a third stage nor
+# longer tiles gained (benchmarks/results/2026-11-25-h100-tune-attention-mosaic-bwd.json); at
+# 64 the dQ kernel streams the forward's key tiles. At 256 a key block's two float32 gradients
+# alone outgrow a warpgroup's registers: the Triton backward takes those.
+BACKWARD_CONFIGS = {64: BackwardConfig(64, 64, 64, 128, 2), 128: BackwardConfig(64, 64, 64, 64, 2)}
+
+
+def backward_unsupported(q_shape, v_shape) -> str | None:
+  """Why the Mosaic backward cannot take head dims that the forward takes, or None."""
+  h, hv = q_shape[3], v_shape[3]
+  if max(h, hv) not in BACKWARD_CONFIGS:
+    return (f"the 'mosaic' backward takes query and value head dims in "
+            f"{tuple(BACKWARD_CONFIGS)}, not {h} and {hv}")
+  return None
+
+
+def backward(q, k, v, do, lse, delta, extras, *, spec, scale, allow_tf32=None,
+             config: BackwardConfig | None = None):
+  """``(dq, dk, dv)`` from the forward's ``lse (B, N, T)`` (natural log) and
+  ``delta (B, N, T) = rowsum(dO * O)`` (minus any dLSE). Two kernels, each summing in a fixed
+  order (no atomics): dK/dV by key blocks, walking every query tile of every query head of
+  the key's group; dQ by query blocks."""
+  del allow_tf32  # 16-bit operands only
+  cfg = config or BACKWARD_CONFIGS[max(q.shape[3], v.shape[3])]
+  q_seg, kv_seg, q_len, kv_len = extras
+  t, s = q.shape[1], k.shape[1]
+  dq_band = _Band.of_queries(t, spec, cfg.dq_block_q, cfg.dq_block_kv,
+                             -(-s // cfg.dq_block_kv), mask_every_tile=q_seg is not None)
+  dkdv_band = _Band.of_keys(s, spec, cfg.dkdv_block_kv, cfg.dkdv_block_q,
+                            -(-t // cfg.dkdv_block_q), mask_every_tile=q_seg is not None)
+  # Rows of whole CTAs (two blocks) and whole streamed tiles, in both kernels.
+  whole = lambda n, *blocks: -(-n // math.lcm(*blocks)) * math.lcm(*blocks)
+  q_rows = whole(t, _CONSUMERS * cfg.dq_block_q, cfg.dkdv_block_q)
+  kv_rows = whole(s, _CONSUMERS * cfg.dkdv_block_kv, cfg.dq_block_kv)
+  # A row with no allowed key saved lse = -inf; +inf makes its probabilities 0, and so those
+  # of padded rows and of rows past the query lengths: no mask needs them.
+  lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * _LOG2E)
+  stats = jnp.stack([jnp.pad(lse2, ((0, 0), (0, 0), (0, q_rows - t)), constant_values=jnp.inf),
+                     jnp.pad(delta, ((0, 0), (0, 0), (0, q_rows - t)))], axis=2)
+  ids = lambda a, n: None if a is None else _pad_rows(a.astype(jnp.int32), n)
+  lengths = [None if a is None else a.astype(jnp.int32) for a in (q_len, kv_len)]
+  # TMA copies of 8 x 64 tiles need T and S multiples of 8, and a static (untraced) tile
+  # start keeps its whole tile in bounds: the streamed operand is padded to whole tiles
+  # where its first tiles may reach the last.
+  def padded(a, n, tiles, block):
+    whole = tiles <= max(2, cfg.stages)
+    return _pad_rows(a, tiles * block if whole else -(-n // 8) * 8)
+  dq_spans = dkdv_spans = None
+  if q_seg is not None:
+    dq_spans = _segment_spans(q_seg, kv_seg, q_rows, kv_rows, cfg.dq_block_q, cfg.dq_block_kv)
+    dkdv_spans = _segment_spans(kv_seg, q_seg, kv_rows, q_rows, cfg.dkdv_block_kv,
+                                cfg.dkdv_block_q)
+  cap = spec.soft_cap
+  dq = _dq(_pad_rows(q, -(-t // 8) * 8), padded(k, s, dq_band.col_tiles, cfg.dq_block_kv),
+           padded(v, s, dq_band.col_tiles, cfg.dq_block_kv),
+           _pad_rows(do, -(-t // 8) * 8), stats, ids(q_seg, q_rows), ids(kv_seg, kv_rows),
+           dq_spans, lengths[1], s, dq_band, float(scale), cap, cfg.stages)
+  dk, dv = _dkdv(padded(q, t, dkdv_band.col_tiles, cfg.dkdv_block_q), _pad_rows(k, -(-s // 8) * 8),
+                 _pad_rows(v, -(-s // 8) * 8),
+                 padded(do, t, dkdv_band.col_tiles, cfg.dkdv_block_q), stats,
+                 ids(q_seg, q_rows), ids(kv_seg, kv_rows), dkdv_spans, lengths, t, dkdv_band,
+                 float(scale), cap, cfg.stages)
+  return dq[:, :t], dk[:, :s], dv[:, :s]
+
+
+def _pad_rows(a, n):
+  """``a`` with axis 1 padded (zeros) or cut to ``n`` rows."""
+  if a.shape[1] >= n:
+    return a
+  return jnp.pad(a, ((0, 0), (0, n - a.shape[1])) + ((0, 0),) * (a.ndim - 2))
+
+
+def _base2_scores(z, scale, cap):
+  """Scores ``q . k`` in base-2 units (exp2 gives the softmax's exponentials), soft-capped,
+  and the derivative factor of the cap (None without one)."""
+  if cap is None:
+    return z * (scale * _LOG2E), None
+  capped = jnp.tanh(z * (scale / cap))
+  return capped * (cap * _LOG2E), 1.0 - capped * capped
+
+
+def _tile_gradients(s_operands, dp_operands, stats, stats_axis: int, keep, scale: float, cap):
+  """``(P, dS)`` of one tile, recomputed: ``S = a b^T`` and ``dP = c d^T`` for the shared-memory
+  operands ``(a, b)`` and ``(c, d)`` by wgmma, issued together; ``P = exp2(S - lse)`` where
+  ``keep()`` (None: everywhere), ``dS = P (dP - delta)`` times the soft-cap's derivative.
+  ``stats()`` gives (lse, delta) along the tile's axis ``stats_axis``, read while the products
+  run."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  tile = (s_operands[0].shape[0], s_operands[1].shape[0])
+
+  def products(s_ref, dp_ref):
+    plgpu.wgmma(s_ref, s_operands[0], s_operands[1].transpose((1, 0)))
+    plgpu.wgmma(dp_ref, dp_operands[0], dp_operands[1].transpose((1, 0)))
+    return s_ref[...], dp_ref[...]
+
+  z, dp = pl.run_scoped(products, plgpu.ACC(tile, jnp.float32), plgpu.ACC(tile, jnp.float32))
+  lse, delta = stats()
+  z, cap_grad = _base2_scores(z, scale, cap)
+  if keep is not None:
+    z = jnp.where(keep(), z, -jnp.inf)
+  p = jnp.exp2(z - lax.broadcast_in_dim(lse, tile, [stats_axis]))
+  ds = p * (dp - lax.broadcast_in_dim(delta, tile, [stats_axis]))
+  return p, ds if cap_grad is None else ds * cap_grad
+
+
+def _walk(ranges, cta, step, skip, carry):
+  """A consumer's tiles of the CTA's ``[cta_lo, cta_hi)``: masked tiles, unmasked tiles,
+  masked tiles of its own band ``(lo, full_lo, full_hi, hi)``, the partner's tiles around
+  them passed by ``skip``."""
+  lo, full_lo, full_hi, hi = ranges
+  cta_lo, cta_hi = cta
+  carry = _loop(cta_lo, lo, skip, carry)
+  carry = _loop(lo, full_lo, functools.partial(step, masked=True), carry)
+  carry = _loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
+  carry = _loop(full_hi, hi, functools.partial(step, masked=True), carry)
+  return _loop(hi, cta_hi, skip, carry)
+
+
+def _dq(q, k, v, do, stats, q_seg, kv_seg, spans, kv_len, s: int, band: _Band, scale: float,
+        cap, stages: int):
+  """dQ: a CTA owns two blocks of query rows of one head (one per consumer warpgroup: its
+  Q, dO, lse and delta stay in shared memory and registers); a producer warpgroup streams
+  the key and value tiles of the band. Per tile: S = Q K^T and dP = dO V^T, issued
+  together; P = exp2(S - lse); dS = P (dP - delta); dQ += dS K."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  b, _, n, h = q.shape
+  kv_heads, hv = k.shape[2], v.shape[3]
+  groups = n // kv_heads
+  dtype = q.dtype
+  block_q, block_kv = band.block_rows, band.block_cols
+  rows_per_cta = _CONSUMERS * block_q
+  ctas, kv_tiles = -(-band.rows // rows_per_cta), band.col_tiles
+  stages = max(2, min(stages, kv_tiles))
+  has_segments = q_seg is not None
+  optional = [a for a in (q_seg, kv_seg, spans, kv_len) if a is not None]
+  row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+
+  def body(q_ref, k_ref, v_ref, do_ref, stats_ref, *refs):
+    refs = list(refs)
+    q_seg_ref, kv_seg_ref, spans_ref = (refs.pop(0) if has_segments else None
+                                        for _ in range(3))
+    kv_len_ref = refs.pop(0) if kv_len is not None else None
+    (dq_ref, q_smem, do_smem, stats_smem, k_smem, v_smem, q_seg_smem, kv_seg_smem,
+     rows_loaded, loaded, consumed) = refs
+    batch, head, cta = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("t")
+    wg = lax.axis_index("wg")
+    keys = s if kv_len_ref is None else jnp.clip(kv_len_ref[batch], 0, s)
+    cta_first = cta * rows_per_cta
+    span_of = None if spans_ref is None else (
+        lambda i: (spans_ref[batch, cta * _CONSUMERS + i, 0],
+                   spans_ref[batch, cta * _CONSUMERS + i, 1]))
+    cta_lo, cta_hi = band.cta(cta_first, keys, span_of)
+    slot_of = lambda j: lax.rem(j - cta_lo, stages)
+
+    @pl.when(wg < _CONSUMERS)
+    def _consumer():
+      plgpu.set_max_registers(232, action="increase")
+      first = cta_first + wg * block_q
+      rows = (batch, pl.ds(first, block_q), head)
+      own = rows_loaded.at[wg]
+      plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[wg], own)
+      plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[wg], own)
+      plgpu.copy_gmem_to_smem(stats_ref.at[batch, head, :, pl.ds(first, block_q)],
+                              stats_smem.at[wg], own)
+      if has_segments:
+        plgpu.copy_gmem_to_smem(q_seg_ref.at[batch, pl.ds(first, block_q)],
+                                q_seg_smem.at[wg], own)
+      plgpu.barrier_wait(own)
+      lse = _load(plgpu, stats_smem.at[wg, 0], row_layout)
+      delta = _load(plgpu, stats_smem.at[wg, 1], row_layout)
+      q_ids = _load(plgpu, q_seg_smem.at[wg], row_layout) if has_segments else None
+      span = None if span_of is None else span_of(wg)
+      ranges = band.block(first, keys, span, (cta_lo, cta_hi))
+      tile = (block_q, block_kv)
+
+      def step(j, dq, masked):
+        slot = slot_of(j)
+        plgpu.barrier_wait(loaded.at[slot])
+
+        def keep():
+          ok = band.allowed(_iota(tile, 0) + first, _iota(tile, 1) + j * block_kv, keys)
+          if not has_segments:
+            return ok
+          kv_ids = _load(plgpu, kv_seg_smem.at[slot], col_layout)
+          return ok & (lax.broadcast_in_dim(q_ids, tile, [0])
+                       == lax.broadcast_in_dim(kv_ids, tile, [1]))
+
+        _, ds = _tile_gradients((q_smem.at[wg], k_smem.at[slot]),
+                                (do_smem.at[wg], v_smem.at[slot]), lambda: (lse, delta), 0,
+                                keep if masked else None, scale, cap)
+
+        def gradient(acc_ref):
+          plgpu.wgmma(acc_ref, ds.astype(dtype), k_smem.at[slot])
+
+        dq = pl.run_state(gradient)(plgpu.ACC.init(dq))
+        plgpu.barrier_arrive(consumed.at[slot])
+        return dq
+
+      def skip(j, dq):
+        slot = slot_of(j)
+        plgpu.barrier_wait(loaded.at[slot])
+        plgpu.barrier_arrive(consumed.at[slot])
+        return dq
+
+      dq = _walk(ranges, (cta_lo, cta_hi), step, skip,
+                 plgpu.layout_cast(jnp.zeros((block_q, h), jnp.float32), plgpu.Layout.WGMMA))
+      # Q's slot is free once the last product has been read.
+      q_smem.at[wg][...] = (dq * scale).astype(dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(q_smem.at[wg], dq_ref.at[rows])  # rows past T are dropped
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == _CONSUMERS)
+    def _producer():
+      plgpu.set_max_registers(40, action="decrease")
+      kv_head = lax.div(head, jnp.int32(groups))
+
+      def load(j, slot):
+        rows = (batch, pl.ds(j * block_kv, block_kv), kv_head)
+        plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], loaded.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], loaded.at[slot])
+        if has_segments:
+          plgpu.copy_gmem_to_smem(kv_seg_ref.at[batch, pl.ds(j * block_kv, block_kv)],
+                                  kv_seg_smem.at[slot], loaded.at[slot])
+
+      for i in range(min(stages, kv_tiles)):
+        _when(cta_lo + i < cta_hi, functools.partial(load, cta_lo + i, i))
+
+      @pl.loop(cta_lo + stages, _maximum(cta_hi, cta_lo + stages))
+      def _(j):
+        slot = slot_of(j)
+        plgpu.barrier_wait(consumed.at[slot])
+        load(j, slot)
+
+  copies = 2 + has_segments
+  scratch = [
+      plgpu.SMEM((_CONSUMERS, block_q, h), dtype, **_swizzled()),
+      plgpu.SMEM((_CONSUMERS, block_q, hv), dtype, **_swizzled()),
+      plgpu.SMEM((_CONSUMERS, 2, block_q), jnp.float32),
+      plgpu.SMEM((stages, block_kv, h), dtype, **_swizzled()),
+      plgpu.SMEM((stages, block_kv, hv), dtype, **_swizzled()),
+      plgpu.SMEM((_CONSUMERS, block_q), jnp.int32) if has_segments else None,
+      plgpu.SMEM((stages, block_kv), jnp.int32) if has_segments else None,
+      plgpu.Barrier(num_arrivals=copies + 1, num_barriers=_CONSUMERS),
+      plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
+  ]
+  out_type = jax.ShapeDtypeStruct(q.shape, dtype)
+  return _launch(body, scratch, out_type, (b, n, ctas), q, k, v, do, stats, *optional)
+
+
+def _dkdv(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, t: int, band: _Band,
+          scale: float, cap, stages: int):
+  """dK and dV: a CTA owns two blocks of key rows of one key/value head (one per consumer
+  warpgroup: its K, V stay in shared memory, dK and dV in float32 registers); a producer
+  streams, for each query head of the group in turn, the Q, dO, lse and delta tiles of the
+  band. Per tile, keys by queries (every product takes its operands as stored): S^T = K Q^T
+  and dP^T = V dO^T, issued together; P^T = exp2(S^T - lse); dS^T = P^T (dP^T - delta);
+  dV += P^T dO and dK += dS^T Q, issued together."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  b, _, n, h = q.shape
+  kv_heads, hv = k.shape[2], v.shape[3]
+  groups = n // kv_heads
+  dtype = q.dtype
+  block_kv, block_q = band.block_rows, band.block_cols
+  rows_per_cta = _CONSUMERS * block_kv
+  ctas, q_tiles = -(-band.rows // rows_per_cta), band.col_tiles
+  stages = max(2, min(stages, groups * q_tiles))
+  has_segments = q_seg is not None
+  q_len, kv_len = lengths
+  optional = [a for a in (q_seg, kv_seg, spans, q_len, kv_len) if a is not None]
+  row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+
+  def body(q_ref, k_ref, v_ref, do_ref, stats_ref, *refs):
+    refs = list(refs)
+    q_seg_ref, kv_seg_ref, spans_ref = (refs.pop(0) if has_segments else None
+                                        for _ in range(3))
+    q_len_ref = refs.pop(0) if q_len is not None else None
+    kv_len_ref = refs.pop(0) if kv_len is not None else None
+    (dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem, stats_smem, kv_seg_smem, q_seg_smem,
+     rows_loaded, loaded, consumed) = refs
+    batch, kv_head, cta = lax.axis_index("b"), lax.axis_index("k"), lax.axis_index("s")
+    wg = lax.axis_index("wg")
+    # Queries past the lengths have lse = +inf (no probability): the band only stops there.
+    queries = t if q_len_ref is None else jnp.clip(q_len_ref[batch], 0, t)
+    cta_first = cta * rows_per_cta
+    span_of = None if spans_ref is None else (
+        lambda i: (spans_ref[batch, cta * _CONSUMERS + i, 0],
+                   spans_ref[batch, cta * _CONSUMERS + i, 1]))
+    cta_lo, cta_hi = band.cta(cta_first, queries, span_of)
+    cta_tiles = cta_hi - cta_lo
+    # The producer streams tile i of head g as number g * cta_tiles + i - cta_lo.
+    slot_of = lambda u: lax.rem(u, stages) if not isinstance(u, int) else u % stages
+
+    @pl.when(wg < _CONSUMERS)
+    def _consumer():
+      plgpu.set_max_registers(232, action="increase")
+      first = cta_first + wg * block_kv
+      rows = (batch, pl.ds(first, block_kv), kv_head)
+      own = rows_loaded.at[wg]
+      plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[wg], own)
+      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[wg], own)
+      if has_segments:
+        plgpu.copy_gmem_to_smem(kv_seg_ref.at[batch, pl.ds(first, block_kv)],
+                                kv_seg_smem.at[wg], own)
+      plgpu.barrier_wait(own)
+      kv_ids = _load(plgpu, kv_seg_smem.at[wg], row_layout) if has_segments else None
+      span = None if span_of is None else span_of(wg)
+      ranges = band.block(first, queries, span, (cta_lo, cta_hi))
+      tile = (block_kv, block_q)
+
+      def head_tiles(g, carry):
+        number = g * cta_tiles - cta_lo
+
+        def step(i, carry, masked):
+          dk, dv = carry
+          slot = slot_of(number + i)
+          plgpu.barrier_wait(loaded.at[slot])
+
+          def keep():
+            ok = band.allowed(_iota(tile, 0) + first, _iota(tile, 1) + i * block_q, queries)
+            if not has_segments:
+              return ok
+            q_ids = _load(plgpu, q_seg_smem.at[slot], col_layout)
+            return ok & (lax.broadcast_in_dim(kv_ids, tile, [0])
+                         == lax.broadcast_in_dim(q_ids, tile, [1]))
+
+          stats = lambda: tuple(_load(plgpu, stats_smem.at[slot, r], col_layout) for r in (0, 1))
+          p, ds = _tile_gradients((k_smem.at[wg], q_smem.at[slot]),
+                                  (v_smem.at[wg], do_smem.at[slot]), stats, 1,
+                                  keep if masked else None, scale, cap)
+
+          def gradients(acc_refs):
+            dk_ref, dv_ref = acc_refs
+            plgpu.wgmma(dv_ref, p.astype(dtype), do_smem.at[slot])
+            plgpu.wgmma(dk_ref, ds.astype(dtype), q_smem.at[slot])
+
+          dk, dv = pl.run_state(gradients)((plgpu.ACC.init(dk), plgpu.ACC.init(dv)))
+          plgpu.barrier_arrive(consumed.at[slot])
+          return dk, dv
+
+        def skip(i, carry):
+          slot = slot_of(number + i)
+          plgpu.barrier_wait(loaded.at[slot])
+          plgpu.barrier_arrive(consumed.at[slot])
+          return carry
+
+        return _walk(ranges, (cta_lo, cta_hi), step, skip, carry)
+
+      zeros = lambda width: plgpu.layout_cast(jnp.zeros((block_kv, width), jnp.float32),
+                                              plgpu.Layout.WGMMA)
+      carry = (zeros(h), zeros(hv))
+      dk, dv = head_tiles(0, carry) if groups == 1 else lax.fori_loop(0, groups, head_tiles,
+                                                                      carry)
+      dk = dk * scale
+      if kv_len_ref is not None:  # keys past the length have no gradient
+        keys = jnp.clip(kv_len_ref[batch], 0, band.rows)
+        dk, dv = (jnp.where(_iota(a.shape, 0) + first < keys, a, 0.0) for a in (dk, dv))
+      # K's and V's slots are free once the last products have been read.
+      k_smem.at[wg][...] = dk.astype(dtype)
+      v_smem.at[wg][...] = dv.astype(dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(k_smem.at[wg], dk_ref.at[rows])  # rows past S are dropped
+      plgpu.copy_smem_to_gmem(v_smem.at[wg], dv_ref.at[rows])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == _CONSUMERS)
+    def _producer():
+      plgpu.set_max_registers(40, action="decrease")
+      total = groups * cta_tiles
+
+      def load(u, slot):
+        g = _div(u, cta_tiles) if groups > 1 else 0
+        i = cta_lo + u - g * cta_tiles
+        head = kv_head * groups + g
+        rows = (batch, pl.ds(i * block_q, block_q), head)
+        plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], loaded.at[slot])
+        plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], loaded.at[slot])
+        plgpu.copy_gmem_to_smem(stats_ref.at[batch, head, :, pl.ds(i * block_q, block_q)],
+                                stats_smem.at[slot], loaded.at[slot])
+        if has_segments:
+          plgpu.copy_gmem_to_smem(q_seg_ref.at[batch, pl.ds(i * block_q, block_q)],
+                                  q_seg_smem.at[slot], loaded.at[slot])
+
+      for u in range(stages):
+        _when(u < total, functools.partial(load, u, u))
+
+      @pl.loop(stages, _maximum(total, stages))
+      def _(u):
+        slot = slot_of(u)
+        plgpu.barrier_wait(consumed.at[slot])
+        load(u, slot)
+
+  copies = 3 + has_segments
+  scratch = [
+      plgpu.SMEM((_CONSUMERS, block_kv, h), dtype, **_swizzled()),
+      plgpu.SMEM((_CONSUMERS, block_kv, hv), dtype, **_swizzled()),
+      plgpu.SMEM((stages, block_q, h), dtype, **_swizzled()),
+      plgpu.SMEM((stages, block_q, hv), dtype, **_swizzled()),
+      plgpu.SMEM((stages, 2, block_q), jnp.float32),
+      plgpu.SMEM((_CONSUMERS, block_kv), jnp.int32) if has_segments else None,
+      plgpu.SMEM((stages, block_q), jnp.int32) if has_segments else None,
+      plgpu.Barrier(num_arrivals=copies - 1, num_barriers=_CONSUMERS),
+      plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
+  ]
+  out_types = (jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype))
+  return _launch(body, scratch, out_types, (b, kv_heads, ctas), q, k, v, do, stats, *optional,
+                 grid_names=("b", "k", "s"))
+
+
+def _launch(body, scratch, out_type, grid, *operands, grid_names=("b", "n", "t")):
+  """``body(*operands, *outputs, *scratch)`` on a grid of CTAs of two consumer warpgroups and
+  a producer; a None in ``scratch`` is passed as None."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  present = [x for x in scratch if x is not None]
+
+  def entry(*refs):
     def with_scratch(*allocated):
       allocated = list(allocated)
       body(*refs, *[None if x is None else allocated.pop(0) for x in scratch])
 
     pl.run_scoped(with_scratch, *present, collective_axes="wg")
 
-  out_types = (jax.ShapeDtypeStruct((b, q.shape[1], n, hv), dtype),
-               jax.ShapeDtypeStruct((b, n, q_tiles * rows_per_cta), jnp.float32))
   kernel = plgpu.kernel(
-      entry, out_type=out_types, grid=(b, n, q_tiles), grid_names=("b", "n", "t"),
+      entry, out_type=out_type, grid=grid, grid_names=grid_names,
       num_threads=_CONSUMERS + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True))
-  return kernel(q, k, v, *optional)
+  return kernel(*operands)
