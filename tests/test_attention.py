@@ -465,6 +465,43 @@ def test_gpu_mosaic_backward(rng, shape, causal, offset):
     assert np.array_equal(np.asarray(first), np.asarray(again))  # same bits
 
 
+# Head dim 256's candidate: shared memory takes 32-row streamed tiles, registers one float32
+# gradient per key block (benchmarks/tune.py attention_mosaic_bwd times it).
+SPLIT_BACKWARD = dict(dkdv_block_kv=64, dkdv_block_q=32, dq_block_q=64, dq_block_kv=32,
+                      split_dk_dv=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kw,ref_kw", [
+    (dict(is_causal=True, causal_offset=70), dict(causal=True, offset=70)),
+    (dict(local_window_size=(90, 20), key_value_seq_lengths=[250, 517]),
+     dict(window=(90, 20), kv_len=[250, 517])), ({}, {})], ids=str)
+@pytest.mark.parametrize("shape", [(2, 300, 517, 4, 2, 256, 256), (2, 200, 517, 2, 2, 128, 256),
+                                   (2, 129, 517, 2, 1, 256, 64)], ids=str)
+def test_gpu_mosaic_backward_split_gradients(rng, shape, kw, ref_kw):
+  """dK and dV by separate kernels on 32-row tiles (the configuration head dim 256 needs),
+  called directly, against the float64 gradients."""
+  _mosaic_or_skip()
+  from jaxfuse.ops.attention import mosaic
+  from jaxfuse.ops.attention.api import _band
+  from jaxfuse.ops.attention.reference import MaskSpec
+  b, t, s, n, kh, h, hv = shape
+  q, k, v, do = inputs(rng, b, t, s, n, kh, h, hv, dtype=jnp.bfloat16)
+  kv_len = kw.get("key_value_seq_lengths")
+  extras = (None, None, None, None if kv_len is None else jnp.asarray(kv_len))
+  offset, window = _band(kw.get("causal_offset", 0), kw.get("local_window_size"), t, s)
+  spec = MaskSpec(kw.get("is_causal", False), offset, window)
+  scale = h ** -0.5
+  out, lse = mosaic.forward(q, k, v, extras, spec=spec, scale=scale)
+  delta = jnp.einsum("btnh,btnh->bnt", do.astype(jnp.float32), out.astype(jnp.float32))
+  grads = mosaic.backward(q, k, v, do, lse, delta, extras, spec=spec, scale=scale,
+                          config=mosaic.BackwardConfig(**SPLIT_BACKWARD))
+  _, _, r_grads = dense_reference(q, k, v, do=do, **ref_kw)
+  floors = gradient_floors(q, k, v, do, **ref_kw)
+  for name, g, r, floor in zip(("dq", "dk", "dv"), grads, r_grads, (*floors, 0.0)):
+    assert_close(g, r, jnp.bfloat16, factor=4, name=name, floor=floor)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("feature", FEATURES + [{}], ids=str)
 def test_gpu_mosaic_features(rng, feature):
@@ -570,9 +607,9 @@ def test_mosaic_names_what_it_refuses(kwargs, name):
     ((77, 64, 64, 128), (True, -3, None, None), False, True, jnp.float16),
 ], ids=str)
 def test_mosaic_lowers_for_hopper(shape, spec, segments, lengths, dtype):
-  """The kernels (forward, and backward where it takes the head dims) lowered for CUDA on
-  this machine, without a GPU: what changes between JAX versions in Pallas Mosaic GPU
-  (signatures, layouts, transforms) fails here in CI."""
+  """The kernels (forward, and backward: at head dim 256 with dK and dV split) lowered for
+  CUDA on this machine, without a GPU: what changes between JAX versions in Pallas Mosaic GPU
+  (signatures, layouts, transforms, shared memory's size) fails here in CI."""
   pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
   from jax import export
   from jaxfuse.ops.attention import mosaic
@@ -592,14 +629,14 @@ def test_mosaic_lowers_for_hopper(shape, spec, segments, lengths, dtype):
   exported = export.export(jax.jit(forward), platforms=["cuda"])(*arrays, *present)
   assert exported.out_avals[0].shape == (2, t, 4, hv)
   assert exported.out_avals[1].shape == (2, 4, t)
-  if mosaic.backward_unsupported(arrays[0].shape, arrays[2].shape):
-    return
+  config = (mosaic.BackwardConfig(**SPLIT_BACKWARD)
+            if mosaic.backward_unsupported(arrays[0].shape, arrays[2].shape) else None)
 
   def backward(q, k, v, do, lse, delta, *present):
     present = list(present)
     return mosaic.backward(q, k, v, do, lse, delta, tuple(
         present.pop(0) if e is not None else None for e in extras), spec=MaskSpec(*spec),
-        scale=0.1)
+        scale=0.1, config=config)
 
   stat = jax.ShapeDtypeStruct((2, 4, t), jnp.float32)
   exported = export.export(jax.jit(backward), platforms=["cuda"])(

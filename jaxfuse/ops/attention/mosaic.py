@@ -28,7 +28,8 @@ of every query head of the key's group in turn (GQA sums over the group in order
 kernel holds query blocks and streams key tiles. Both recompute the probabilities from the
 saved log-sum-exp; a row with none saved (no allowed key, padding, past the query length) has
 lse = +inf and so no probability, which no mask has to see. At head dim 256 a key block's two
-float32 gradients outgrow a warpgroup's registers; ``api`` differentiates those calls with the
+float32 gradients outgrow a warpgroup's registers: ``BackwardConfig.split_dk_dv`` computes
+them by two kernels, and until that is timed ``api`` differentiates those calls with the
 Triton backward, which takes the same residuals.
 """
 
@@ -179,10 +180,14 @@ def _when(condition, fn):
   return pl.when(condition)(fn)
 
 
-def _swizzled():
-  """wgmma reads shared memory in 8 x 64 tiles with the 128-byte swizzle."""
+def _swizzled(rows: int = 64):
+  """wgmma reads shared memory (16-bit values) in 8 x 64 tiles with the 128-byte swizzle, or,
+  where some product contracts over tiles of fewer than 64 ``rows``, 8 x 32 tiles with the
+  64-byte swizzle (wgmma steps through the contraction a swizzle's width at a time)."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
-  return dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+  swizzle = 128 if rows % 64 == 0 else 64
+  return dict(transforms=(plgpu.TilingTransform((8, swizzle // 2)),
+                          plgpu.SwizzleTransform(swizzle)))
 
 
 def _iota(shape, axis):
@@ -516,6 +521,9 @@ class BackwardConfig:
   dq_block_q: int = 64
   dq_block_kv: int = 64
   stages: int = 2
+  # dK and dV by two kernels, each recomputing the scores (dV's without dP): at head dim 256
+  # a key block's two float32 gradients together outgrow a warpgroup's registers.
+  split_dk_dv: bool = False
 
   def __post_init__(self):
     if self.stages < 2:
@@ -524,8 +532,8 @@ class BackwardConfig:
 
 # Per head dim (the larger of the query's and the value's). At 128 neither a third stage nor
 # longer tiles gained (benchmarks/results/2026-11-25-h100-tune-attention-mosaic-bwd.json); at
-# 64 the dQ kernel streams the forward's key tiles. At 256 a key block's two float32 gradients
-# alone outgrow a warpgroup's registers: the Triton backward takes those.
+# 64 the dQ kernel streams the forward's key tiles. Head dim 256 waits on timing its
+# candidate, split dK and dV on 32-row streamed tiles (benchmarks/tune.py).
 BACKWARD_CONFIGS = {64: BackwardConfig(64, 64, 64, 128, 2), 128: BackwardConfig(64, 64, 64, 64, 2)}
 
 
@@ -579,11 +587,15 @@ def backward(q, k, v, do, lse, delta, extras, *, spec, scale, allow_tf32=None,
            padded(v, s, dq_band.col_tiles, cfg.dq_block_kv),
            _pad_rows(do, -(-t // 8) * 8), stats, ids(q_seg, q_rows), ids(kv_seg, kv_rows),
            dq_spans, lengths[1], s, dq_band, float(scale), cap, cfg.stages)
-  dk, dv = _dkdv(padded(q, t, dkdv_band.col_tiles, cfg.dkdv_block_q), _pad_rows(k, -(-s // 8) * 8),
-                 _pad_rows(v, -(-s // 8) * 8),
-                 padded(do, t, dkdv_band.col_tiles, cfg.dkdv_block_q), stats,
-                 ids(q_seg, q_rows), ids(kv_seg, kv_rows), dkdv_spans, lengths, t, dkdv_band,
-                 float(scale), cap, cfg.stages)
+  dkdv = functools.partial(
+      _dkdv, padded(q, t, dkdv_band.col_tiles, cfg.dkdv_block_q), _pad_rows(k, -(-s // 8) * 8),
+      _pad_rows(v, -(-s // 8) * 8), padded(do, t, dkdv_band.col_tiles, cfg.dkdv_block_q),
+      stats, ids(q_seg, q_rows), ids(kv_seg, kv_rows), dkdv_spans, lengths, t, dkdv_band,
+      float(scale), cap, cfg.stages)
+  if cfg.split_dk_dv:
+    (dk,), (dv,) = dkdv(("dk",)), dkdv(("dv",))
+  else:
+    dk, dv = dkdv(("dk", "dv"))
   return dq[:, :t], dk[:, :s], dv[:, :s]
 
 
@@ -606,25 +618,28 @@ def _base2_scores(z, scale, cap):
 def _tile_gradients(s_operands, dp_operands, stats, stats_axis: int, keep, scale: float, cap):
   """``(P, dS)`` of one tile, recomputed: ``S = a b^T`` and ``dP = c d^T`` for the shared-memory
   operands ``(a, b)`` and ``(c, d)`` by wgmma, issued together; ``P = exp2(S - lse)`` where
-  ``keep()`` (None: everywhere), ``dS = P (dP - delta)`` times the soft-cap's derivative.
-  ``stats()`` gives (lse, delta) along the tile's axis ``stats_axis``, read while the products
-  run."""
+  ``keep()`` (None: everywhere), ``dS = P (dP - delta)`` times the soft-cap's derivative (None
+  where ``dp_operands`` is None). ``stats()`` gives (lse, delta) along the tile's axis
+  ``stats_axis``, read while the products run."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
   tile = (s_operands[0].shape[0], s_operands[1].shape[0])
+  pairs = [s_operands] + ([] if dp_operands is None else [dp_operands])
 
-  def products(s_ref, dp_ref):
-    plgpu.wgmma(s_ref, s_operands[0], s_operands[1].transpose((1, 0)))
-    plgpu.wgmma(dp_ref, dp_operands[0], dp_operands[1].transpose((1, 0)))
-    return s_ref[...], dp_ref[...]
+  def products(*acc_refs):
+    for acc_ref, (lhs, rhs) in zip(acc_refs, pairs):
+      plgpu.wgmma(acc_ref, lhs, rhs.transpose((1, 0)))
+    return tuple(acc_ref[...] for acc_ref in acc_refs)
 
-  z, dp = pl.run_scoped(products, plgpu.ACC(tile, jnp.float32), plgpu.ACC(tile, jnp.float32))
+  z, *dp = pl.run_scoped(products, *[plgpu.ACC(tile, jnp.float32) for _ in pairs])
   lse, delta = stats()
   z, cap_grad = _base2_scores(z, scale, cap)
   if keep is not None:
     z = jnp.where(keep(), z, -jnp.inf)
   p = jnp.exp2(z - lax.broadcast_in_dim(lse, tile, [stats_axis]))
-  ds = p * (dp - lax.broadcast_in_dim(delta, tile, [stats_axis]))
+  if dp_operands is None:
+    return p, None
+  ds = p * (dp[0] - lax.broadcast_in_dim(delta, tile, [stats_axis]))
   return p, ds if cap_grad is None else ds * cap_grad
 
 
@@ -760,12 +775,13 @@ def _dq(q, k, v, do, stats, q_seg, kv_seg, spans, kv_len, s: int, band: _Band, s
         load(j, slot)
 
   copies = 2 + has_segments
+  tiled = _swizzled(min(block_q, block_kv))  # a product's operands share their swizzle
   scratch = [
-      plgpu.SMEM((_CONSUMERS, block_q, h), dtype, **_swizzled()),
-      plgpu.SMEM((_CONSUMERS, block_q, hv), dtype, **_swizzled()),
+      plgpu.SMEM((_CONSUMERS, block_q, h), dtype, **tiled),
+      plgpu.SMEM((_CONSUMERS, block_q, hv), dtype, **tiled),
       plgpu.SMEM((_CONSUMERS, 2, block_q), jnp.float32),
-      plgpu.SMEM((stages, block_kv, h), dtype, **_swizzled()),
-      plgpu.SMEM((stages, block_kv, hv), dtype, **_swizzled()),
+      plgpu.SMEM((stages, block_kv, h), dtype, **tiled),
+      plgpu.SMEM((stages, block_kv, hv), dtype, **tiled),
       plgpu.SMEM((_CONSUMERS, block_q), jnp.int32) if has_segments else None,
       plgpu.SMEM((stages, block_kv), jnp.int32) if has_segments else None,
       plgpu.Barrier(num_arrivals=copies + 1, num_barriers=_CONSUMERS),
@@ -777,13 +793,14 @@ def _dq(q, k, v, do, stats, q_seg, kv_seg, spans, kv_len, s: int, band: _Band, s
 
 
 def _dkdv(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, t: int, band: _Band,
-          scale: float, cap, stages: int):
-  """dK and dV: a CTA owns two blocks of key rows of one key/value head (one per consumer
-  warpgroup: its K, V stay in shared memory, dK and dV in float32 registers); a producer
-  streams, for each query head of the group in turn, the Q, dO, lse and delta tiles of the
-  band. Per tile, keys by queries (every product takes its operands as stored): S^T = K Q^T
-  and dP^T = V dO^T, issued together; P^T = exp2(S^T - lse); dS^T = P^T (dP^T - delta);
-  dV += P^T dO and dK += dS^T Q, issued together."""
+          scale: float, cap, stages: int, gradients=("dk", "dv")):
+  """dK and dV (or one of them, as ``gradients`` names): a CTA owns two blocks of key rows of
+  one key/value head (one per consumer warpgroup: its K, V stay in shared memory, dK and dV in
+  float32 registers); a producer streams, for each query head of the group in turn, the Q,
+  dO, lse and delta tiles of the band. Per tile, keys by queries (every product takes its
+  operands as stored): S^T = K Q^T and dP^T = V dO^T, issued together (dV alone needs no
+  dP^T); P^T = exp2(S^T - lse); dS^T = P^T (dP^T - delta); dV += P^T dO and dK += dS^T Q,
+  issued together."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -806,8 +823,9 @@ def _dkdv(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, t: int, band: _Band
                                         for _ in range(3))
     q_len_ref = refs.pop(0) if q_len is not None else None
     kv_len_ref = refs.pop(0) if kv_len is not None else None
-    (dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem, stats_smem, kv_seg_smem, q_seg_smem,
-     rows_loaded, loaded, consumed) = refs
+    out_refs = dict(zip(gradients, refs[:len(gradients)]))
+    (k_smem, v_smem, q_smem, do_smem, stats_smem, kv_seg_smem, q_seg_smem, rows_loaded, loaded,
+     consumed) = refs[len(gradients):]
     batch, kv_head, cta = lax.axis_index("b"), lax.axis_index("k"), lax.axis_index("s")
     wg = lax.axis_index("wg")
     # Queries past the lengths have lse = +inf (no probability): the band only stops there.
@@ -842,7 +860,6 @@ def _dkdv(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, t: int, band: _Band
         number = g * cta_tiles - cta_lo
 
         def step(i, carry, masked):
-          dk, dv = carry
           slot = slot_of(number + i)
           plgpu.barrier_wait(loaded.at[slot])
 
@@ -855,18 +872,20 @@ def _dkdv(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, t: int, band: _Band
                          == lax.broadcast_in_dim(q_ids, tile, [1]))
 
           stats = lambda: tuple(_load(plgpu, stats_smem.at[slot, r], col_layout) for r in (0, 1))
-          p, ds = _tile_gradients((k_smem.at[wg], q_smem.at[slot]),
-                                  (v_smem.at[wg], do_smem.at[slot]), stats, 1,
-                                  keep if masked else None, scale, cap)
+          p, ds = _tile_gradients(
+              (k_smem.at[wg], q_smem.at[slot]),
+              (v_smem.at[wg], do_smem.at[slot]) if "dk" in gradients else None, stats, 1,
+              keep if masked else None, scale, cap)
+          products = {"dk": (ds, q_smem.at[slot]), "dv": (p, do_smem.at[slot])}
 
-          def gradients(acc_refs):
-            dk_ref, dv_ref = acc_refs
-            plgpu.wgmma(dv_ref, p.astype(dtype), do_smem.at[slot])
-            plgpu.wgmma(dk_ref, ds.astype(dtype), q_smem.at[slot])
+          def accumulate(acc_refs):
+            for name in sorted(gradients, reverse=True):  # dV's product needs no dS
+              lhs, rhs = products[name]
+              plgpu.wgmma(acc_refs[gradients.index(name)], lhs.astype(dtype), rhs)
 
-          dk, dv = pl.run_state(gradients)((plgpu.ACC.init(dk), plgpu.ACC.init(dv)))
+          carry = pl.run_state(accumulate)(tuple(plgpu.ACC.init(a) for a in carry))
           plgpu.barrier_arrive(consumed.at[slot])
-          return dk, dv
+          return carry
 
         def skip(i, carry):
           slot = slot_of(number + i)
@@ -876,21 +895,25 @@ def _dkdv(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, t: int, band: _Band
 
         return _walk(ranges, (cta_lo, cta_hi), step, skip, carry)
 
-      zeros = lambda width: plgpu.layout_cast(jnp.zeros((block_kv, width), jnp.float32),
-                                              plgpu.Layout.WGMMA)
-      carry = (zeros(h), zeros(hv))
-      dk, dv = head_tiles(0, carry) if groups == 1 else lax.fori_loop(0, groups, head_tiles,
-                                                                      carry)
-      dk = dk * scale
+      width = {"dk": h, "dv": hv}
+      carry = tuple(plgpu.layout_cast(jnp.zeros((block_kv, width[name]), jnp.float32),
+                                      plgpu.Layout.WGMMA) for name in gradients)
+      carry = head_tiles(0, carry) if groups == 1 else lax.fori_loop(0, groups, head_tiles,
+                                                                     carry)
+      # K's and V's slots are free once the last products have been read.
+      grads = dict(zip(gradients, carry))
+      if "dk" in grads:
+        grads["dk"] = grads["dk"] * scale
       if kv_len_ref is not None:  # keys past the length have no gradient
         keys = jnp.clip(kv_len_ref[batch], 0, band.rows)
-        dk, dv = (jnp.where(_iota(a.shape, 0) + first < keys, a, 0.0) for a in (dk, dv))
-      # K's and V's slots are free once the last products have been read.
-      k_smem.at[wg][...] = dk.astype(dtype)
-      v_smem.at[wg][...] = dv.astype(dtype)
+        grads = {name: jnp.where(_iota(grad.shape, 0) + first < keys, grad, 0.0)
+                 for name, grad in grads.items()}
+      slots = {"dk": k_smem.at[wg], "dv": v_smem.at[wg]}
+      for name, grad in grads.items():
+        slots[name][...] = grad.astype(dtype)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(k_smem.at[wg], dk_ref.at[rows])  # rows past S are dropped
-      plgpu.copy_smem_to_gmem(v_smem.at[wg], dv_ref.at[rows])
+      for name in gradients:  # rows past S are dropped
+        plgpu.copy_smem_to_gmem(slots[name], out_refs[name].at[rows])
       plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == _CONSUMERS)
@@ -921,11 +944,12 @@ def _dkdv(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, t: int, band: _Band
         load(u, slot)
 
   copies = 3 + has_segments
+  tiled = _swizzled(min(block_q, block_kv))  # a product's operands share their swizzle
   scratch = [
-      plgpu.SMEM((_CONSUMERS, block_kv, h), dtype, **_swizzled()),
-      plgpu.SMEM((_CONSUMERS, block_kv, hv), dtype, **_swizzled()),
-      plgpu.SMEM((stages, block_q, h), dtype, **_swizzled()),
-      plgpu.SMEM((stages, block_q, hv), dtype, **_swizzled()),
+      plgpu.SMEM((_CONSUMERS, block_kv, h), dtype, **tiled),
+      plgpu.SMEM((_CONSUMERS, block_kv, hv), dtype, **tiled),
+      plgpu.SMEM((stages, block_q, h), dtype, **tiled),
+      plgpu.SMEM((stages, block_q, hv), dtype, **tiled),
       plgpu.SMEM((stages, 2, block_q), jnp.float32),
       plgpu.SMEM((_CONSUMERS, block_kv), jnp.int32) if has_segments else None,
       plgpu.SMEM((stages, block_q), jnp.int32) if has_segments else None,
@@ -933,7 +957,8 @@ def _dkdv(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, t: int, band: _Band
       plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
       plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
   ]
-  out_types = (jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype))
+  shapes = {"dk": k.shape, "dv": v.shape}
+  out_types = tuple(jax.ShapeDtypeStruct(shapes[name], dtype) for name in gradients)
   return _launch(body, scratch, out_types, (b, kv_heads, ctas), q, k, v, do, stats, *optional,
                  grid_names=("b", "k", "s"))
 
