@@ -723,6 +723,19 @@ def test_mosaic_gradients_need_triton_only_at_head_dim_256(monkeypatch):
   assert api._mosaic_differentiable(lambda: "not Hopper", small, small) == "not Hopper"
 
 
+def test_mosaic_names_a_precision_it_cannot_keep():
+  """Its gradients at head dim 256 come from the Triton backward, which maps a precision to
+  TF32 or not: an algorithm preset is refused, so None moves on to 'xla'."""
+  from jaxfuse.ops.attention import api
+  from jaxfuse.ops.attention.reference import MaskSpec
+  arrays = [jax.ShapeDtypeStruct((1, 64, 2, 256), jnp.bfloat16)] * 3
+  call = lambda precision: api._Call(MaskSpec(False, 0, None, None), 0.1, precision, False,
+                                     False, False, False, False, False, jnp.bfloat16)
+  assert api._mosaic_unsupported(call(jax.lax.Precision.HIGHEST), arrays) is None
+  reason = api._mosaic_unsupported(call(jax.lax.DotAlgorithmPreset.BF16_BF16_F32), arrays)
+  assert "precision" in reason
+
+
 def test_mosaic_takes_every_mask():
   from jaxfuse.ops.attention import mosaic
   from jaxfuse.ops.attention.reference import MaskSpec

@@ -277,6 +277,8 @@ def _tf32(precision):
 def _mosaic_unsupported(call, arrays):
   if call.has_bias or call.has_mask:
     return "bias and mask arrays are not supported; use 'xla' or 'cudnn'"
+  if call.precision is not None and _tf32(call.precision) is _UNSUPPORTED:
+    return f"precision {call.precision!r} is not supported (DEFAULT, HIGH, HIGHEST)"
   q, k, v = arrays[:3]
   return mosaic.unsupported(q.shape, k.shape, v.shape, call.dtype, spec=call.spec,
                             has_segments=call.has_segments, has_q_len=call.has_q_len,

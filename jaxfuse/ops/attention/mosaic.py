@@ -600,7 +600,7 @@ def backward(q, k, v, do, lse, delta, extras, *, spec, scale, allow_tf32=None,
 
 
 def _pad_rows(a, n):
-  """``a`` with axis 1 padded (zeros) or cut to ``n`` rows."""
+  """``a`` with axis 1 padded with zeros to ``n`` rows (where it has fewer)."""
   if a.shape[1] >= n:
     return a
   return jnp.pad(a, ((0, 0), (0, n - a.shape[1])) + ((0, 0),) * (a.ndim - 2))
