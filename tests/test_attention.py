@@ -5,6 +5,8 @@ the masks built in NumPy. The 'triton' kernels run in the Pallas interpreter on 
 fills outputs with NaN first, so unwritten elements fail).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -647,8 +649,9 @@ def test_mosaic_lowers_for_hopper(shape, spec, segments, lengths, dtype):
 def _check_band_walk(band, ok, limit, spans, case):
   """Rows by columns ``ok`` (True: a pair the kernel must compute): every allowed pair lies in
   a tile its block of rows computes, the tiles it computes unmasked allow every pair, and
-  each block's tiles lie within those its CTA loads (a block outside them would wait for a
-  tile never loaded)."""
+  each block's walk passes every tile its CTA loads once, in the producer's order (a tile
+  missed or passed twice would leave a barrier's phase unwaited, a hang)."""
+  from jaxfuse.ops.attention import mosaic
   rows_per_cta = 2 * band.block_rows
   for cta in range(-(-band.rows // rows_per_cta)):
     span_of = None if spans is None else (lambda i: tuple(int(x) for x in spans[2 * cta + i]))
@@ -659,17 +662,27 @@ def _check_band_walk(band, ok, limit, spans, case):
           first, limit, None if spans is None else span_of(i), (cta_lo, cta_hi)))
       where = (case, cta, i)
       assert cta_lo <= lo <= full_lo <= full_hi <= hi <= cta_hi <= band.col_tiles, where
+      # (tile, 0 passed / 1 masked / 2 unmasked) in the order the walk visits them.
+      record = lambda code: lambda j, seen, masked=True: seen + [(j, code + (not masked))]
+      walked = mosaic._walk((lo, full_lo, full_hi, hi), (cta_lo, cta_hi), record(1), record(0),
+                            [])
+      expected = [(j, 2 if full_lo <= j < full_hi else int(lo <= j < hi))
+                  for j in range(cta_lo, cta_hi)]
+      assert walked == expected, where
       rows = ok[first:first + band.block_rows]
       seen = np.nonzero(rows.any(0))[0] // band.block_cols
       assert np.all((seen >= lo) & (seen < hi)), where
       assert rows[:, full_lo * band.block_cols:full_hi * band.block_cols].all(), where
 
 
-def test_mosaic_bands_cover_every_allowed_pair(rng):
+def test_mosaic_bands_cover_every_allowed_pair(rng, monkeypatch):
   """The Hopper kernels' tile walks, on small tiles against the reference's mask over random
   masks: queries by key tiles (forward and dQ) and keys by query tiles (dK/dV, where query
   lengths bound the walk and key lengths only zero rows at the end)."""
   from jaxfuse.ops.attention import mosaic
+  # The kernels' loops (lax.fori_loop) as Python loops, which may carry a record of the walk.
+  monkeypatch.setattr(mosaic, "_loop", lambda lower, upper, fn, carry: functools.reduce(
+      lambda carry, j: fn(j, carry), range(lower, upper), carry))
   from jaxfuse.ops.attention.reference import MaskSpec, allowed
   block_q, block_kv = 4, 8
   for _ in range(300):
