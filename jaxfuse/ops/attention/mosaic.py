@@ -477,15 +477,7 @@ def _forward(q, k, v, q_seg, kv_seg, spans, q_len, kv_len, t: int, s: int, spec,
                                   kv_seg_smem.at[slot], seg_loaded.at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_loaded.at[slot])
 
-      for i in range(min(stages, kv_tiles)):  # a static start past S fails to trace
-        _when(cta_lo + i < cta_hi, functools.partial(load, cta_lo + i, i))
-
-      @pl.loop(cta_lo + stages, _maximum(cta_hi, cta_lo + stages))
-      def _(j):
-        slot = slot_of(j)
-        plgpu.barrier_wait(k_consumed.at[slot])
-        plgpu.barrier_wait(v_consumed.at[slot])
-        load(j, slot)
+      _produce(load, cta_lo, cta_hi, stages, min(stages, kv_tiles), (k_consumed, v_consumed))
 
   tiled = _swizzled()
   scratch = [
@@ -643,6 +635,25 @@ def _tile_gradients(s_operands, dp_operands, stats, stats_axis: int, keep, scale
   return p, ds if cap_grad is None else ds * cap_grad
 
 
+def _produce(load, lo, hi, stages: int, first_loads: int, consumed):
+  """The producer's ring over tiles ``[lo, hi)``: ``load(j, slot)`` of the first
+  ``first_loads`` (at most ``stages``) at once, then of each later tile into the slot of the
+  tile ``stages`` before it, once the ``consumed`` barriers say that one is done with. The
+  first starts are Python ints where ``lo`` is: a static start past the rows fails to trace,
+  so ``first_loads`` stops at the tiles there are."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  for i in range(first_loads):
+    _when(lo + i < hi, functools.partial(load, lo + i, i))
+
+  @pl.loop(lo + stages, _maximum(hi, lo + stages))
+  def _(j):
+    slot = lax.rem(j - lo, stages)
+    for barrier in consumed:
+      plgpu.barrier_wait(barrier.at[slot])
+    load(j, slot)
+
+
 def _walk(ranges, cta, step, skip, carry):
   """A consumer's tiles of the CTA's ``[cta_lo, cta_hi)``: masked tiles, unmasked tiles,
   masked tiles of its own band ``(lo, full_lo, full_hi, hi)``, the partner's tiles around
@@ -765,14 +776,7 @@ def _dq(q, k, v, do, stats, q_seg, kv_seg, spans, kv_len, s: int, band: _Band, s
           plgpu.copy_gmem_to_smem(kv_seg_ref.at[batch, pl.ds(j * block_kv, block_kv)],
                                   kv_seg_smem.at[slot], loaded.at[slot])
 
-      for i in range(min(stages, kv_tiles)):
-        _when(cta_lo + i < cta_hi, functools.partial(load, cta_lo + i, i))
-
-      @pl.loop(cta_lo + stages, _maximum(cta_hi, cta_lo + stages))
-      def _(j):
-        slot = slot_of(j)
-        plgpu.barrier_wait(consumed.at[slot])
-        load(j, slot)
+      _produce(load, cta_lo, cta_hi, stages, min(stages, kv_tiles), (consumed,))
 
   copies = 2 + has_segments
   tiled = _swizzled(min(block_q, block_kv))  # a product's operands share their swizzle
@@ -934,14 +938,7 @@ def _dkdv(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, t: int, band: _Band
           plgpu.copy_gmem_to_smem(q_seg_ref.at[batch, pl.ds(i * block_q, block_q)],
                                   q_seg_smem.at[slot], loaded.at[slot])
 
-      for u in range(stages):
-        _when(u < total, functools.partial(load, u, u))
-
-      @pl.loop(stages, _maximum(total, stages))
-      def _(u):
-        slot = slot_of(u)
-        plgpu.barrier_wait(consumed.at[slot])
-        load(u, slot)
+      _produce(load, 0, groups * cta_tiles, stages, stages, (consumed,))
 
   copies = 3 + has_segments
   tiled = _swizzled(min(block_q, block_kv))  # a product's operands share their swizzle
