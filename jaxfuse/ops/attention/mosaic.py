@@ -567,8 +567,8 @@ def backward(q, k, v, do, lse, delta, extras, *, spec, scale, allow_tf32=None,
   # start keeps its whole tile in bounds: the streamed operand is padded to whole tiles
   # where its first tiles may reach the last.
   def padded(a, n, tiles, block):
-    whole = tiles <= max(2, cfg.stages)
-    return _pad_rows(a, tiles * block if whole else -(-n // 8) * 8)
+    few = tiles <= max(2, cfg.stages)
+    return _pad_rows(a, tiles * block if few else -(-n // 8) * 8)
   dq_spans = dkdv_spans = None
   if q_seg is not None:
     dq_spans = _segment_spans(q_seg, kv_seg, q_rows, kv_rows, cfg.dq_block_q, cfg.dq_block_kv)
