@@ -286,12 +286,18 @@ def _mosaic_unsupported(call, arrays):
 
 
 def _mosaic_differentiable(check, q_shape, v_shape):
-  if (reason := check()) is not None:
-    return reason
-  try:
-    _backward_kernels("mosaic", q_shape, v_shape)
-  except NotImplementedError as e:
-    return str(e)
+  return check() or _mosaic_gradient_unavailable(q_shape, v_shape)
+
+
+def _mosaic_gradient_unavailable(q_shape, v_shape):
+  """Why no backward can differentiate the Mosaic forward here, or None: its own, or (head dim
+  256, where the Mosaic backward's accumulators outgrow the registers) the Triton backward,
+  which takes the same residuals (the output and the natural-log lse)."""
+  if (reason := mosaic.backward_unsupported(q_shape, v_shape)) is None:
+    return None
+  if (why := _BACKENDS["triton"]()) is not None:
+    return (f"{OP}(implementation='mosaic') has no gradient here: {reason}, and the 'triton' "
+            f"backward that takes them cannot run: {why}")
   return None
 
 
@@ -362,14 +368,11 @@ def _kernels(impl, call):
 
 
 def _backward_kernels(impl, q_shape, v_shape):
-  """The kernels that differentiate ``impl``'s forward: its own, or (head dim 256, where the
-  Mosaic backward's accumulators outgrow the registers) the Triton backward, which takes
-  the same residuals (the output and the natural-log lse)."""
-  if impl != "mosaic" or (reason := mosaic.backward_unsupported(q_shape, v_shape)) is None:
+  """The kernels that differentiate ``impl``'s forward (see _mosaic_gradient_unavailable)."""
+  if impl != "mosaic" or mosaic.backward_unsupported(q_shape, v_shape) is None:
     return _FLASH[impl]
-  if (why := _BACKENDS["triton"]()) is not None:
-    raise NotImplementedError(f"{OP}(implementation='mosaic') has no gradient here: {reason}, "
-                              f"and the 'triton' backward that takes them cannot run: {why}")
+  if (reason := _mosaic_gradient_unavailable(q_shape, v_shape)) is not None:
+    raise NotImplementedError(reason)
   return triton
 
 
