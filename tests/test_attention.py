@@ -453,8 +453,7 @@ def test_gpu_mosaic_forward(rng, shape, causal, offset):
                          ids=str)
 def test_gpu_mosaic_backward(rng, shape, causal, offset):
   """The Hopper backward's dQ, dK, dV (GQA summed over the group) on whole and partial tiles
-  and value head dims unlike the query's, deterministic; head dim 256 takes the Triton
-  backward."""
+  and value head dims unlike the query's, deterministic."""
   _mosaic_or_skip()
   b, t, s, n, kh, h, hv = shape
   offset = s - t if offset is None else offset
@@ -467,22 +466,17 @@ def test_gpu_mosaic_backward(rng, shape, causal, offset):
     assert np.array_equal(np.asarray(first), np.asarray(again))  # same bits
 
 
-# Head dim 256's candidate: shared memory takes 32-row streamed tiles, registers one float32
-# gradient per key block (benchmarks/tune.py attention_mosaic_bwd times it).
-SPLIT_BACKWARD = dict(dkdv_block_kv=64, dkdv_block_q=32, dq_block_q=64, dq_block_kv=32,
-                      split_dk_dv=True)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("kw,ref_kw", [
     (dict(is_causal=True, causal_offset=70), dict(causal=True, offset=70)),
     (dict(local_window_size=(90, 20), key_value_seq_lengths=[250, 517]),
      dict(window=(90, 20), kv_len=[250, 517])), ({}, {})], ids=str)
 @pytest.mark.parametrize("shape", [(2, 300, 517, 4, 2, 256, 256), (2, 200, 517, 2, 2, 128, 256),
-                                   (2, 129, 517, 2, 1, 256, 64)], ids=str)
+                                   (2, 129, 517, 2, 1, 256, 64), (2, 200, 517, 2, 2, 128, 64)],
+                         ids=str)
 def test_gpu_mosaic_backward_split_gradients(rng, shape, kw, ref_kw):
-  """dK and dV by separate kernels on 32-row tiles (the configuration head dim 256 needs),
-  called directly, against the float64 gradients."""
+  """dK and dV by separate kernels on 32-row streamed tiles (head dim 256's configuration),
+  also at head dims that need not split, against the float64 gradients."""
   _mosaic_or_skip()
   from jaxfuse.ops.attention import mosaic
   from jaxfuse.ops.attention.api import _band
@@ -497,7 +491,7 @@ def test_gpu_mosaic_backward_split_gradients(rng, shape, kw, ref_kw):
   out, lse = mosaic.forward(q, k, v, extras, spec=spec, scale=scale)
   delta = jnp.einsum("btnh,btnh->bnt", do.astype(jnp.float32), out.astype(jnp.float32))
   grads = mosaic.backward(q, k, v, do, lse, delta, extras, spec=spec, scale=scale,
-                          config=mosaic.BackwardConfig(**SPLIT_BACKWARD))
+                          config=mosaic.BACKWARD_CONFIGS[256])
   _, _, r_grads = dense_reference(q, k, v, do=do, **ref_kw)
   floors = gradient_floors(q, k, v, do, **ref_kw)
   for name, g, r, floor in zip(("dq", "dk", "dv"), grads, r_grads, (*floors, 0.0)):
@@ -631,14 +625,11 @@ def test_mosaic_lowers_for_hopper(shape, spec, segments, lengths, dtype):
   exported = export.export(jax.jit(forward), platforms=["cuda"])(*arrays, *present)
   assert exported.out_avals[0].shape == (2, t, 4, hv)
   assert exported.out_avals[1].shape == (2, 4, t)
-  config = (mosaic.BackwardConfig(**SPLIT_BACKWARD)
-            if mosaic.backward_unsupported(arrays[0].shape, arrays[2].shape) else None)
-
   def backward(q, k, v, do, lse, delta, *present):
     present = list(present)
     return mosaic.backward(q, k, v, do, lse, delta, tuple(
         present.pop(0) if e is not None else None for e in extras), spec=MaskSpec(*spec),
-        scale=0.1, config=config)
+        scale=0.1)
 
   stat = jax.ShapeDtypeStruct((2, 4, t), jnp.float32)
   exported = export.export(jax.jit(backward), platforms=["cuda"])(
@@ -718,27 +709,9 @@ def test_mosaic_bands_cover_every_allowed_pair(rng, monkeypatch):
                            block_q), case)
 
 
-def test_mosaic_gradients_need_triton_only_at_head_dim_256(monkeypatch):
-  """The Mosaic backward takes head dims 64 and 128; at 256 the Triton backward does, and
-  without Triton the gradient is refused with both reasons, and None passes 'mosaic' over."""
-  from jaxfuse.ops.attention import api, mosaic, triton
-  small, large = (2, 100, 4, 128), (2, 100, 4, 256)
-  assert api._backward_kernels("mosaic", small, (2, 90, 2, 64)) is mosaic
-  assert api._backward_kernels("triton", small, small) is triton
-  monkeypatch.setitem(api._BACKENDS, "triton", lambda: None)
-  assert api._backward_kernels("mosaic", small, large) is triton
-  assert api._mosaic_differentiable(lambda: None, large, large) is None
-  monkeypatch.setitem(api._BACKENDS, "triton", lambda: "no Triton here")
-  with pytest.raises(NotImplementedError, match="256.*no Triton here"):
-    api._backward_kernels("mosaic", large, small)
-  assert "no Triton here" in api._mosaic_differentiable(lambda: None, small, large)
-  assert api._mosaic_differentiable(lambda: None, small, small) is None
-  assert api._mosaic_differentiable(lambda: "not Hopper", small, small) == "not Hopper"
-
-
 def test_mosaic_names_a_precision_it_cannot_keep():
-  """Its gradients at head dim 256 come from the Triton backward, which maps a precision to
-  TF32 or not: an algorithm preset is refused, so None moves on to 'xla'."""
+  """Precision names TF32 or not, as for 'triton'; an algorithm preset is XLA's alone: refused,
+  so None moves on to 'xla'."""
   from jaxfuse.ops.attention import api
   from jaxfuse.ops.attention.reference import MaskSpec
   arrays = [jax.ShapeDtypeStruct((1, 64, 2, 256), jnp.bfloat16)] * 3

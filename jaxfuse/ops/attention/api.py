@@ -59,10 +59,9 @@ def attention(query, key, value, bias=None, mask=None, *, scale: float | None = 
     implementation: ``'xla'`` (exact reference; chunked over queries when the scores would be
       large, so memory stays linear in S), ``'cudnn'``, ``'triton'`` (our FlashAttention),
       ``'mosaic'`` (Hopper wgmma and TMA through Pallas Mosaic GPU: every mask and length
-      above, GQA, float16/bfloat16, query and value head dims of 64, 128 or 256; at 256 its
-      gradients come from the ``'triton'`` backward, so they need Pallas's Triton backend)
-      or ``None`` for the fastest that supports the arguments here: cuDNN where it accepts
-      the call, then 'mosaic' on Hopper, then 'triton'.
+      above, GQA, float16/bfloat16, query and value head dims of 64, 128 or 256, forward
+      and backward) or ``None`` for the fastest that supports the arguments here: cuDNN
+      where it accepts the call, then 'mosaic' on Hopper, then 'triton'.
 
   Returns:
     ``(B, T, N, Hv)`` like ``query`` (and the lse if asked). A query row with no allowed key
@@ -285,22 +284,6 @@ def _mosaic_unsupported(call, arrays):
                             has_kv_len=call.has_kv_len)
 
 
-def _mosaic_differentiable(check, q_shape, v_shape):
-  return check() or _mosaic_gradient_unavailable(q_shape, v_shape)
-
-
-def _mosaic_gradient_unavailable(q_shape, v_shape):
-  """Why no backward can differentiate the Mosaic forward here, or None: its own, or (head dim
-  256, where the Mosaic backward's accumulators outgrow the registers) the Triton backward,
-  which takes the same residuals (the output and the natural-log lse)."""
-  if (reason := mosaic.backward_unsupported(q_shape, v_shape)) is None:
-    return None
-  if (why := _BACKENDS["triton"]()) is not None:
-    return (f"{OP}(implementation='mosaic') has no gradient here: {reason}, and the 'triton' "
-            f"backward that takes them cannot run: {why}")
-  return None
-
-
 def _resolve(implementation, call, arrays):
   checks = {"triton": _triton_unsupported,
             "cudnn": functools.partial(_cudnn_unsupported, arrays=arrays),
@@ -313,15 +296,12 @@ def _resolve(implementation, call, arrays):
     return check
 
   backends = {name: available(name) for name in _BACKENDS}
-  if implementation is None:  # None takes 'mosaic' only where its gradients can run too
-    backends["mosaic"] = functools.partial(_mosaic_differentiable, backends["mosaic"],
-                                           arrays[0].shape, arrays[2].shape)
   # cuDNN is the fastest where it applies, then the Mosaic kernels, then the Triton kernels
   # (benchmarks/results/2026-11-25-h100-attention-mosaic-backward.json).
   preference = (("xla",) if registry.platform() == "cpu" else
                 ("cudnn", "mosaic", "triton", "xla"))
   impl = registry.resolve(OP, implementation, backends, preference)
-  if impl in _FLASH:
+  if impl == "triton":
     registry.using_triton(named=implementation == "triton")
   return impl
 
@@ -367,15 +347,6 @@ def _kernels(impl, call):
                for direction in ("forward", "backward"))
 
 
-def _backward_kernels(impl, q_shape, v_shape):
-  """The kernels that differentiate ``impl``'s forward (see _mosaic_gradient_unavailable)."""
-  if impl != "mosaic" or mosaic.backward_unsupported(q_shape, v_shape) is None:
-    return _FLASH[impl]
-  if (reason := _mosaic_gradient_unavailable(q_shape, v_shape)) is not None:
-    raise NotImplementedError(reason)
-  return triton
-
-
 def _sharded(impl, call, direction, q, k, v, extras, *grads):
   """The kernels under any sharding of batch and heads (T, S and head dims stay whole)."""
   present = [e for e in extras if e is not None]
@@ -415,12 +386,11 @@ def _sharded(impl, call, direction, q, k, v, extras, *grads):
     return unsplit(out), lse.reshape(b, n, t)
 
   do, lse, delta = grads
-  kernels = _backward_kernels(impl, q.shape, v.shape)
 
   def local(q, k, v, do, lse, delta, *rest):
     merge = lambda a: a.reshape(a.shape[0], -1, a.shape[-1])
-    dq, dk, dv = kernels.backward(unsplit(q), k, v, unsplit(do), merge(lse), merge(delta),
-                                  rebuild(rest), **kw)
+    dq, dk, dv = _FLASH[impl].backward(unsplit(q), k, v, unsplit(do), merge(lse),
+                                       merge(delta), rebuild(rest), **kw)
     return split(dq, k.shape[2]), dk, dv
 
   dq, dk, dv = parallel_call(

@@ -29,8 +29,7 @@ kernel holds query blocks and streams key tiles. Both recompute the probabilitie
 saved log-sum-exp; a row with none saved (no allowed key, padding, past the query length) has
 lse = +inf and so no probability, which no mask has to see. At head dim 256 a key block's two
 float32 gradients outgrow a warpgroup's registers: ``BackwardConfig.split_dk_dv`` computes
-them by two kernels, and until that is timed ``api`` differentiates those calls with the
-Triton backward, which takes the same residuals.
+them by two kernels.
 """
 
 from __future__ import annotations
@@ -522,20 +521,14 @@ class BackwardConfig:
       raise ValueError(f"BackwardConfig.stages must be at least 2, got {self.stages}")
 
 
-# Per head dim (the larger of the query's and the value's). At 128 neither a third stage nor
-# longer tiles gained (benchmarks/results/2026-11-25-h100-tune-attention-mosaic-bwd.json); at
-# 64 the dQ kernel streams the forward's key tiles. Head dim 256 waits on timing its
-# candidate, split dK and dV on 32-row streamed tiles (benchmarks/tune.py).
-BACKWARD_CONFIGS = {64: BackwardConfig(64, 64, 64, 128, 2), 128: BackwardConfig(64, 64, 64, 64, 2)}
-
-
-def backward_unsupported(q_shape, v_shape) -> str | None:
-  """Why the Mosaic backward cannot take head dims that the forward takes, or None."""
-  h, hv = q_shape[3], v_shape[3]
-  if max(h, hv) not in BACKWARD_CONFIGS:
-    return (f"the 'mosaic' backward takes query and value head dims in "
-            f"{tuple(BACKWARD_CONFIGS)}, not {h} and {hv}")
-  return None
+# Per head dim (the larger of the query's and the value's), for the head dims CONFIGS takes.
+# At 128 neither a third stage nor longer tiles gained
+# (benchmarks/results/2026-11-25-h100-tune-attention-mosaic-bwd.json); at 64 the dQ kernel
+# streams the forward's key tiles; at 256 shared memory takes only 32-row streamed tiles and
+# the registers one float32 gradient per key block
+# (benchmarks/results/2026-11-25-h100-tune-attention-mosaic-bwd-hd256*.json).
+BACKWARD_CONFIGS = {64: BackwardConfig(64, 64, 64, 128, 2), 128: BackwardConfig(64, 64, 64, 64, 2),
+                    256: BackwardConfig(64, 32, 64, 32, 2, split_dk_dv=True)}
 
 
 def backward(q, k, v, do, lse, delta, extras, *, spec, scale, allow_tf32=None,
