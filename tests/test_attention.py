@@ -5,6 +5,7 @@ the masks built in NumPy. The 'triton' kernels run in the Pallas interpreter on 
 fills outputs with NaN first, so unwritten elements fail).
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -637,7 +638,7 @@ def test_mosaic_lowers_for_hopper(shape, spec, segments, lengths, dtype):
   assert [a.shape for a in exported.out_avals] == [a.shape for a in arrays]
 
 
-def _check_band_walk(band, ok, limit, spans, case):
+def _check_band_walk(band, ok, limit, spans, case, row_limit=None):
   """Rows by columns ``ok`` (True: a pair the kernel must compute): every allowed pair lies in
   a tile its block of rows computes, the tiles it computes unmasked allow every pair, and
   each block's walk passes every tile its CTA loads once, in the producer's order (a tile
@@ -646,11 +647,11 @@ def _check_band_walk(band, ok, limit, spans, case):
   rows_per_cta = 2 * band.block_rows
   for cta in range(-(-band.rows // rows_per_cta)):
     span_of = None if spans is None else (lambda i: tuple(int(x) for x in spans[2 * cta + i]))
-    cta_lo, cta_hi = (int(x) for x in band.cta(cta * rows_per_cta, limit, span_of))
+    cta_lo, cta_hi = (int(x) for x in band.cta(cta * rows_per_cta, limit, span_of, row_limit))
     for i in range(2):
       first = cta * rows_per_cta + i * band.block_rows
       lo, full_lo, full_hi, hi = (int(x) for x in band.block(
-          first, limit, None if spans is None else span_of(i), (cta_lo, cta_hi)))
+          first, limit, None if spans is None else span_of(i), (cta_lo, cta_hi), row_limit))
       where = (case, cta, i)
       assert cta_lo <= lo <= full_lo <= full_hi <= hi <= cta_hi <= band.col_tiles, where
       # (tile, 0 passed / 1 masked / 2 unmasked) in the order the walk visits them.
@@ -663,13 +664,18 @@ def _check_band_walk(band, ok, limit, spans, case):
       rows = ok[first:first + band.block_rows]
       seen = np.nonzero(rows.any(0))[0] // band.block_cols
       assert np.all((seen >= lo) & (seen < hi)), where
-      assert rows[:, full_lo * band.block_cols:full_hi * band.block_cols].all(), where
+      # Rows past row_limit need no column (unmasked or not, they are zeroed or have no
+      # probability).
+      limit_rows = band.rows if row_limit is None else row_limit
+      kept = rows[:max(0, min(band.block_rows, limit_rows - first))]
+      assert kept[:, full_lo * band.block_cols:full_hi * band.block_cols].all(), where
+      assert len(kept) or lo == hi, where  # a block past its rows' length walks nothing
 
 
 def test_mosaic_bands_cover_every_allowed_pair(rng, monkeypatch):
   """The Hopper kernels' tile walks, on small tiles against the reference's mask over random
-  masks: queries by key tiles (forward and dQ) and keys by query tiles (dK/dV, where query
-  lengths bound the walk and key lengths only zero rows at the end)."""
+  masks: queries by key tiles (forward and dQ) and keys by query tiles (dK/dV), each stopping
+  at its rows' length."""
   from jaxfuse.ops.attention import mosaic
   # The kernels' loops (lax.fori_loop) as Python loops, which may carry a record of the walk.
   monkeypatch.setattr(mosaic, "_loop", lambda lower, upper, fn, carry: functools.reduce(
@@ -693,20 +699,20 @@ def test_mosaic_bands_cover_every_allowed_pair(rng, monkeypatch):
         None if q_len is None else np.array([q_len]),
         None if kv_len is None else np.array([kv_len]))
     ok = mask(q_len, kv_len)
-    ok = np.ones((t, s), bool) if ok is None else np.asarray(ok)[0]
+    ok = np.ones((t, s), bool) if ok is None else np.broadcast_to(np.asarray(ok)[0], (t, s))
     case = (t, s, spec, kv_len, q_len, segments)
     spans = lambda *a: np.asarray(mosaic._segment_spans(*a))[0] if segments else None
     queries = mosaic._Band.of_queries(t, spec, block_q, block_kv, kv_tiles,
                                       mask_every_tile=segments or q_len is not None)
-    _check_band_walk(queries, ok, s if kv_len is None else kv_len,
-                     spans(q_ids[None], kv_ids[None], q_rows, kv_tiles * block_kv, block_q,
-                           block_kv), case)
+    q_spans = spans(q_ids[None], kv_ids[None], q_rows, kv_tiles * block_kv, block_q, block_kv)
+    _check_band_walk(queries, ok, s if kv_len is None else kv_len, q_spans, case, q_len)
+    # dQ: rows past the query length have no probability, so only segments mask every tile.
+    dq_queries = dataclasses.replace(queries, mask_every_tile=segments)
+    _check_band_walk(dq_queries, ok, s if kv_len is None else kv_len, q_spans, case, q_len)
     keys = mosaic._Band.of_keys(s, spec, block_kv, block_q, q_tiles, mask_every_tile=segments)
-    ok = mask(q_len, None)
-    ok = np.ones((t, s), bool) if ok is None else np.asarray(ok)[0]
     _check_band_walk(keys, ok.T, t if q_len is None else q_len,
                      spans(kv_ids[None], q_ids[None], kv_rows, q_tiles * block_q, block_kv,
-                           block_q), case)
+                           block_q), case, kv_len)
 
 
 def test_mosaic_names_a_precision_it_cannot_keep():

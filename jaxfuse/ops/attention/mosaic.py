@@ -245,13 +245,17 @@ class _Band:
     """Whether the last CTA's second block lies wholly past the rows."""
     return 0 < self.rows % (_CONSUMERS * self.block_rows) <= self.block_rows
 
-  def tiles(self, first, last, limit, span=None):
+  def tiles(self, first, last, limit, span=None, row_limit=None):
     """Rows ``first..last`` (clipped to the rows that exist): ``(lo, full_lo, full_hi, hi)``,
     ``[lo, hi)`` every tile with a column some row may keep, ``[full_lo, full_hi)`` those
     whose columns every row keeps (no mask). ``limit``: the columns that exist (S, or this
-    batch's length); ``span``: the tiles the rows' segment ids reach."""
+    batch's length); ``span``: the tiles the rows' segment ids reach; ``row_limit``: this
+    batch's length of the rows, past which no row needs a tile (the kernel zeroes them or
+    gives them no probability)."""
     block = self.block_cols
     last = _minimum(last, self.rows - 1)
+    if row_limit is not None:
+      last = _minimum(last, row_limit - 1)
     end, begin = limit, 0  # columns kept by some row: [begin, end)
     full_end, full_begin = limit, 0  # columns kept by every row
     if self.high is not None:
@@ -265,23 +269,24 @@ class _Band:
     if span is not None:
       lo, hi = _maximum(lo, span[0]), _minimum(hi, span[1])
     hi = _maximum(lo, hi)
-    if isinstance(first, int) or self.has_padding_block:
-      hi = _select(first <= last, hi, lo)  # a block of padding rows walks nothing
+    if isinstance(first, int) or self.has_padding_block or row_limit is not None:
+      hi = _select(first <= last, hi, lo)  # a block of rows past the rows walks nothing
     if self.mask_every_tile:
       return lo, hi, hi, hi
     full_lo = _minimum(hi, _maximum(lo, _div(full_begin + block - 1, block)))
     full_hi = _minimum(hi, _maximum(full_lo, _div(_maximum(full_end, 0), block)))
     return lo, full_lo, full_hi, hi
 
-  def cta(self, cta_first, limit, span_of=None):
+  def cta(self, cta_first, limit, span_of=None, row_limit=None):
     """``[cta_lo, cta_hi)``: the tiles the producer loads for a CTA's two blocks of rows, the
     hull of their ranges (``span_of(i)``: block i's segment span, or None)."""
     if span_of is None:  # bands grow with the rows: the CTA's is its rows' band
       cta_lo, _, _, cta_hi = self.tiles(
-          cta_first, cta_first + _CONSUMERS * self.block_rows - 1, limit)
+          cta_first, cta_first + _CONSUMERS * self.block_rows - 1, limit, row_limit=row_limit)
       return cta_lo, cta_hi
     ranges = [self.tiles(cta_first + i * self.block_rows,
-                         cta_first + (i + 1) * self.block_rows - 1, limit, span_of(i))
+                         cta_first + (i + 1) * self.block_rows - 1, limit, span_of(i),
+                         row_limit)
               for i in range(_CONSUMERS)]
     cta_hi, cta_lo = 0, self.col_tiles  # an empty block's range is left out
     for lo, _, _, hi in ranges:
@@ -289,12 +294,13 @@ class _Band:
       cta_lo = _minimum(cta_lo, _select(lo < hi, lo, self.col_tiles))
     return _minimum(cta_lo, cta_hi), cta_hi
 
-  def block(self, first, limit, span, cta):
+  def block(self, first, limit, span, cta, row_limit=None):
     """The block of rows from ``first``: its ``tiles`` within the CTA's ``(cta_lo, cta_hi)``.
     Tiles of the hull outside them are passed as the partner's; a block whose band lies past
     the CTA's (no column for any of its rows) gets none."""
     cta_lo, cta_hi = cta
-    lo, full_lo, full_hi, hi = self.tiles(first, first + self.block_rows - 1, limit, span)
+    lo, full_lo, full_hi, hi = self.tiles(first, first + self.block_rows - 1, limit, span,
+                                          row_limit)
     lo = _minimum(_maximum(lo, cta_lo), cta_hi)
     return (lo,) + tuple(_minimum(_maximum(x, lo), cta_hi) for x in (full_lo, full_hi, hi))
 
@@ -342,12 +348,13 @@ def _forward(q, k, v, q_seg, kv_seg, spans, q_len, kv_len, t: int, s: int, spec,
     batch, head, tile = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("t")
     wg = lax.axis_index("wg")
     keys = s if kv_len_ref is None else jnp.clip(kv_len_ref[batch], 0, s)
+    q_rows = None if q_len_ref is None else jnp.clip(q_len_ref[batch], 0, t)
     cta_first = tile * rows_per_cta
 
     span_of = None if spans_ref is None else (
         lambda i: (spans_ref[batch, tile * _CONSUMERS + i, 0],
                    spans_ref[batch, tile * _CONSUMERS + i, 1]))
-    cta_lo, cta_hi = band.cta(cta_first, keys, span_of)
+    cta_lo, cta_hi = band.cta(cta_first, keys, span_of, q_rows)
     slot_of = lambda j: lax.rem(j - cta_lo, stages)
 
     def take_turn():
@@ -368,14 +375,12 @@ def _forward(q, k, v, q_seg, kv_seg, spans, q_len, kv_len, t: int, s: int, spec,
         q_ids = _load(plgpu, q_seg_smem.at[wg], plgpu.Layout.WGMMA.reduce(1))
       plgpu.barrier_wait(q_loaded.at[wg])
       span = None if span_of is None else span_of(wg)
-      lo, full_lo, full_hi, hi = band.block(first, keys, span, (cta_lo, cta_hi))
-      if q_len_ref is not None:
-        q_rows = jnp.clip(q_len_ref[batch], 0, t)
+      lo, full_lo, full_hi, hi = band.block(first, keys, span, (cta_lo, cta_hi), q_rows)
 
       def mask(z, j, slot):
         rows, cols = _iota(z.shape, 0) + first, _iota(z.shape, 1) + j * block_kv
         ok = band.allowed(rows, cols, keys)
-        if q_len_ref is not None:
+        if q_rows is not None:
           ok = ok & (rows < q_rows)
         if has_segments:
           kv_ids = _load(plgpu, kv_seg_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
@@ -571,7 +576,7 @@ def backward(q, k, v, do, lse, delta, extras, *, spec, scale, allow_tf32=None,
   dq = _dq(_pad_rows(q, -(-t // 8) * 8), padded(k, s, dq_band.col_tiles, cfg.dq_block_kv),
            padded(v, s, dq_band.col_tiles, cfg.dq_block_kv),
            _pad_rows(do, -(-t // 8) * 8), stats, ids(q_seg, q_rows), ids(kv_seg, kv_rows),
-           dq_spans, lengths[1], s, dq_band, float(scale), cap, cfg.stages)
+           dq_spans, lengths, s, dq_band, float(scale), cap, cfg.stages)
   dkdv = functools.partial(
       _dkdv, padded(q, t, dkdv_band.col_tiles, cfg.dkdv_block_q), _pad_rows(k, -(-s // 8) * 8),
       _pad_rows(v, -(-s // 8) * 8), padded(do, t, dkdv_band.col_tiles, cfg.dkdv_block_q),
@@ -660,7 +665,7 @@ def _walk(ranges, cta, step, skip, carry):
   return _loop(hi, cta_hi, skip, carry)
 
 
-def _dq(q, k, v, do, stats, q_seg, kv_seg, spans, kv_len, s: int, band: _Band, scale: float,
+def _dq(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, s: int, band: _Band, scale: float,
         cap, stages: int):
   """dQ: a CTA owns two blocks of query rows of one head (one per consumer warpgroup: its
   Q, dO, lse and delta stay in shared memory and registers); a producer warpgroup streams
@@ -678,24 +683,28 @@ def _dq(q, k, v, do, stats, q_seg, kv_seg, spans, kv_len, s: int, band: _Band, s
   ctas, kv_tiles = -(-band.rows // rows_per_cta), band.col_tiles
   stages = max(2, min(stages, kv_tiles))
   has_segments = q_seg is not None
-  optional = [a for a in (q_seg, kv_seg, spans, kv_len) if a is not None]
+  q_len, kv_len = lengths
+  optional = [a for a in (q_seg, kv_seg, spans, q_len, kv_len) if a is not None]
   row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
 
   def body(q_ref, k_ref, v_ref, do_ref, stats_ref, *refs):
     refs = list(refs)
     q_seg_ref, kv_seg_ref, spans_ref = (refs.pop(0) if has_segments else None
                                         for _ in range(3))
+    q_len_ref = refs.pop(0) if q_len is not None else None
     kv_len_ref = refs.pop(0) if kv_len is not None else None
     (dq_ref, q_smem, do_smem, stats_smem, k_smem, v_smem, q_seg_smem, kv_seg_smem,
      rows_loaded, loaded, consumed) = refs
     batch, head, cta = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("t")
     wg = lax.axis_index("wg")
     keys = s if kv_len_ref is None else jnp.clip(kv_len_ref[batch], 0, s)
+    # Queries past the length have lse = +inf (no probability): the walk only stops there.
+    queries = None if q_len_ref is None else jnp.clip(q_len_ref[batch], 0, band.rows)
     cta_first = cta * rows_per_cta
     span_of = None if spans_ref is None else (
         lambda i: (spans_ref[batch, cta * _CONSUMERS + i, 0],
                    spans_ref[batch, cta * _CONSUMERS + i, 1]))
-    cta_lo, cta_hi = band.cta(cta_first, keys, span_of)
+    cta_lo, cta_hi = band.cta(cta_first, keys, span_of, queries)
     slot_of = lambda j: lax.rem(j - cta_lo, stages)
 
     @pl.when(wg < _CONSUMERS)
@@ -716,7 +725,7 @@ def _dq(q, k, v, do, stats, q_seg, kv_seg, spans, kv_len, s: int, band: _Band, s
       delta = _load(plgpu, stats_smem.at[wg, 1], row_layout)
       q_ids = _load(plgpu, q_seg_smem.at[wg], row_layout) if has_segments else None
       span = None if span_of is None else span_of(wg)
-      ranges = band.block(first, keys, span, (cta_lo, cta_hi))
+      ranges = band.block(first, keys, span, (cta_lo, cta_hi), queries)
       tile = (block_q, block_kv)
 
       def step(j, dq, masked):
@@ -827,11 +836,13 @@ def _dkdv(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, t: int, band: _Band
     wg = lax.axis_index("wg")
     # Queries past the lengths have lse = +inf (no probability): the band only stops there.
     queries = t if q_len_ref is None else jnp.clip(q_len_ref[batch], 0, t)
+    # Keys past their length get no gradient (zeroed at the end): their walk stops there too.
+    keys = None if kv_len_ref is None else jnp.clip(kv_len_ref[batch], 0, band.rows)
     cta_first = cta * rows_per_cta
     span_of = None if spans_ref is None else (
         lambda i: (spans_ref[batch, cta * _CONSUMERS + i, 0],
                    spans_ref[batch, cta * _CONSUMERS + i, 1]))
-    cta_lo, cta_hi = band.cta(cta_first, queries, span_of)
+    cta_lo, cta_hi = band.cta(cta_first, queries, span_of, keys)
     cta_tiles = cta_hi - cta_lo
     # The producer streams tile i of head g as number g * cta_tiles + i - cta_lo.
     slot_of = lambda u: lax.rem(u, stages) if not isinstance(u, int) else u % stages
@@ -850,7 +861,7 @@ def _dkdv(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, t: int, band: _Band
       plgpu.barrier_wait(own)
       kv_ids = _load(plgpu, kv_seg_smem.at[wg], row_layout) if has_segments else None
       span = None if span_of is None else span_of(wg)
-      ranges = band.block(first, queries, span, (cta_lo, cta_hi))
+      ranges = band.block(first, queries, span, (cta_lo, cta_hi), keys)
       tile = (block_kv, block_q)
 
       def head_tiles(g, carry):
@@ -901,8 +912,7 @@ def _dkdv(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, t: int, band: _Band
       grads = dict(zip(gradients, carry))
       if "dk" in grads:
         grads["dk"] = grads["dk"] * scale
-      if kv_len_ref is not None:  # keys past the length have no gradient
-        keys = jnp.clip(kv_len_ref[batch], 0, band.rows)
+      if keys is not None:
         grads = {name: jnp.where(_iota(grad.shape, 0) + first < keys, grad, 0.0)
                  for name, grad in grads.items()}
       slots = {"dk": k_smem.at[wg], "dv": v_smem.at[wg]}
