@@ -1,6 +1,6 @@
 """GPU time per kernel of the GPT example's training step, per variant: where the step goes.
 
-    python benchmarks/profile_gpt.py [--packed] [--top 25] [gpt.py options ...]
+    python benchmarks/profile_gpt.py [--packed] [--top 25] [--variants fused,unfused-cudnn]
 """
 
 import collections
@@ -38,9 +38,11 @@ def kernel_times(fn, calls=3):
 def main(argv):
   packed = "--packed" in argv
   top = int(argv[argv.index("--top") + 1]) if "--top" in argv else 25
+  variants = (argv[argv.index("--variants") + 1].split(",") if "--variants" in argv
+              else ["fused", "unfused-cudnn"])
   cfg = gpt.dataclasses.replace(gpt.PRESETS["gpt2"], vocab=50257)
   mesh = gpt.make_mesh(None)
-  for variant in ("fused", "unfused-cudnn"):
+  for variant in variants:
     trainer = gpt.Trainer(cfg, variant, mesh, 1000)
     step = trainer.compiled(cfg.batch, packed)
     batch = trainer.device_batch(gpt.random_batch(np.random.default_rng(0), cfg, packed))
