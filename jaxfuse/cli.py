@@ -44,6 +44,8 @@ def main(argv=None) -> int:
   b.add_argument("--quick", action="store_true", help="a few sizes only")
   b.add_argument("--impl", help="comma-separated implementations to run (default: all)")
   b.add_argument("--sizes", help="comma-separated problem sizes (the plots' x values) to keep")
+  b.add_argument("--only", action="append", metavar="TEXT",
+                 help="keep the cases whose label contains TEXT (repeatable)")
   c = sub.add_parser("build", help="build the CUDA kernels now (for an image to bake in), "
                                    "into $JAXFUSE_CACHE or ~/.cache/jaxfuse")
   c.add_argument("--arch", help="GPU architecture, e.g. sm_90 (default: this machine's GPU)")
@@ -57,6 +59,8 @@ def main(argv=None) -> int:
   if args.sizes:
     keep = {int(v) for v in args.sizes.split(",")}
     cases = [c for c in cases if c.size in keep]
+  if args.only:
+    cases = [c for c in cases if any(text in c.label for text in args.only)]
   on_gpu = registry.platform() == "gpu"
   env = bench.environment()
   print(f"jaxfuse bench on {env['device']} (jax {env['jax_version']}, {env['date']}); "

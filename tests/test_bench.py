@@ -1,6 +1,8 @@
 """The bench harness's verdicts: a comparator that is not installed is noted and passes, a
 jaxfuse implementation that is wrong or crashes fails the job."""
 
+import dataclasses
+
 import jax.numpy as jnp
 
 from jaxfuse import cli
@@ -55,3 +57,15 @@ def test_exit_code_counts_only_jaxfuse_failures(monkeypatch, capsys):
       [_case(_forward(wrong=("triton",)))], []))
   assert cli.main(["bench"]) == 1
   assert "FAILED: probe 8x16 float32 triton" in capsys.readouterr().err
+
+
+def test_only_keeps_the_cases_whose_label_has_the_text(monkeypatch):
+  ran = []
+  monkeypatch.setattr(cli, "_cases", lambda names, quick: (
+      [dataclasses.replace(_case(_forward()), label=label)
+       for label in ("4x4096 causal", "4x4096 window (256, 256)", "4x4096 full")], []))
+  monkeypatch.setattr(bench, "run", lambda cases, implementations=None, on_case=None:
+                      (ran.extend(c.label for c in cases), ([], {}))[1])
+  monkeypatch.setattr(bench, "table", lambda rows, ceilings: "")
+  assert cli.main(["bench", "--only", "window (256, 256)", "--only", "causal"]) == 0
+  assert ran == ["4x4096 causal", "4x4096 window (256, 256)"]
