@@ -148,6 +148,15 @@ def _segment_spans(row_ids, col_ids, rows: int, cols: int, block_rows: int, bloc
   return jnp.stack([lo, hi], -1).astype(jnp.int32)
 
 
+def _block_spans(spans_ref, batch, cta):
+  """``span_of(i)``: the segment span (``_segment_spans``) of block i of a CTA's rows, or None
+  without segments."""
+  if spans_ref is None:
+    return None
+  return lambda i: (spans_ref[batch, cta * _CONSUMERS + i, 0],
+                    spans_ref[batch, cta * _CONSUMERS + i, 1])
+
+
 def _minimum(a, b):
   return min(a, b) if isinstance(a, int) and isinstance(b, int) else jnp.minimum(a, b)
 
@@ -351,9 +360,7 @@ def _forward(q, k, v, q_seg, kv_seg, spans, q_len, kv_len, t: int, s: int, spec,
     q_rows = None if q_len_ref is None else jnp.clip(q_len_ref[batch], 0, t)
     cta_first = tile * rows_per_cta
 
-    span_of = None if spans_ref is None else (
-        lambda i: (spans_ref[batch, tile * _CONSUMERS + i, 0],
-                   spans_ref[batch, tile * _CONSUMERS + i, 1]))
+    span_of = _block_spans(spans_ref, batch, tile)
     cta_lo, cta_hi = band.cta(cta_first, keys, span_of, q_rows)
     slot_of = lambda j: lax.rem(j - cta_lo, stages)
 
@@ -701,9 +708,7 @@ def _dq(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, s: int, band: _Band, 
     # Queries past the length have lse = +inf (no probability): the walk only stops there.
     queries = None if q_len_ref is None else jnp.clip(q_len_ref[batch], 0, band.rows)
     cta_first = cta * rows_per_cta
-    span_of = None if spans_ref is None else (
-        lambda i: (spans_ref[batch, cta * _CONSUMERS + i, 0],
-                   spans_ref[batch, cta * _CONSUMERS + i, 1]))
+    span_of = _block_spans(spans_ref, batch, cta)
     cta_lo, cta_hi = band.cta(cta_first, keys, span_of, queries)
     slot_of = lambda j: lax.rem(j - cta_lo, stages)
 
@@ -839,9 +844,7 @@ def _dkdv(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, t: int, band: _Band
     # Keys past their length get no gradient (zeroed at the end): their walk stops there too.
     keys = None if kv_len_ref is None else jnp.clip(kv_len_ref[batch], 0, band.rows)
     cta_first = cta * rows_per_cta
-    span_of = None if spans_ref is None else (
-        lambda i: (spans_ref[batch, cta * _CONSUMERS + i, 0],
-                   spans_ref[batch, cta * _CONSUMERS + i, 1]))
+    span_of = _block_spans(spans_ref, batch, cta)
     cta_lo, cta_hi = band.cta(cta_first, queries, span_of, keys)
     cta_tiles = cta_hi - cta_lo
     # The producer streams tile i of head g as number g * cta_tiles + i - cta_lo.
