@@ -339,19 +339,13 @@ def _forward(q, k, v, q_seg, kv_seg, spans, q_len, kv_len, t: int, s: int, spec,
   stages = max(2, min(cfg.stages, kv_tiles))
   cap = spec.soft_cap
   has_segments = q_seg is not None
-  optional = [a for a in (q_seg, kv_seg, spans, q_len, kv_len) if a is not None]
   band = _Band.of_queries(t, spec, block_q, block_kv, kv_tiles,
                           # Every tile is masked when a mask depends on data (segments,
                           # query lengths).
                           mask_every_tile=has_segments or q_len is not None)
 
-  def body(q_ref, k_ref, v_ref, *refs):
-    refs = list(refs)
-    q_seg_ref = refs.pop(0) if has_segments else None
-    kv_seg_ref = refs.pop(0) if has_segments else None
-    spans_ref = refs.pop(0) if has_segments else None
-    q_len_ref = refs.pop(0) if q_len is not None else None
-    kv_len_ref = refs.pop(0) if kv_len is not None else None
+  def body(q_ref, k_ref, v_ref, extras, *refs):
+    q_seg_ref, kv_seg_ref, spans_ref, q_len_ref, kv_len_ref = extras
     (out_ref, lse_ref, q_smem, k_smem, v_smem, o_smem, lse_smem, q_seg_smem, kv_seg_smem,
      k_loaded, v_loaded, seg_loaded, q_loaded, k_consumed, v_consumed, schedule) = refs
     batch, head, tile = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("t")
@@ -510,7 +504,8 @@ def _forward(q, k, v, q_seg, kv_seg, spans, q_len, kv_len, t: int, s: int, spec,
   ]
   out_types = (jax.ShapeDtypeStruct((b, q.shape[1], n, hv), dtype),
                jax.ShapeDtypeStruct((b, n, q_tiles * rows_per_cta), jnp.float32))
-  return _launch(body, scratch, out_types, (b, n, q_tiles), q, k, v, *optional)
+  return _launch(body, scratch, out_types, (b, n, q_tiles), (q, k, v),
+                 (q_seg, kv_seg, spans, q_len, kv_len))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -690,16 +685,10 @@ def _dq(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, s: int, band: _Band, 
   ctas, kv_tiles = -(-band.rows // rows_per_cta), band.col_tiles
   stages = max(2, min(stages, kv_tiles))
   has_segments = q_seg is not None
-  q_len, kv_len = lengths
-  optional = [a for a in (q_seg, kv_seg, spans, q_len, kv_len) if a is not None]
   row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
 
-  def body(q_ref, k_ref, v_ref, do_ref, stats_ref, *refs):
-    refs = list(refs)
-    q_seg_ref, kv_seg_ref, spans_ref = (refs.pop(0) if has_segments else None
-                                        for _ in range(3))
-    q_len_ref = refs.pop(0) if q_len is not None else None
-    kv_len_ref = refs.pop(0) if kv_len is not None else None
+  def body(q_ref, k_ref, v_ref, do_ref, stats_ref, extras, *refs):
+    q_seg_ref, kv_seg_ref, spans_ref, q_len_ref, kv_len_ref = extras
     (dq_ref, q_smem, do_smem, stats_smem, k_smem, v_smem, q_seg_smem, kv_seg_smem,
      rows_loaded, loaded, consumed) = refs
     batch, head, cta = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("t")
@@ -800,7 +789,8 @@ def _dq(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, s: int, band: _Band, 
       plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
   ]
   out_type = jax.ShapeDtypeStruct(q.shape, dtype)
-  return _launch(body, scratch, out_type, (b, n, ctas), q, k, v, do, stats, *optional)
+  return _launch(body, scratch, out_type, (b, n, ctas), (q, k, v, do, stats),
+                 (q_seg, kv_seg, spans, *lengths))
 
 
 def _dkdv(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, t: int, band: _Band,
@@ -824,16 +814,10 @@ def _dkdv(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, t: int, band: _Band
   ctas, q_tiles = -(-band.rows // rows_per_cta), band.col_tiles
   stages = max(2, min(stages, groups * q_tiles))
   has_segments = q_seg is not None
-  q_len, kv_len = lengths
-  optional = [a for a in (q_seg, kv_seg, spans, q_len, kv_len) if a is not None]
   row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
 
-  def body(q_ref, k_ref, v_ref, do_ref, stats_ref, *refs):
-    refs = list(refs)
-    q_seg_ref, kv_seg_ref, spans_ref = (refs.pop(0) if has_segments else None
-                                        for _ in range(3))
-    q_len_ref = refs.pop(0) if q_len is not None else None
-    kv_len_ref = refs.pop(0) if kv_len is not None else None
+  def body(q_ref, k_ref, v_ref, do_ref, stats_ref, extras, *refs):
+    q_seg_ref, kv_seg_ref, spans_ref, q_len_ref, kv_len_ref = extras
     out_refs = dict(zip(gradients, refs[:len(gradients)]))
     (k_smem, v_smem, q_smem, do_smem, stats_smem, kv_seg_smem, q_seg_smem, rows_loaded, loaded,
      consumed) = refs[len(gradients):]
@@ -962,21 +946,28 @@ def _dkdv(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, t: int, band: _Band
   ]
   shapes = {"dk": k.shape, "dv": v.shape}
   out_types = tuple(jax.ShapeDtypeStruct(shapes[name], dtype) for name in gradients)
-  return _launch(body, scratch, out_types, (b, kv_heads, ctas), q, k, v, do, stats, *optional,
-                 grid_names=("b", "k", "s"))
+  return _launch(body, scratch, out_types, (b, kv_heads, ctas), (q, k, v, do, stats),
+                 (q_seg, kv_seg, spans, *lengths), grid_names=("b", "k", "s"))
 
 
-def _launch(body, scratch, out_type, grid, *operands, grid_names=("b", "n", "t")):
-  """``body(*operands, *outputs, *scratch)`` on a grid of CTAs of two consumer warpgroups and
-  a producer; a None in ``scratch`` is passed as None."""
+def _launch(body, scratch, out_type, grid, operands, extras, grid_names=("b", "n", "t")):
+  """``body(*operands, extras, *outputs, *scratch)`` on a grid of CTAs of two consumer
+  warpgroups and a producer; ``extras`` (optional operands) and ``scratch`` keep their Nones."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
+  inputs = [x for x in extras if x is not None]
   present = [x for x in scratch if x is not None]
 
+  def with_nones(items, refs):
+    refs = list(refs)
+    return [None if x is None else refs.pop(0) for x in items]
+
   def entry(*refs):
+    fixed, refs = refs[:len(operands)], refs[len(operands):]
+    extra_refs = tuple(with_nones(extras, refs[:len(inputs)]))
+
     def with_scratch(*allocated):
-      allocated = list(allocated)
-      body(*refs, *[None if x is None else allocated.pop(0) for x in scratch])
+      body(*fixed, extra_refs, *refs[len(inputs):], *with_nones(scratch, allocated))
 
     pl.run_scoped(with_scratch, *present, collective_axes="wg")
 
@@ -984,4 +975,4 @@ def _launch(body, scratch, out_type, grid, *operands, grid_names=("b", "n", "t")
       entry, out_type=out_type, grid=grid, grid_names=grid_names,
       num_threads=_CONSUMERS + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True))
-  return kernel(*operands)
+  return kernel(*operands, *inputs)
