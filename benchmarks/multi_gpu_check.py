@@ -35,6 +35,20 @@ def _cases(rng):
       return jax.value_and_grad(loss)(logits)
     return step
 
+  def attention_step(impl):
+    def step(q, k, v, segments, do):
+      fn = lambda q, k, v: jaxfuse.attention(q, k, v, is_causal=True, segment_ids=segments,
+                                             implementation=impl)
+      o, vjp = jax.vjp(fn, q, k, v)
+      return (o,) + vjp(do)
+    return step
+
+  def linear_cross_entropy_step(impl):
+    def step(x, weight, labels):
+      loss = lambda x, w: jaxfuse.linear_cross_entropy(x, w, labels, implementation=impl)
+      return jax.value_and_grad(loss, argnums=(0, 1))(x, weight)
+    return step
+
   normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
   for impl in ("triton", "cuda", None):
     for n in (4096, 32768):
@@ -47,6 +61,16 @@ def _cases(rng):
     labels = jnp.asarray(rng.integers(0, 32768, (1024,)), jnp.int32)
     yield (f"cross_entropy {impl}", cross_entropy_step(impl), (normal(1024, 32768), labels),
            (P("d"), P("d")))
+  # Two documents per row: the segments travel with their rows.
+  segments = jnp.asarray(np.arange(1024) >= rng.integers(1, 1024, (8, 1)), jnp.int32)
+  for impl in ("triton", "mosaic", None):
+    qkv = [normal(8, 1024, 8, 128) for _ in range(4)]
+    yield (f"attention {impl}", attention_step(impl), (*qkv[:3], segments, qkv[3]),
+           (P("d"), P("d"), P("d"), P("d"), P("d")))
+  for impl in ("cuda", None):
+    labels = jnp.asarray(rng.integers(0, 50257, (8192,)), jnp.int32)
+    yield (f"linear_cross_entropy {impl}", linear_cross_entropy_step(impl),
+           (normal(8192, 768), 0.05 * normal(768, 50257), labels), (P("d"), P(), P("d")))
 
 
 def _max_relative_difference(actual, expected):

@@ -536,6 +536,30 @@ def _attention_mosaic_bwd(sweep):
                   [mosaic.BACKWARD_CONFIGS[h], "triton", "cudnn"] + candidates[h], sets,
                   3.5 * flops, unit="TFLOP/s")
 
+  # Narrow bands, as the forward's: rates count only the kept pairs.
+  from jaxfuse.ops.attention import bench as attention_bench
+  b, t, n, h = 4, 4096, 16, 128
+  sets = _sets(lambda key: tuple(jax.random.normal(k_, (b, t, n, h), jnp.bfloat16)
+                                 for k_ in jax.random.split(key, 4)), 4 * b * t * n * h * 2)
+  ids = jnp.broadcast_to(jnp.repeat(jnp.arange(4, dtype=jnp.int32), t // 4), (b, t))
+  for name, kw, extras in (("window (256, 256)", dict(local_window_size=(256, 256)),
+                            (None,) * 4),
+                           ("4 documents causal", dict(is_causal=True, segment_ids=ids),
+                            (ids, ids, None, None))):
+    spec = attention_bench._mask_spec(kw)
+    flops = 4 * attention_bench._allowed_pairs(b, t, kw) * n * h
+
+    def masked_step(config, q, k, v, do, spec=spec, extras=extras):
+      kw = dict(spec=spec, scale=h ** -0.5)
+      out, lse = mosaic.forward(q, k, v, extras, **kw)
+      delta = jnp.einsum("btnh,btnh->bnt", do.astype(jnp.float32), out.astype(jnp.float32))
+      return (out,) + mosaic.backward(q, k, v, do, lse, delta, extras, config=config, **kw)
+
+    sweep.problem("attention_mosaic_bwd", f"attention {b}x{t}x{n}x{h} {name} step",
+                  jax.jit(masked_step, static_argnums=0),
+                  [mosaic.BACKWARD_CONFIGS[h]] + candidates[h], sets, 3.5 * flops,
+                  unit="TFLOP/s")
+
 
 # --------------------------------------------------------------------------- rnn
 

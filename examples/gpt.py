@@ -12,9 +12,9 @@ text every machine has. ``--bench`` uses random tokens at GPT-2's vocabulary (50
 
 The two models hold the same parameters (flax's ``LayerNorm``, ``MultiHeadAttention``
 ``query/key/value/out`` kernels, ``Linear``, ``Embed``): the fused one computes them with
-``jaxfuse.nn.LayerNorm``, ``jaxfuse.nn.CausalSelfAttention`` and
-``jaxfuse.linear_cross_entropy`` on the tied embedding (the logits never reach memory); the
-unfused one with ``flax.nnx.LayerNorm``, ``nnx.MultiHeadAttention`` over
+``jaxfuse.nn.LayerNorm``, ``jaxfuse.nn.CausalSelfAttention``, an MLP whose backward
+recomputes its GELU (``gelu_mlp``) and ``jaxfuse.linear_cross_entropy`` on the tied embedding
+(the logits never reach memory); the unfused one with ``flax.nnx.LayerNorm``, ``nnx.MultiHeadAttention`` over
 ``jax.nn.dot_product_attention`` (``--attention xla`` or ``cudnn``) and
 ``optax.softmax_cross_entropy_with_integer_labels`` on float32 logits.
 
@@ -87,13 +87,50 @@ def jax_nn_attention(implementation):
   return attention_fn
 
 
+@jax.custom_vjp
+def gelu_mlp(x, w1, b1, w2, b2):
+  """``gelu(x @ w1 + b1) @ w2 + b2`` over the last axis (``flax.nnx.Linear``'s kernel and bias
+  layouts), holding only ``x`` and the first product for the backward.
+
+  The backward recomputes the GELU in the pass that takes its gradient, so the activation, 4x
+  the width per token, is never held between the passes: at GPT-2's shape, 2.2 GiB less
+  temporary memory than XLA's own gradient for 2% more step time (H100, ``fused-leanmm``
+  against ``fused`` in benchmarks/results/2026-11-25-h100-gpt2-bench-lean-mlp-barrier.json).
+  """
+  return jax.nn.gelu(x @ w1 + b1) @ w2 + b2
+
+
+def _gelu_mlp_fwd(x, w1, b1, w2, b2):
+  product = x @ w1  # held without the bias: the forward then writes the activation alone
+  return jax.nn.gelu(product + b1) @ w2 + b2, (x, product, w1, b1, w2)
+
+
+def _gelu_mlp_bwd(residuals, dy):
+  x, product, w1, b1, w2 = residuals
+  # The barrier keeps XLA from merging this GELU with the forward's (common subexpression
+  # elimination), which would hold the forward's activation instead of recomputing it.
+  activation, gelu_vjp = jax.vjp(jax.nn.gelu, jax.lax.optimization_barrier(product) + b1)
+  (dh,) = gelu_vjp(dy @ w2.T)
+  rows = lambda a: a.reshape(-1, a.shape[-1])
+  # dh's bias gradient as a product with ones, not a sum: with no reduction in it, XLA computes
+  # the activation and dh in one elementwise pass over the product.
+  accumulate = jnp.promote_types(jnp.float32, dh.dtype)
+  ones = jnp.ones((1, rows(dh).shape[0]), dh.dtype)
+  dbias1 = jnp.dot(ones, rows(dh), preferred_element_type=accumulate)[0]
+  dbias2 = jnp.sum(rows(dy), axis=0, dtype=accumulate)
+  return (dh @ w1.T, rows(x).T @ rows(dh), dbias1.astype(b1.dtype),
+          rows(activation).T @ rows(dy), dbias2.astype(b1.dtype))
+
+
+gelu_mlp.defvjp(_gelu_mlp_fwd, _gelu_mlp_bwd)
+
+
 class Block(nnx.Module):
 
-  def __init__(self, cfg: Config, fused: bool, attention: str | None, rngs: nnx.Rngs,
-               remat: bool = False):
+  def __init__(self, cfg: Config, fused: bool, attention: str | None, rngs: nnx.Rngs):
     kw = dict(dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.float32, rngs=rngs)
     norm = jnn.LayerNorm if fused else nnx.LayerNorm
-    self.fused, self.remat = fused, remat
+    self.fused, self.dtype = fused, jnp.dtype(cfg.dtype)
     self.ln1, self.ln2 = norm(cfg.width, **kw), norm(cfg.width, **kw)
     if fused:
       self.attn = jnn.CausalSelfAttention(cfg.heads, cfg.width, num_kv_heads=cfg.kv_heads, **kw)
@@ -113,26 +150,23 @@ class Block(nnx.Module):
     else:
       h = self.attn(h, mask=mask)
     x = x + h
-    mlp = lambda x: self.proj(jax.nn.gelu(self.fc(self.ln2(x))))
-    if self.remat:
-      # Keep the products' outputs and recompute the elementwise rest in the backward: the
-      # MLP's LayerNorm and GELU outputs are not held (H100: 4.26 against 6.83 GiB for 4% of
-      # the step; the GELU alone saves less at the same cost,
-      # benchmarks/results/2026-11-24-h100-gpt2-bench-remat*.json).
-      mlp = jax.checkpoint(mlp, policy=jax.checkpoint_policies.dots_saveable)
-    return x + mlp(x)
+    if not self.fused:
+      return x + self.proj(jax.nn.gelu(self.fc(self.ln2(x))))
+    operand = lambda p: p[...].astype(self.dtype)  # as nnx.Linear promotes its parameters
+    return x + gelu_mlp(self.ln2(x), operand(self.fc.kernel), operand(self.fc.bias),
+                        operand(self.proj.kernel), operand(self.proj.bias))
 
 
 class GPT(nnx.Module):
   """Pre-norm decoder with learned positions and an output layer tied to the embedding."""
 
   def __init__(self, cfg: Config, *, fused: bool, attention: str | None = "xla",
-               rngs: nnx.Rngs, remat: bool = False):
+               rngs: nnx.Rngs):
     dtype = jnp.dtype(cfg.dtype)
     self.fused = fused
     self.embed = nnx.Embed(cfg.vocab, cfg.width, dtype=dtype, rngs=rngs)
     self.position = nnx.Embed(cfg.seq_len, cfg.width, dtype=dtype, rngs=rngs)
-    blocks = [Block(cfg, fused, attention, rngs, remat) for _ in range(cfg.layers)]
+    blocks = [Block(cfg, fused, attention, rngs) for _ in range(cfg.layers)]
     self.blocks = nnx.List(blocks) if hasattr(nnx, "List") else blocks  # flax < 0.12
     norm = jnn.LayerNorm if fused else nnx.LayerNorm
     self.ln_f = norm(cfg.width, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
@@ -160,14 +194,12 @@ class GPT(nnx.Module):
 
 def build(cfg: Config, variant: str, seed: int = 0):
   """The model of ``variant`` (``fused``, or ``unfused-<attention>`` with attention ``xla``,
-  ``cudnn`` or ``default``; ``-remat`` appended recomputes each MLP's elementwise outputs in
-  the backward), initialized from ``seed``: the same parameters for every variant."""
-  name = variant.removesuffix("-remat")
-  fused = name == "fused"
+  ``cudnn`` or ``default``), initialized from ``seed``: the same parameters for every
+  variant."""
+  fused = variant == "fused"
   attention = None if fused else {"xla": "xla", "cudnn": "cudnn", "default": None}[
-      name.removeprefix("unfused-")]
-  return GPT(cfg, fused=fused, attention=attention, rngs=nnx.Rngs(seed),
-             remat=variant.endswith("-remat"))
+      variant.removeprefix("unfused-")]
+  return GPT(cfg, fused=fused, attention=attention, rngs=nnx.Rngs(seed))
 
 
 # --- data ---------------------------------------------------------------------------------
@@ -510,7 +542,7 @@ def main(argv=None):
   parser.add_argument("--bench", action="store_true")
   parser.add_argument("--variants", default=None,
                       help="--bench: comma-separated (fused, unfused-xla, unfused-cudnn, "
-                           "unfused-default; any of them with -remat appended)")
+                           "unfused-default)")
   parser.add_argument("--no-max-batch", action="store_true",
                       help="--bench without searching the largest batch that fits")
   args = parser.parse_args(argv)

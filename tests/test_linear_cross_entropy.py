@@ -108,6 +108,27 @@ def test_rows_of_the_last_chunk_overlap(rng, impl, monkeypatch):
       assert_close(g, e, jnp.float32, factor=4, name=name, axis=0 if name == "dbias" else -1)
 
 
+@pytest.mark.parametrize("tokens,vocab,width,elements", [
+    (16384, 50257, 768, 1 << 27), (32768, 50257, 768, 1 << 27), (1000, 50257, 768, 1 << 27),
+    (5000, 32000, 4096, 1 << 27), (7, 100, 9, 300), (37, 1000, 16, 2000), (4097, 7, 3, 5000),
+    (129, 1, 1000, 8)])
+def test_chunks_stay_within_their_logits_and_cover_the_tokens(tokens, vocab, width, elements):
+  rows = reference.rows_per_chunk(tokens, vocab, width, elements)
+  cap = max(1, elements // vocab)
+  assert 1 <= rows <= min(tokens, cap)
+  assert rows == tokens or rows % (128 if cap >= 128 else 8 if cap >= 8 else 1) == 0
+  chunks = -(-tokens // rows)
+  fewest_rows = min(tokens, cap - cap % (128 if cap >= 128 else 8 if cap >= 8 else 1))
+  # Never more work than the fewest chunks of the largest rows (the previous walk).
+  assert chunks * (rows + width) <= -(-tokens // fewest_rows) * (fewest_rows + width)
+
+
+def test_gpt2_tokens_are_spread_over_even_chunks():
+  """16384 tokens at 2^27 logits per chunk: 7 chunks of 2432 (17024 rows computed), not of
+  2560, whose last chunk would compute 1536 rows a second time."""
+  assert reference.rows_per_chunk(16384, 50257, 768, 1 << 27) == 2432
+
+
 def test_without_bias_and_with_a_tied_embedding(rng, impl, chunk):
   x, _, _, labels = make(rng, (11,), 10, 77, jnp.float32, bias=False)
   embedding = random(rng, (77, 10), jnp.float32, scale=0.3)

@@ -27,13 +27,32 @@ from jax import lax
 CHUNK_ELEMENTS = 1 << 27
 
 
-def rows_per_chunk(tokens: int, vocab: int, elements: int) -> int:
-  rows = max(1, elements // vocab)
-  for tile in (128, 8):  # whole tiles of the products' row blocks
-    if rows >= tile:
-      rows -= rows % tile
-      break
-  return min(rows, tokens)
+def rows_per_chunk(tokens: int, vocab: int, width: int, elements: int) -> int:
+  """Rows of the chunks that walk ``tokens``: at most ``elements // vocab`` (whole tiles of the
+  products' row blocks where that allows), in as many chunks as costs the least.
+
+  The last chunk ends at the last row, so rows it shares with the one before are computed
+  twice (GPT-2's 16384 tokens in chunks of 2560 would compute 17920); each chunk also passes
+  the float32 ``(width, vocab)`` weight gradient through memory once, as many bytes as
+  ``width`` rows of float32 logits. The chunk count that costs least is taken, with rows
+  spread evenly over the chunks (GPT-2's: 7 chunks of 2432).
+  """
+  cap = max(1, elements // vocab)
+  tile = next((t for t in (128, 8) if cap >= t), 1)
+  cap -= cap % tile
+  if cap >= tokens:
+    return tokens
+
+  def rows(chunks):
+    r = -(-tokens // chunks)
+    return min(r + -r % tile, cap)
+
+  def cost(r):
+    chunks = -(-tokens // r)
+    return chunks * (r + width)
+
+  fewest = -(-tokens // cap)
+  return min((rows(c) for c in range(fewest, 2 * fewest + 1)), key=lambda r: (cost(r), -r))
 
 
 def padded_vocab(vocab: int) -> int:
@@ -52,7 +71,7 @@ def walk(x, weight, bias, labels, *, label_smoothing, z_loss, row_grad=None, lse
   row_pass = row_pass or xla_rows
   tokens, vocab = x.shape[0], weight.shape[1]
   accumulate = jnp.promote_types(jnp.float32, x.dtype)
-  rows = rows_per_chunk(tokens, vocab, chunk_elements)
+  rows = rows_per_chunk(tokens, vocab, x.shape[1], chunk_elements)
   # A vocabulary of whole 128-column tiles: for an odd one (GPT-2's 50257) XLA would pad the
   # weight for cuBLAS in every chunk, or pick generated matmuls at a fraction of its rate
   # (GPU profile: benchmarks/profile_gpt.py). Padded once here, the extra columns' logits take
