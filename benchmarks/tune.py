@@ -460,6 +460,24 @@ def _attention_problems(shapes, operands):
              4 * b * t * t * n * h / (2 if causal else 1))
 
 
+def _narrow_bands(operands):
+  """``(label, spec, extras, sets, FLOPs)`` of a window and of packed documents at
+  (4, 4096, 16, 128), with ``operands`` bf16 inputs per set; the FLOPs count only the pairs the
+  masks keep."""
+  from jaxfuse.ops.attention import bench as attention_bench
+  b, t, n, h = 4, 4096, 16, 128
+  sets = _sets(lambda key: tuple(jax.random.normal(k_, (b, t, n, h), jnp.bfloat16)
+                                 for k_ in jax.random.split(key, operands)),
+               operands * b * t * n * h * 2)
+  ids = jnp.broadcast_to(jnp.repeat(jnp.arange(4, dtype=jnp.int32), t // 4), (b, t))
+  for name, kw, extras in (("window (256, 256)", dict(local_window_size=(256, 256)),
+                            (None,) * 4),
+                           ("4 documents causal", dict(is_causal=True, segment_ids=ids),
+                            (ids, ids, None, None))):
+    yield (f"attention {b}x{t}x{n}x{h} {name}", attention_bench._mask_spec(kw), extras, sets,
+           4 * attention_bench._allowed_pairs(b, t, kw) * n * h)
+
+
 def _attention_mosaic(sweep):
   """The Hopper forward's tiles and pipeline depth per head dim, and cuDNN's forward on the
   same inputs (the variant named "cudnn") for the ratio within one run."""
@@ -483,24 +501,15 @@ def _attention_mosaic(sweep):
                   f"attention {b}x{t}x{n}x{h} {'causal' if spec.is_causal else 'full'} fwd", fwd,
                   [mosaic.CONFIGS[h], "cudnn"] + candidates[h], sets, flops, unit="TFLOP/s")
 
-  # Narrow bands (a window, packed documents) walk few tiles per query block: shorter key
-  # tiles waste fewer masked keys at the band's edges. Rates count only the kept pairs.
-  from jaxfuse.ops.attention import bench as attention_bench
-  b, t, n, h = 4, 4096, 16, 128
-  sets = _sets(lambda key: tuple(jax.random.normal(k_, (b, t, n, h), jnp.bfloat16)
-                                 for k_ in jax.random.split(key, 3)), 6 * b * t * n * h * 2)
-  ids = jnp.broadcast_to(jnp.repeat(jnp.arange(4, dtype=jnp.int32), t // 4), (b, t))
-  for name, kw, extras in (("window (256, 256)", dict(local_window_size=(256, 256)),
-                            (None,) * 4),
-                           ("4 documents causal", dict(is_causal=True, segment_ids=ids),
-                            (ids, ids, None, None))):
-    spec = attention_bench._mask_spec(kw)
-    flops = 4 * attention_bench._allowed_pairs(b, t, kw) * n * h
-
+  # Narrow bands (a window, packed documents) walk few tiles per query block, where shorter
+  # key tiles would waste fewer masked keys; the defaults still measured fastest
+  # (benchmarks/results/2026-11-25-h100-tune-attention-mosaic-narrow-bands.json).
+  h = 128
+  for label, spec, extras, sets, flops in _narrow_bands(operands=3):
     def masked_fwd(config, q, k, v, spec=spec, extras=extras):
       return mosaic.forward(q, k, v, extras, spec=spec, scale=h ** -0.5, config=config)[0]
 
-    sweep.problem("attention_mosaic", f"attention {b}x{t}x{n}x{h} {name} fwd", masked_fwd,
+    sweep.problem("attention_mosaic", f"{label} fwd", masked_fwd,
                   [mosaic.CONFIGS[h]] + candidates[h], sets, flops, unit="TFLOP/s")
 
 
@@ -536,26 +545,15 @@ def _attention_mosaic_bwd(sweep):
                   [mosaic.BACKWARD_CONFIGS[h], "triton", "cudnn"] + candidates[h], sets,
                   3.5 * flops, unit="TFLOP/s")
 
-  # Narrow bands, as the forward's: rates count only the kept pairs.
-  from jaxfuse.ops.attention import bench as attention_bench
-  b, t, n, h = 4, 4096, 16, 128
-  sets = _sets(lambda key: tuple(jax.random.normal(k_, (b, t, n, h), jnp.bfloat16)
-                                 for k_ in jax.random.split(key, 4)), 4 * b * t * n * h * 2)
-  ids = jnp.broadcast_to(jnp.repeat(jnp.arange(4, dtype=jnp.int32), t // 4), (b, t))
-  for name, kw, extras in (("window (256, 256)", dict(local_window_size=(256, 256)),
-                            (None,) * 4),
-                           ("4 documents causal", dict(is_causal=True, segment_ids=ids),
-                            (ids, ids, None, None))):
-    spec = attention_bench._mask_spec(kw)
-    flops = 4 * attention_bench._allowed_pairs(b, t, kw) * n * h
-
+  h = 128
+  for label, spec, extras, sets, flops in _narrow_bands(operands=4):
     def masked_step(config, q, k, v, do, spec=spec, extras=extras):
       kw = dict(spec=spec, scale=h ** -0.5)
       out, lse = mosaic.forward(q, k, v, extras, **kw)
       delta = jnp.einsum("btnh,btnh->bnt", do.astype(jnp.float32), out.astype(jnp.float32))
       return (out,) + mosaic.backward(q, k, v, do, lse, delta, extras, config=config, **kw)
 
-    sweep.problem("attention_mosaic_bwd", f"attention {b}x{t}x{n}x{h} {name} step",
+    sweep.problem("attention_mosaic_bwd", f"{label} step",
                   jax.jit(masked_step, static_argnums=0),
                   [mosaic.BACKWARD_CONFIGS[h]] + candidates[h], sets, 3.5 * flops,
                   unit="TFLOP/s")
