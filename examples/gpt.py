@@ -14,9 +14,9 @@ The two models hold the same parameters (flax's ``LayerNorm``, ``MultiHeadAttent
 ``query/key/value/out`` kernels, ``Linear``, ``Embed``): the fused one computes them with
 ``jaxfuse.nn.LayerNorm``, ``jaxfuse.nn.CausalSelfAttention``, an MLP whose backward
 recomputes its GELU (``gelu_mlp``) and ``jaxfuse.linear_cross_entropy`` on the tied embedding
-(the logits never reach memory); the unfused one with ``flax.nnx.LayerNorm``, ``nnx.MultiHeadAttention`` over
-``jax.nn.dot_product_attention`` (``--attention xla`` or ``cudnn``) and
-``optax.softmax_cross_entropy_with_integer_labels`` on float32 logits.
+(the logits never reach memory); the unfused one with ``flax.nnx.LayerNorm``,
+``nnx.MultiHeadAttention`` over ``jax.nn.dot_product_attention`` (``--attention xla`` or
+``cudnn``) and ``optax.softmax_cross_entropy_with_integer_labels`` on float32 logits.
 
 Several devices: ``--mesh data,model`` shards the batch over ``data`` and the attention heads
 and MLP columns over ``model`` (Megatron style); the default is data parallel over every
@@ -102,11 +102,11 @@ def gelu_mlp(x, w1, b1, w2, b2):
 
 def _gelu_mlp_fwd(x, w1, b1, w2, b2):
   product = x @ w1  # held without the bias: the forward then writes the activation alone
-  return jax.nn.gelu(product + b1) @ w2 + b2, (x, product, w1, b1, w2)
+  return jax.nn.gelu(product + b1) @ w2 + b2, (x, product, w1, b1, w2, b2)
 
 
 def _gelu_mlp_bwd(residuals, dy):
-  x, product, w1, b1, w2 = residuals
+  x, product, w1, b1, w2, b2 = residuals
   # The barrier keeps XLA from merging this GELU with the forward's (common subexpression
   # elimination), which would hold the forward's activation instead of recomputing it.
   activation, gelu_vjp = jax.vjp(jax.nn.gelu, jax.lax.optimization_barrier(product) + b1)
@@ -119,7 +119,7 @@ def _gelu_mlp_bwd(residuals, dy):
   dbias1 = jnp.dot(ones, rows(dh), preferred_element_type=accumulate)[0]
   dbias2 = jnp.sum(rows(dy), axis=0, dtype=accumulate)
   return (dh @ w1.T, rows(x).T @ rows(dh), dbias1.astype(b1.dtype),
-          rows(activation).T @ rows(dy), dbias2.astype(b1.dtype))
+          rows(activation).T @ rows(dy), dbias2.astype(b2.dtype))
 
 
 gelu_mlp.defvjp(_gelu_mlp_fwd, _gelu_mlp_bwd)

@@ -64,7 +64,7 @@ def test_gpt_bench_reports_every_variant(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", ["float64", "bfloat16"])
-def test_gpt_mlp_gradients_match_the_plain_composition(request, dtype):
+def test_gpt_mlp_gradients_match_the_plain_composition(rng, dtype):
   """The fused model's MLP recomputes its GELU in the backward: its gradients are those of
   ``gelu(x @ w1 + b1) @ w2 + b2`` (against float64 autodiff of that composition)."""
   import jax
@@ -72,7 +72,6 @@ def test_gpt_mlp_gradients_match_the_plain_composition(request, dtype):
   from jax.test_util import check_grads
   from jaxfuse._core.testing import assert_close, random, x64
 
-  rng = np.random.default_rng(abs(hash(request.node.nodeid)) % 2**32)
   shapes = [(2, 5, 8), (8, 32), (32,), (32, 8), (8,)]
   with x64():
     args = [random(rng, s, jnp.float64, scale=0.5) for s in shapes]
