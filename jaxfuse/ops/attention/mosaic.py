@@ -559,10 +559,6 @@ def backward(q, k, v, do, lse, delta, extras, *, spec, scale, allow_tf32=None,
   # A row with no allowed key saved lse = -inf; +inf makes its probabilities 0, and so those
   # of padded rows and of rows past the query lengths: no mask needs them.
   lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * _LOG2E)
-  # delta (a sum over each row of dO * O) gets its own reduction pass: fused into the stack
-  # below, XLA reduced it element by element at a sixth of the copy rate, 13% of a causal
-  # step (benchmarks/results/2026-11-25-h100-attention-profile-step.txt).
-  delta = lax.optimization_barrier(delta)
   stats = jnp.stack([jnp.pad(lse2, ((0, 0), (0, 0), (0, q_rows - t)), constant_values=jnp.inf),
                      jnp.pad(delta, ((0, 0), (0, 0), (0, q_rows - t)))], axis=2)
   ids = lambda a, n: None if a is None else _pad_rows(a.astype(jnp.int32), n)
