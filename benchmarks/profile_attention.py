@@ -25,15 +25,8 @@ def calls(b=4, t=4096, n=16, h=128):
   yield "full", {}
   yield "causal", dict(is_causal=True)
   for name, length, kw, documents, ragged in attention_bench.MASKED:
-    if length != t:
-      continue
-    if documents:
-      ids = jnp.repeat(jnp.arange(documents, dtype=jnp.int32), t // documents)
-      kw = dict(kw, segment_ids=jnp.broadcast_to(ids, (b, t)))
-    if ragged:
-      lengths = t - jnp.arange(b, dtype=jnp.int32) * (t // b)
-      kw = dict(kw, query_seq_lengths=lengths, key_value_seq_lengths=lengths)
-    yield name, kw
+    if length == t:
+      yield name, attention_bench.masked_kwargs(b, t, kw, documents, ragged)
 
 
 def main(argv):

@@ -67,6 +67,18 @@ MASKED = [("4 documents causal", 4096, dict(is_causal=True), 4, False),
           ("ragged causal", 4096, dict(is_causal=True), None, True)]
 
 
+def masked_kwargs(b, t, kw, documents, ragged):
+  """``attention``'s keyword arguments for a ``MASKED`` entry at batch ``b``: ``documents``
+  equal segments per row, or ragged rows of t, 3t/4, ... tokens."""
+  if documents:
+    ids = jnp.repeat(jnp.arange(documents, dtype=jnp.int32), t // documents)
+    kw = dict(kw, segment_ids=jnp.broadcast_to(ids, (b, t)))
+  if ragged:
+    lengths = t - jnp.arange(b, dtype=jnp.int32) * (t // b)
+    kw = dict(kw, query_seq_lengths=lengths, key_value_seq_lengths=lengths)
+  return kw
+
+
 def cases(quick: bool = False) -> list[Case]:
   gpu = registry.platform() == "gpu"
   if gpu:
@@ -95,12 +107,7 @@ def cases(quick: bool = False) -> list[Case]:
   if gpu and not quick:
     b, n, h = 4, 16, 128
     for name, t, kw, documents, ragged in MASKED:
-      if documents:
-        ids = jnp.repeat(jnp.arange(documents, dtype=jnp.int32), t // documents)
-        kw = dict(kw, segment_ids=jnp.broadcast_to(ids, (b, t)))
-      if ragged:
-        lengths = t - jnp.arange(b, dtype=jnp.int32) * (t // b)
-        kw = dict(kw, query_seq_lengths=lengths, key_value_seq_lengths=lengths)
+      kw = masked_kwargs(b, t, kw, documents, ragged)
       add(f"{b}x{t}x{n}x{h} {name}", b, t, n, h, kw, 4 * _allowed_pairs(b, t, kw) * n * h,
           ("cudnn", "triton", "mosaic"))
   return out
