@@ -115,10 +115,11 @@ def test_rows_of_the_last_chunk_overlap(rng, impl, monkeypatch):
 def test_chunks_stay_within_their_logits_and_cover_the_tokens(tokens, vocab, width, elements):
   rows = reference.rows_per_chunk(tokens, vocab, width, elements)
   cap = max(1, elements // vocab)
+  tile = 128 if cap >= 128 else 8 if cap >= 8 else 1
   assert 1 <= rows <= min(tokens, cap)
-  assert rows == tokens or rows % (128 if cap >= 128 else 8 if cap >= 8 else 1) == 0
+  assert rows == tokens or rows % tile == 0
   chunks = -(-tokens // rows)
-  fewest_rows = min(tokens, cap - cap % (128 if cap >= 128 else 8 if cap >= 8 else 1))
+  fewest_rows = min(tokens, cap - cap % tile)
   # Never more work than the fewest chunks of the largest rows (the previous walk).
   assert chunks * (rows + width) <= -(-tokens // fewest_rows) * (fewest_rows + width)
 
