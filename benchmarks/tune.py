@@ -62,7 +62,7 @@ class Sweep:
     if not self.wanted(label):
       return
     reference = None
-    for i, blocks in enumerate(variants):
+    for i, blocks in enumerate(dict.fromkeys(variants)):  # a candidate that is the default once
       line = dict(family=family, problem=label, blocks=str(blocks), default=i == 0)
       try:
         result = jax.block_until_ready(fn(blocks, *sets[0]))
@@ -485,8 +485,9 @@ def _attention_mosaic(sweep):
   C = mosaic.Config
   # Shared memory bounds them: (64, 128, 3) at head dim 128 needs 120 bytes more than the H100
   # has, and at head dim 256 only (64, 64, 2) fits (wgmma needs 64-row key tiles).
-  candidates = {64: [C(64, 128, 2), C(64, 128, 4), C(64, 64, 4), C(64, 256, 2)],
-                128: [C(64, 64, 4), C(64, 64, 2)],
+  candidates = {64: [C(64, 128, 3), C(64, 128, 2), C(64, 128, 4), C(64, 64, 4), C(64, 256, 2),
+                     C(64, 128, 3, prefetch_q=False)],
+                128: [C(64, 128, 2, prefetch_q=False), C(64, 64, 4), C(64, 64, 2)],
                 256: []}
   for (b, t, n, h), sets, spec, flops in _attention_problems(
       ((4, 4096, 16, 128), (1, 16384, 16, 128), (8, 2048, 16, 64), (2, 8192, 8, 256)), 3):
@@ -499,7 +500,8 @@ def _attention_mosaic(sweep):
 
     sweep.problem("attention_mosaic",
                   f"attention {b}x{t}x{n}x{h} {'causal' if spec.is_causal else 'full'} fwd", fwd,
-                  [mosaic.CONFIGS[h], "cudnn"] + candidates[h], sets, flops, unit="TFLOP/s")
+                  [mosaic.default_config(h, h, spec, False), "cudnn"] + candidates[h], sets,
+                  flops, unit="TFLOP/s")
 
   # Narrow bands (a window, packed documents) walk few tiles per query block, where shorter
   # key tiles would waste fewer masked keys; the defaults still measured fastest
@@ -510,14 +512,15 @@ def _attention_mosaic(sweep):
       return mosaic.forward(q, k, v, extras, spec=spec, scale=h ** -0.5, config=config)[0]
 
     sweep.problem("attention_mosaic", f"{label} fwd", masked_fwd,
-                  [mosaic.CONFIGS[h]] + candidates[h], sets, flops, unit="TFLOP/s")
+                  [mosaic.default_config(h, h, spec, extras[0] is not None)] + candidates[h],
+                  sets, flops, unit="TFLOP/s")
 
 
 def _attention_mosaic_bwd(sweep):
   """The Hopper backward's tiles per head dim, timed as the training step it serves (Mosaic
   forward, then the backward named by the variant), against the Mosaic forward with the
   Triton backward ("triton") and cuDNN's step ("cudnn") on the same inputs."""
-  from jaxfuse.ops.attention import mosaic, triton
+  from jaxfuse.ops.attention import mosaic, reference, triton
   B = mosaic.BackwardConfig
   candidates = {64: [B(64, 64, 64, 64, 2), B(64, 64, 64, 128, 3), B(64, 128, 64, 128, 2)],
                 128: [B(64, 64, 64, 64, 3), B(64, 128, 64, 64, 2), B(64, 64, 64, 128, 2)],
@@ -533,7 +536,7 @@ def _attention_mosaic_bwd(sweep):
         return (out,) + vjp(do)
       kw = dict(spec=spec, scale=h ** -0.5)
       out, lse = mosaic.forward(q, k, v, (None,) * 4, **kw)
-      delta = jnp.einsum("btnh,btnh->bnt", do.astype(jnp.float32), out.astype(jnp.float32))
+      delta = reference.delta(do, out)
       if config == "triton":
         return (out,) + triton.backward(q, k, v, do, lse, delta, (None,) * 4, **kw)
       return (out,) + mosaic.backward(q, k, v, do, lse, delta, (None,) * 4, config=config,

@@ -549,6 +549,33 @@ def test_gpu_mosaic_blocks_past_every_key(rng, t, s, h, kw):
   check_mosaic_forward(q, k, v, kw, ref_kw)
 
 
+@pytest.mark.parametrize("b,n,q_tiles,sms", [(4, 16, 32, 132), (1, 16, 128, 132), (1, 1, 1, 132),
+                                             (2, 3, 7, 5), (3, 1, 5, 132)], ids=str)
+def test_mosaic_forward_deals_every_tile_once(b, n, q_tiles, sms):
+  """The persistent forward's work items over its CTAs: every query tile of every head
+  exactly once, besides one tile past T per head where the tile count is odd; pairs of
+  tiles from both ends, so that CTAs given as many pairs walk as many causal key tiles."""
+  from jaxfuse.ops.attention import mosaic
+  pairs = b * n * -(-q_tiles // 2)
+  ctas = min(pairs, sms)
+  seen, walks = [], []
+  for cta in range(ctas):
+    items = 2 * ((pairs - 1 - cta) // ctas + 1)
+    i = jnp.arange(items, dtype=jnp.int32)
+    batch, head, tile = (np.asarray(x) for x in mosaic._work_item(jnp.int32(cta), i, ctas, n,
+                                                                  q_tiles))
+    seen += list(zip(batch.tolist(), head.tolist(), tile.tolist()))
+    # A causal tile walks as many key tiles as its index plus one; the tile past T none.
+    walks.append(np.where(tile < q_tiles, tile + 1, 0).sum())
+  real = sorted(x for x in seen if x[2] < q_tiles)
+  assert real == [(i, j, k) for i in range(b) for j in range(n) for k in range(q_tiles)]
+  assert len(seen) - len(real) == b * n * (q_tiles % 2)
+  assert all(0 <= x[0] < b and 0 <= x[1] < n and x[2] <= q_tiles for x in seen)
+  if q_tiles % 2 == 0:  # every pair walks q_tiles + 1 key tiles
+    pair_counts = [(pairs - 1 - cta) // ctas + 1 for cta in range(ctas)]
+    assert walks == [(q_tiles + 1) * count for count in pair_counts]
+
+
 def test_mosaic_segment_spans_reach_every_match(rng):
   """Each block of query rows walks the key tiles from the first to the last holding one of
   its rows' segment ids: exactly its documents' tiles when ids are sorted, and at least every

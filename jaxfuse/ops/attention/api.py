@@ -330,7 +330,7 @@ def _flash_fwd(q, k, v, extras, kernel):
 def _flash_bwd(kernel, residuals, cotangents):
   q, k, v, extras, out, lse = residuals
   do, dlse = cotangents
-  delta = _row_dot(do, out)
+  delta = reference.delta(do, out)
   if dlse is not None:
     delta = delta - dlse
   dq, dk, dv = _kernels(*kernel)[1](q, k, v, extras, do, lse, delta)
@@ -338,15 +338,6 @@ def _flash_bwd(kernel, residuals, cotangents):
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
-
-
-def _row_dot(do, out):
-  """``(B, N, T)``: the sum over the head dim of ``dO * O`` in float32. It is reduced along
-  the contiguous head dim in a pass of its own, then transposed (T times smaller): fused into
-  the kernels' operand packing, XLA reduced it across a transposed layout at a sixth of the
-  copy rate (benchmarks/results/2026-11-25-h100-attention-profile-step.txt)."""
-  rows = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-  return jnp.swapaxes(jax.lax.optimization_barrier(rows), 1, 2)
 
 
 @functools.cache

@@ -1,14 +1,17 @@
 """Attention on Hopper's matrix units, forward and backward: Pallas Mosaic GPU, wgmma and TMA.
 
-Forward. A CTA owns ``2 * block_q`` query rows of one head and runs three warpgroups. The
-third is the producer: it streams the key and value tiles of ``block_kv`` rows into a ring of
-``stages`` shared-memory slots by TMA, each slot guarded by a "loaded" barrier, and refills a
-slot once both consumers have arrived on its "consumed" barrier. The other two are consumers,
-each with ``block_q`` query rows in registers: S = Q K^T by wgmma into a float32 accumulator,
-the online softmax in base 2 (running maximum of the scaled scores, exponentials as exp2), then
-O += P V by wgmma. A schedule barrier the consumers pass twice per tile makes them take turns on the
-tensor cores, so one's softmax runs while the other's products do (FlashAttention-3's
-ping-pong).
+Forward. A work item is ``2 * block_q`` query rows of one head. The kernel is persistent: a
+CTA per SM takes items in pairs, dealt round-robin (``_work_item``), and runs three
+warpgroups. The third is the producer: it streams the key and value tiles of ``block_kv`` rows
+into a ring of ``stages`` shared-memory slots by TMA, each slot guarded by a "loaded" barrier,
+and refills a slot once both consumers have arrived on its "consumed" barrier. The ring runs
+on from one item into the next, so the next item's first tiles load while this one's last
+compute and its output is stored. The other two are consumers, each with ``block_q`` query
+rows (the next item's loading into a second buffer): S = Q K^T by wgmma into a float32
+accumulator, the online softmax in base 2 (running maximum of the scaled scores, exponentials
+as exp2), then O += P V by wgmma. A schedule barrier the consumers pass twice per tile makes
+them take turns on the tensor cores, so one's softmax runs while the other's products do
+(FlashAttention-3's ping-pong).
 
 Masks come from positions (causal with an offset, a (left, right) window, key and query
 lengths) and from segment ids. Each consumer walks the key tiles of its band in three runs:
@@ -53,10 +56,12 @@ _CONSUMERS = 2
 @dataclasses.dataclass(frozen=True)
 class Config:
   """Rows per consumer warpgroup (``block_q``, a CTA takes two such blocks), key/value rows per
-  tile, and the tiles in flight."""
+  tile, and the tiles in flight. ``prefetch_q``: the next item's queries load into a second
+  buffer while this item's run."""
   block_q: int = 64
   block_kv: int = 128
   stages: int = 2
+  prefetch_q: bool = True
 
   def __post_init__(self):
     # The producer refills a slot only after both its key and value are consumed, while a
@@ -68,7 +73,9 @@ class Config:
 # Per head dim (the larger of the query's and the value's; the kernel is Hopper's only): tiles
 # whose Q, K, V (and output) slots fit the 227 KiB of shared memory, the fastest of those timed
 # (benchmarks/results/2026-11-24-h100-tune-attention-mosaic-hd128.json).
-CONFIGS = {64: Config(64, 128, 3), 128: Config(64, 128, 2), 256: Config(64, 64, 2)}
+# At head dim 256 a second query buffer does not fit.
+CONFIGS = {64: Config(64, 128, 3), 128: Config(64, 128, 2),
+           256: Config(64, 64, 2, prefetch_q=False)}
 
 
 def unavailable() -> str | None:
@@ -84,8 +91,19 @@ def unavailable() -> str | None:
   return None
 
 
-def _config(h: int, hv: int) -> Config:
-  return CONFIGS[max(h, hv)]
+# Where no mask needs the scores (no causal mask, window or segments), at head dim 64 key
+# tiles twice as long halve the rescaling rounds and turns per key: 1.09x cuDNN's rate
+# against 1.01x; causal they lost 1%
+# (benchmarks/results/2026-11-25-h100-tune-attention-mosaic-persistent.json).
+UNMASKED_CONFIGS = {64: Config(64, 256, 2)}
+
+
+def default_config(h: int, hv: int, spec, has_segments: bool) -> Config:
+  """The forward's tiles for head dims ``h`` (queries, keys) and ``hv`` (values) and a mask."""
+  dim = max(h, hv)
+  if not (spec.is_causal or spec.window is not None or has_segments):
+    return UNMASKED_CONFIGS.get(dim, CONFIGS[dim])
+  return CONFIGS[dim]
 
 
 def unsupported(q_shape, k_shape, v_shape, dtype, *, spec, has_segments, has_q_len,
@@ -106,8 +124,8 @@ def forward(q, k, v, extras, *, spec, scale, allow_tf32=None, config: Config | N
   ``k (B, S, K, H)``, ``v (B, S, K, Hv)``; ``extras = (q_seg (B, T), kv_seg (B, S),
   q_len (B,), kv_len (B,))``, each possibly None."""
   del allow_tf32  # 16-bit operands only
-  cfg = config or _config(q.shape[3], v.shape[3])
   q_seg, kv_seg, q_len, kv_len = extras
+  cfg = config or default_config(q.shape[3], v.shape[3], spec, q_seg is not None)
   t, s = q.shape[1], k.shape[1]
   # TMA copies of 8 x 64 tiles need T and S multiples of 8 (the rows past them are masked or
   # dropped); other tails TMA's bounds take care of, without a copy.
@@ -323,6 +341,23 @@ class _Band:
     return ok
 
 
+def _work_item(cta, i, ctas: int, heads: int, q_tiles: int):
+  """``(batch, head, tile)``: item ``i`` of CTA ``cta`` of the persistent forward.
+
+  Work comes in pairs of query tiles of one head, the k-th from each end, the later first
+  (with an odd count the middle tile pairs with tile ``q_tiles``, past T, which walks and
+  stores nothing): under a causal mask every pair walks about as many key tiles, so dealing
+  pairs round-robin to the CTAs balances them. A head's pairs are consecutive, so the CTAs
+  running at once stream the keys of a few heads, from L2."""
+  per_head = -(-q_tiles // 2)
+  pair = cta + lax.div(i, 2) * ctas
+  k = lax.rem(pair, per_head)
+  head_of_batch = lax.div(pair, per_head)
+  later = q_tiles - 1 - k
+  tile = jnp.where(lax.rem(i, 2) == 0, later, jnp.where(later == k, q_tiles, k))
+  return lax.div(head_of_batch, heads), lax.rem(head_of_batch, heads), tile
+
+
 def _forward(q, k, v, q_seg, kv_seg, spans, q_len, kv_len, t: int, s: int, spec,
              scale: float, cfg: Config):
   """The kernel on ``q`` and ``k, v`` whose rows past ``t`` and ``s`` are padding."""
@@ -337,26 +372,35 @@ def _forward(q, k, v, q_seg, kv_seg, spans, q_len, kv_len, t: int, s: int, spec,
   rows_per_cta = _CONSUMERS * block_q
   q_tiles, kv_tiles = -(-t // rows_per_cta), -(-s // block_kv)
   stages = max(2, min(cfg.stages, kv_tiles))
+  q_buffers = 2 if cfg.prefetch_q else 1
+  pairs = b * n * -(-q_tiles // 2)
+  ctas = min(pairs, registry.num_multiprocessors())
   cap = spec.soft_cap
   has_segments = q_seg is not None
   band = _Band.of_queries(t, spec, block_q, block_kv, kv_tiles,
                           # Every tile is masked when a mask depends on data (segments,
                           # query lengths).
                           mask_every_tile=has_segments or q_len is not None)
+  # Scores enter exp2 as one fused multiply-add, z * factor - max, with the maximum kept in
+  # scaled units; a soft-cap (or a scale <= 0, which would flip the maximum) scales first.
+  factor = scale * _LOG2E if cap is None and scale > 0 else 1.0
+
+  item = lambda i: _work_item(lax.axis_index("cta"), i, ctas, n, q_tiles)
+
+  def tile_range(batch, tile, kv_len_ref, q_len_ref, spans_ref):
+    """``keys``, ``q_rows``, ``span_of`` and the CTA's key tiles (``band.cta``) of a tile."""
+    keys = s if kv_len_ref is None else jnp.clip(kv_len_ref[batch], 0, s)
+    q_rows = None if q_len_ref is None else jnp.clip(q_len_ref[batch], 0, t)
+    span_of = _block_spans(spans_ref, batch, jnp.minimum(tile, q_tiles - 1))
+    cta_lo, cta_hi = band.cta(tile * rows_per_cta, keys, span_of, q_rows)
+    return keys, q_rows, span_of, (cta_lo, jnp.where(tile < q_tiles, cta_hi, cta_lo))
 
   def body(q_ref, k_ref, v_ref, extras, *refs):
     q_seg_ref, kv_seg_ref, spans_ref, q_len_ref, kv_len_ref = extras
     (out_ref, lse_ref, q_smem, k_smem, v_smem, o_smem, lse_smem, q_seg_smem, kv_seg_smem,
      k_loaded, v_loaded, seg_loaded, q_loaded, k_consumed, v_consumed, schedule) = refs
-    batch, head, tile = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("t")
     wg = lax.axis_index("wg")
-    keys = s if kv_len_ref is None else jnp.clip(kv_len_ref[batch], 0, s)
-    q_rows = None if q_len_ref is None else jnp.clip(q_len_ref[batch], 0, t)
-    cta_first = tile * rows_per_cta
-
-    span_of = _block_spans(spans_ref, batch, tile)
-    cta_lo, cta_hi = band.cta(cta_first, keys, span_of, q_rows)
-    slot_of = lambda j: lax.rem(j - cta_lo, stages)
+    my_items = 2 * (lax.div(pairs - 1 - lax.axis_index("cta"), ctas) + 1)
 
     def take_turn():
       plgpu.barrier_arrive(schedule)
@@ -365,147 +409,194 @@ def _forward(q, k, v, q_seg, kv_seg, spans, q_len, kv_len, t: int, s: int, spec,
     @pl.when(wg < _CONSUMERS)
     def _consumer():
       plgpu.set_max_registers(232, action="increase")
-      first = cta_first + wg * block_q
-      my_q = q_smem.at[wg]
-      plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(first, block_q), head], my_q,
-                              q_loaded.at[wg])
-      if has_segments:
-        plgpu.copy_gmem_to_smem(q_seg_ref.at[batch, pl.ds(first, block_q)],
-                                q_seg_smem.at[wg], seg_loaded.at[stages + wg])
-        plgpu.barrier_wait(seg_loaded.at[stages + wg])
-        q_ids = _load(plgpu, q_seg_smem.at[wg], plgpu.Layout.WGMMA.reduce(1))
-      plgpu.barrier_wait(q_loaded.at[wg])
-      span = None if span_of is None else span_of(wg)
-      lo, full_lo, full_hi, hi = band.block(first, keys, span, (cta_lo, cta_hi), q_rows)
 
-      def mask(z, j, slot):
-        rows, cols = _iota(z.shape, 0) + first, _iota(z.shape, 1) + j * block_kv
-        ok = band.allowed(rows, cols, keys)
-        if q_rows is not None:
-          ok = ok & (rows < q_rows)
+      def load_q(i, buffer):
+        batch, head, tile = item(i)
+        first = tile * rows_per_cta + wg * block_q
+        loaded = q_loaded.at[buffer * _CONSUMERS + wg]
+        plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(first, block_q), head],
+                                q_smem.at[buffer, wg], loaded)
         if has_segments:
-          kv_ids = _load(plgpu, kv_seg_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
-          ok = ok & (lax.broadcast_in_dim(q_ids, z.shape, [0])
-                     == lax.broadcast_in_dim(kv_ids, z.shape, [1]))
-        return jnp.where(ok, z, -jnp.inf)
+          plgpu.copy_gmem_to_smem(q_seg_ref.at[batch, pl.ds(first, block_q)],
+                                  q_seg_smem.at[buffer, wg], loaded)
 
-      row_stat = lambda value: plgpu.layout_cast(jnp.full((block_q,), value, jnp.float32),
-                                                 plgpu.Layout.WGMMA.reduce(1))
-      carry = (plgpu.layout_cast(jnp.zeros((block_q, hv), jnp.float32), plgpu.Layout.WGMMA),
-               row_stat(-jnp.inf), row_stat(0.0))
+      load_q(0, 0)
 
-      def wait_next_key(j):
-        _when(j + 1 < cta_hi, lambda: plgpu.barrier_wait(k_loaded.at[slot_of(j + 1)]))
+      def run_item(i, streamed):
+        """The CTA's item ``i``; ``streamed``: the key tiles the ring carried before it."""
+        batch, head, tile = item(i)
+        keys, q_rows, span_of, (cta_lo, cta_hi) = tile_range(batch, tile, kv_len_ref,
+                                                             q_len_ref, spans_ref)
+        slot_of = lambda j: lax.rem(streamed + j - cta_lo, stages)
+        buffer = lax.rem(i, q_buffers)
+        my_q = q_smem.at[buffer, wg]
+        plgpu.barrier_wait(q_loaded.at[buffer * _CONSUMERS + wg])
+        # The item before's output has left shared memory (the other query buffer, where it
+        # was staged, or its own): the next queries may load there.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        if q_buffers > 1:
+          _when(i + 1 < my_items, lambda: load_q(i + 1, 1 - buffer))
+        if has_segments:
+          q_ids = _load(plgpu, q_seg_smem.at[buffer, wg], plgpu.Layout.WGMMA.reduce(1))
+        first = tile * rows_per_cta + wg * block_q
+        span = None if span_of is None else span_of(wg)
+        lo, full_lo, full_hi, hi = band.block(first, keys, span, (cta_lo, cta_hi), q_rows)
 
-      _when(cta_lo < cta_hi, lambda: plgpu.barrier_wait(k_loaded.at[slot_of(cta_lo)]))
-      pl.when(wg == 1)(take_turn)
+        def mask(z, j, slot):
+          rows, cols = _iota(z.shape, 0) + first, _iota(z.shape, 1) + j * block_kv
+          ok = band.allowed(rows, cols, keys)
+          if q_rows is not None:
+            ok = ok & (rows < q_rows)
+          if has_segments:
+            kv_ids = _load(plgpu, kv_seg_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
+            ok = ok & (lax.broadcast_in_dim(q_ids, z.shape, [0])
+                       == lax.broadcast_in_dim(kv_ids, z.shape, [1]))
+          return jnp.where(ok, z, -jnp.inf)
 
-      def step(j, carry, masked):
-        acc, m_i, l_i = carry
-        slot = slot_of(j)
+        row_stat = lambda value: plgpu.layout_cast(jnp.full((block_q,), value, jnp.float32),
+                                                   plgpu.Layout.WGMMA.reduce(1))
+        carry = (plgpu.layout_cast(jnp.zeros((block_q, hv), jnp.float32), plgpu.Layout.WGMMA),
+                 row_stat(-jnp.inf), row_stat(0.0))
 
-        def scores(acc_ref):
-          plgpu.wgmma(acc_ref, my_q, k_smem.at[slot].transpose((1, 0)))
+        def wait_next_key(j):
+          _when(j + 1 < cta_hi, lambda: plgpu.barrier_wait(k_loaded.at[slot_of(j + 1)]))
+
+        _when(cta_lo < cta_hi, lambda: plgpu.barrier_wait(k_loaded.at[slot_of(cta_lo)]))
+        pl.when(wg == 1)(take_turn)
+
+        def step(j, carry, masked):
+          acc, m_i, l_i = carry
+          slot = slot_of(j)
+
+          def scores(acc_ref):
+            plgpu.wgmma(acc_ref, my_q, k_smem.at[slot].transpose((1, 0)))
+            take_turn()
+            return acc_ref[...]
+
+          z = pl.run_scoped(scores, plgpu.ACC((block_q, block_kv), jnp.float32))
+          plgpu.barrier_arrive(k_consumed.at[slot])
+          if cap is not None:
+            z = jnp.tanh(z * (scale / cap)) * (cap * _LOG2E)  # base 2: exp(x) = exp2(x log2 e)
+          elif factor == 1.0:
+            z = z * (scale * _LOG2E)
+          if has_segments:
+            plgpu.barrier_wait(seg_loaded.at[slot])
+          if masked:
+            z = mask(z, j, slot)
+          m_new = jnp.maximum(m_i, z.max(axis=1) * factor)
+          # A row that has seen only masked scores keeps m = -inf: shift it by 0, not -inf.
+          shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+          alpha = jnp.exp2(m_i - shift)
+          p = jnp.exp2(z * factor - lax.broadcast_in_dim(shift, z.shape, [0]))
+          acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+          l_i = l_i * alpha + p.sum(axis=1)
+          p = p.astype(dtype)
+          acc, l_i, m_new, p = lax.optimization_barrier((acc, l_i, m_new, p))
+          plgpu.barrier_arrive(schedule)
+          plgpu.barrier_wait(v_loaded.at[slot])
+          plgpu.barrier_wait(schedule)
+
+          def values(acc_ref):
+            plgpu.wgmma(acc_ref, p, v_smem.at[slot])
+            wait_next_key(j)
+
+          acc = pl.run_state(values)(plgpu.ACC.init(acc))
+          plgpu.barrier_arrive(v_consumed.at[slot])
+          return acc, m_new, l_i
+
+        def skip(j, carry):
+          """A tile the partner needs and these rows do not: its barriers pass, the turns
+          keep alternating."""
+          slot = slot_of(j)
+          plgpu.barrier_arrive(k_consumed.at[slot])
           take_turn()
-          return acc_ref[...]
-
-        z = pl.run_scoped(scores, plgpu.ACC((block_q, block_kv), jnp.float32))
-        plgpu.barrier_arrive(k_consumed.at[slot])
-        if cap is None:
-          z = z * (scale * _LOG2E)  # base 2: exp(x) = exp2(x log2 e)
-        else:
-          z = jnp.tanh(z * (scale / cap)) * (cap * _LOG2E)
-        if has_segments:
-          plgpu.barrier_wait(seg_loaded.at[slot])
-        if masked:
-          z = mask(z, j, slot)
-        m_new = jnp.maximum(m_i, z.max(axis=1))
-        # A row that has seen only masked scores keeps m = -inf: shift it by 0, not -inf.
-        shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp2(m_i - shift)
-        p = jnp.exp2(z - lax.broadcast_in_dim(shift, z.shape, [0]))
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        l_i = l_i * alpha + p.sum(axis=1)
-        p = p.astype(dtype)
-        acc, l_i, m_new, p = lax.optimization_barrier((acc, l_i, m_new, p))
-        plgpu.barrier_arrive(schedule)
-        plgpu.barrier_wait(v_loaded.at[slot])
-        plgpu.barrier_wait(schedule)
-
-        def values(acc_ref):
-          plgpu.wgmma(acc_ref, p, v_smem.at[slot])
+          if has_segments:
+            plgpu.barrier_wait(seg_loaded.at[slot])
+          plgpu.barrier_wait(v_loaded.at[slot])
+          plgpu.barrier_arrive(v_consumed.at[slot])
+          take_turn()
           wait_next_key(j)
+          return carry
 
-        acc = pl.run_state(values)(plgpu.ACC.init(acc))
-        plgpu.barrier_arrive(v_consumed.at[slot])
-        return acc, m_new, l_i
+        acc, m_i, l_i = _walk((lo, full_lo, full_hi, hi), (cta_lo, cta_hi), step, skip, carry)
+        pl.when(wg == 0)(take_turn)
 
-      def skip(j, carry):
-        """A tile the partner needs and these rows do not: its barriers pass, the turns
-        keep alternating."""
-        slot = slot_of(j)
-        plgpu.barrier_arrive(k_consumed.at[slot])
-        take_turn()
-        if has_segments:
-          plgpu.barrier_wait(seg_loaded.at[slot])
-        plgpu.barrier_wait(v_loaded.at[slot])
-        plgpu.barrier_arrive(v_consumed.at[slot])
-        take_turn()
-        wait_next_key(j)
-        return carry
+        inverse = jnp.where(l_i == 0.0, 0.0, 1.0 / l_i)  # no key at all: 0, as the reference
+        my_out = my_q if o_smem is None else o_smem.at[wg]
+        my_out[...] = (acc * lax.broadcast_in_dim(inverse, acc.shape, [0])).astype(dtype)
+        lse_smem.at[wg][...] = (m_i + jnp.log2(l_i)) * _LN2
+        plgpu.commit_smem()
 
-      carry = _walk((lo, full_lo, full_hi, hi), (cta_lo, cta_hi), step, skip, carry)
-      pl.when(wg == 0)(take_turn)
+        @pl.when(tile < q_tiles)
+        def _store():  # rows past T are dropped by TMA's bounds
+          plgpu.copy_smem_to_gmem(my_out, out_ref.at[batch, pl.ds(first, block_q), head])
+          plgpu.copy_smem_to_gmem(lse_smem.at[wg],
+                                  lse_ref.at[batch, head, pl.ds(first, block_q)])
 
-      acc, m_i, l_i = carry
-      inverse = jnp.where(l_i == 0.0, 0.0, 1.0 / l_i)  # no key at all: 0, as the reference
-      my_out = my_q if o_smem is None else o_smem.at[wg]
-      my_out[...] = (acc * lax.broadcast_in_dim(inverse, acc.shape, [0])).astype(dtype)
-      lse_smem.at[wg][...] = (m_i + jnp.log2(l_i)) * _LN2
-      plgpu.commit_smem()
-      # Rows past T are dropped by TMA's bounds.
-      plgpu.copy_smem_to_gmem(my_out, out_ref.at[batch, pl.ds(first, block_q), head])
-      plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, pl.ds(first, block_q)])
+        if q_buffers == 1:  # the next queries go where these were
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          _when(i + 1 < my_items, lambda: load_q(i + 1, 0))
+        return streamed + cta_hi - cta_lo
+
+      lax.fori_loop(0, my_items, run_item, jnp.int32(0))
       plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == _CONSUMERS)
     def _producer():
       plgpu.set_max_registers(40, action="decrease")
-      kv_head = lax.div(head, jnp.int32(groups))
 
-      def load(j, slot):
-        # Keys past S read as zeros (TMA's bounds) and are masked.
-        rows = (batch, pl.ds(j * block_kv, block_kv), kv_head)
-        plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_loaded.at[slot])
-        if has_segments:
-          plgpu.copy_gmem_to_smem(kv_seg_ref.at[batch, pl.ds(j * block_kv, block_kv)],
-                                  kv_seg_smem.at[slot], seg_loaded.at[slot])
-        plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_loaded.at[slot])
+      def stream_item(i, streamed):
+        """The key and value tiles of the CTA's item ``i`` into the ring, each slot refilled
+        once both consumers are done with it, running on into the next item's tiles."""
+        batch, head, tile = item(i)
+        _, _, _, (cta_lo, cta_hi) = tile_range(batch, tile, kv_len_ref, q_len_ref, spans_ref)
+        kv_head = lax.div(head, jnp.int32(groups))
 
-      _produce(load, cta_lo, cta_hi, stages, min(stages, kv_tiles), (k_consumed, v_consumed))
+        @pl.loop(cta_lo, cta_hi)
+        def _(j):
+          ring = streamed + j - cta_lo
+          slot = lax.rem(ring, stages)
+
+          @pl.when(ring >= stages)
+          def _():
+            plgpu.barrier_wait(k_consumed.at[slot])
+            plgpu.barrier_wait(v_consumed.at[slot])
+
+          # Keys past S read as zeros (TMA's bounds) and are masked.
+          rows = (batch, pl.ds(j * block_kv, block_kv), kv_head)
+          plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_loaded.at[slot])
+          if has_segments:
+            plgpu.copy_gmem_to_smem(kv_seg_ref.at[batch, pl.ds(j * block_kv, block_kv)],
+                                    kv_seg_smem.at[slot], seg_loaded.at[slot])
+          plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_loaded.at[slot])
+
+        return streamed + cta_hi - cta_lo
+
+      lax.fori_loop(0, my_items, stream_item, jnp.int32(0))
 
   tiled = _swizzled()
   scratch = [
-      plgpu.SMEM((_CONSUMERS, block_q, h), dtype, **tiled),
+      plgpu.SMEM((q_buffers, _CONSUMERS, block_q, h), dtype, **tiled),
       plgpu.SMEM((stages, block_kv, h), dtype, **tiled),
       plgpu.SMEM((stages, block_kv, hv), dtype, **tiled),
+      # The output is staged where its queries were, where it has their head dim.
       plgpu.SMEM((_CONSUMERS, block_q, hv), dtype, **tiled) if hv != h else None,
       plgpu.SMEM((_CONSUMERS, block_q), jnp.float32),
-      plgpu.SMEM((_CONSUMERS, block_q), jnp.int32) if has_segments else None,
+      plgpu.SMEM((q_buffers, _CONSUMERS, block_q), jnp.int32) if has_segments else None,
       plgpu.SMEM((stages, block_kv), jnp.int32) if has_segments else None,
       plgpu.Barrier(num_barriers=stages),
       plgpu.Barrier(num_barriers=stages),
-      # Key segment ids per slot, then query segment ids per consumer.
-      plgpu.Barrier(num_barriers=stages + _CONSUMERS) if has_segments else None,
-      plgpu.Barrier(num_barriers=_CONSUMERS),
+      plgpu.Barrier(num_barriers=stages) if has_segments else None,
+      # Queries (and their segment ids: a second copy) per buffer and consumer.
+      plgpu.Barrier(num_arrivals=1 + has_segments, num_barriers=q_buffers * _CONSUMERS),
       plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
       plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
       plgpu.Barrier(num_arrivals=_CONSUMERS),
   ]
   out_types = (jax.ShapeDtypeStruct((b, q.shape[1], n, hv), dtype),
                jax.ShapeDtypeStruct((b, n, q_tiles * rows_per_cta), jnp.float32))
-  return _launch(body, scratch, out_types, (b, n, q_tiles), (q, k, v),
-                 (q_seg, kv_seg, spans, q_len, kv_len))
+  return _launch(body, scratch, out_types, (ctas,), (q, k, v),
+                 (q_seg, kv_seg, spans, q_len, kv_len), grid_names=("cta",))
 
 
 @dataclasses.dataclass(frozen=True)
