@@ -590,21 +590,35 @@ def test_mosaic_segment_spans_reach_every_match(rng):
       ids, kv_ids = np.sort(ids, axis=1), np.sort(kv_ids, axis=1)
     spans = np.asarray(mosaic._segment_spans(jnp.asarray(ids), jnp.asarray(kv_ids), tp, sp,
                                              block_q, block_kv))
-    assert spans.shape == (2, tp // block_q, 2)
+    assert spans.shape == (2, tp // block_q, 4)
     for bi in range(2):
       for qb in range(tp // block_q):
         rows = ids[bi, qb * block_q:min(t, (qb + 1) * block_q)]
         match = np.isin(kv_ids[bi], rows) if rows.size else np.zeros(s, bool)
         tiles = np.unique(np.nonzero(match)[0] // block_kv)
-        lo, hi = spans[bi, qb]
-        assert lo <= hi
+        lo, hi, full_lo, full_hi = spans[bi, qb]
+        assert lo <= full_lo <= full_hi <= hi
         if tiles.size:
           assert lo <= tiles[0] and tiles[-1] < hi
-  # Four sorted documents of 16 rows, tiles of 8 keys: each block sees its document's 2 tiles.
+        # Tiles left unmasked hold only the block's one id (padding repeats the last id).
+        padded = lambda a, n: np.pad(a, (0, n - a.size), mode="edge")
+        block_ids = padded(ids[bi], tp)[qb * block_q:(qb + 1) * block_q]
+        unmasked = padded(kv_ids[bi], sp)[full_lo * block_kv:full_hi * block_kv]
+        assert np.all(unmasked == block_ids[0]) and np.all(block_ids == block_ids[0]) or (
+            full_lo == full_hi)
+  # Four sorted documents of 16 rows, tiles of 8 keys: each block sees its document's 2 tiles,
+  # neither masked.
   docs = jnp.repeat(jnp.arange(4, dtype=jnp.int32), 16)[None]
   spans = np.asarray(mosaic._segment_spans(docs, docs, 64, 64, 4, 8))
   np.testing.assert_array_equal(spans[0, :, 0], np.repeat([0, 2, 4, 6], 4))
   np.testing.assert_array_equal(spans[0, :, 1], np.repeat([2, 4, 6, 8], 4))
+  np.testing.assert_array_equal(spans[0, :, 2:], spans[0, :, :2])
+  # Documents of 10: a tile holding two documents is masked, a block holding two (rows 8-11)
+  # has no unmasked tile.
+  docs = jnp.repeat(jnp.arange(7, dtype=jnp.int32), 10)[None, :64]
+  spans = np.asarray(mosaic._segment_spans(docs, docs, 64, 64, 4, 8))
+  np.testing.assert_array_equal(spans[0, :4], [[0, 2, 0, 1], [0, 2, 0, 1], [0, 3, 0, 0],
+                                               [1, 3, 1, 1]])
 
 
 @pytest.mark.parametrize("kwargs,name", [
@@ -730,13 +744,13 @@ def test_mosaic_bands_cover_every_allowed_pair(rng, monkeypatch):
     case = (t, s, spec, kv_len, q_len, segments)
     spans = lambda *a: np.asarray(mosaic._segment_spans(*a))[0] if segments else None
     queries = mosaic._Band.of_queries(t, spec, block_q, block_kv, kv_tiles,
-                                      mask_every_tile=segments or q_len is not None)
+                                      mask_every_tile=q_len is not None)
     q_spans = spans(q_ids[None], kv_ids[None], q_rows, kv_tiles * block_kv, block_q, block_kv)
     _check_band_walk(queries, ok, s if kv_len is None else kv_len, q_spans, case, q_len)
-    # dQ: rows past the query length have no probability, so only segments mask every tile.
-    dq_queries = dataclasses.replace(queries, mask_every_tile=segments)
+    # dQ: rows past the query length have no probability, so they need no mask.
+    dq_queries = dataclasses.replace(queries, mask_every_tile=False)
     _check_band_walk(dq_queries, ok, s if kv_len is None else kv_len, q_spans, case, q_len)
-    keys = mosaic._Band.of_keys(s, spec, block_kv, block_q, q_tiles, mask_every_tile=segments)
+    keys = mosaic._Band.of_keys(s, spec, block_kv, block_q, q_tiles, mask_every_tile=False)
     _check_band_walk(keys, ok.T, t if q_len is None else q_len,
                      spans(kv_ids[None], q_ids[None], kv_rows, q_tiles * block_q, block_kv,
                            block_q), case, kv_len)

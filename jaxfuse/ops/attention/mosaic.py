@@ -16,8 +16,9 @@ them take turns on the tensor cores, so one's softmax runs while the other's pro
 Masks come from positions (causal with an offset, a (left, right) window, key and query
 lengths) and from segment ids. Each consumer walks the key tiles of its band in three runs:
 masked tiles at the band's lower edge, tiles whose keys every row sees (no mask), masked tiles
-at the upper edge; tiles wholly outside the band are not loaded. Segment ids and query lengths
-mask every tile. The producer loads the union of both consumers' bands; a consumer passes the
+at the upper edge; tiles wholly outside the band are not loaded. Segment ids mask the tiles
+other than those whose ids are all the rows' one id; query lengths (in the forward) mask every
+tile. The producer loads the union of both consumers' bands; a consumer passes the
 tiles only its partner needs, waiting and arriving on their barriers without computing (a
 Mosaic barrier's phase is tracked per thread, so no wait may be skipped).
 
@@ -149,21 +150,29 @@ def forward(q, k, v, extras, *, spec, scale, allow_tf32=None, config: Config | N
 
 
 def _segment_spans(row_ids, col_ids, rows: int, cols: int, block_rows: int, block_cols: int):
-  """``(B, rows // block_rows, 2)``: per block of rows (queries in the forward), the column
+  """``(B, rows // block_rows, 4)``: per block of rows (queries in the forward), the column
   tiles (keys) ``[lo, hi)`` from the first to the last whose range of segment ids meets the
-  block's. Packed documents (sorted ids) then walk only their own document's tiles; any ids
-  stay correct, as every tile is masked."""
+  block's, and within them ``[full_lo, full_hi)``, the first run of tiles whose ids all equal
+  the block's one id (empty where its rows hold several), which need no segment mask. Packed
+  documents (sorted ids) then walk only their own document's tiles, masking only those at a
+  document's edges; any ids stay correct."""
   b = row_ids.shape[0]
   # Padding repeats the last id, widening no range (padded keys are masked by S, padded
   # queries have no probability).
   edge = lambda a, n: jnp.pad(a.astype(jnp.int32), ((0, 0), (0, n - a.shape[1])), mode="edge")
-  rs = edge(row_ids, rows).reshape(b, -1, block_rows)
-  cs = edge(col_ids, cols).reshape(b, -1, block_cols)
-  meets = ((rs.min(-1)[:, :, None] <= cs.max(-1)[:, None, :])
-           & (cs.min(-1)[:, None, :] <= rs.max(-1)[:, :, None]))
+  rs = edge(row_ids, rows).reshape(b, -1, 1, block_rows)
+  cs = edge(col_ids, cols).reshape(b, 1, -1, block_cols)
+  (row_min, row_max), (col_min, col_max) = ((a.min(-1), a.max(-1)) for a in (rs, cs))
+  meets = (row_min <= col_max) & (col_min <= row_max)
+  tiles = meets.shape[-1]
   lo = jnp.argmax(meets, -1)
-  hi = jnp.where(meets.any(-1), cs.shape[1] - jnp.argmax(meets[..., ::-1], -1), lo)
-  return jnp.stack([lo, hi], -1).astype(jnp.int32)
+  hi = jnp.where(meets.any(-1), tiles - jnp.argmax(meets[..., ::-1], -1), lo)
+  same = (row_min == row_max) & (col_min == col_max) & (col_min == row_min)
+  full_lo = jnp.where(same.any(-1), jnp.argmax(same, -1), lo)
+  run_ends = ~same & (jnp.arange(tiles) >= full_lo[..., None])
+  full_hi = jnp.where(run_ends.any(-1), jnp.argmax(run_ends, -1), tiles)
+  full_hi = jnp.where(same.any(-1), full_hi, full_lo)
+  return jnp.stack([lo, hi, full_lo, full_hi], -1).astype(jnp.int32)
 
 
 def _block_spans(spans_ref, batch, cta):
@@ -171,8 +180,7 @@ def _block_spans(spans_ref, batch, cta):
   without segments."""
   if spans_ref is None:
     return None
-  return lambda i: (spans_ref[batch, cta * _CONSUMERS + i, 0],
-                    spans_ref[batch, cta * _CONSUMERS + i, 1])
+  return lambda i: tuple(spans_ref[batch, cta * _CONSUMERS + i, j] for j in range(4))
 
 
 def _minimum(a, b):
@@ -302,6 +310,9 @@ class _Band:
       return lo, hi, hi, hi
     full_lo = _minimum(hi, _maximum(lo, _div(full_begin + block - 1, block)))
     full_hi = _minimum(hi, _maximum(full_lo, _div(_maximum(full_end, 0), block)))
+    if span is not None:  # and the tiles of the rows' one segment id
+      full_lo = _minimum(full_hi, _maximum(full_lo, span[2]))
+      full_hi = _maximum(full_lo, _minimum(full_hi, span[3]))
     return lo, full_lo, full_hi, hi
 
   def cta(self, cta_first, limit, span_of=None, row_limit=None):
@@ -378,9 +389,8 @@ def _forward(q, k, v, q_seg, kv_seg, spans, q_len, kv_len, t: int, s: int, spec,
   cap = spec.soft_cap
   has_segments = q_seg is not None
   band = _Band.of_queries(t, spec, block_q, block_kv, kv_tiles,
-                          # Every tile is masked when a mask depends on data (segments,
-                          # query lengths).
-                          mask_every_tile=has_segments or q_len is not None)
+                          # Query lengths mask every tile (rows past them are stored).
+                          mask_every_tile=q_len is not None)
   # Scores enter exp2 as one fused multiply-add, z * factor - max, with the maximum kept in
   # scaled units; a soft-cap (or a scale <= 0, which would flip the maximum) scales first.
   factor = scale * _LOG2E if cap is None and scale > 0 else 1.0
@@ -640,9 +650,9 @@ def backward(q, k, v, do, lse, delta, extras, *, spec, scale, allow_tf32=None,
   q_seg, kv_seg, q_len, kv_len = extras
   t, s = q.shape[1], k.shape[1]
   dq_band = _Band.of_queries(t, spec, cfg.dq_block_q, cfg.dq_block_kv,
-                             -(-s // cfg.dq_block_kv), mask_every_tile=q_seg is not None)
+                             -(-s // cfg.dq_block_kv), mask_every_tile=False)
   dkdv_band = _Band.of_keys(s, spec, cfg.dkdv_block_kv, cfg.dkdv_block_q,
-                            -(-t // cfg.dkdv_block_q), mask_every_tile=q_seg is not None)
+                            -(-t // cfg.dkdv_block_q), mask_every_tile=False)
   # Rows of whole CTAs (two blocks) and whole streamed tiles, in both kernels.
   whole = lambda n, *blocks: -(-n // math.lcm(*blocks)) * math.lcm(*blocks)
   q_rows = whole(t, _CONSUMERS * cfg.dq_block_q, cfg.dkdv_block_q)
@@ -783,6 +793,10 @@ def _dq(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, s: int, band: _Band, 
     (dq_ref, q_smem, do_smem, stats_smem, k_smem, v_smem, q_seg_smem, kv_seg_smem,
      rows_loaded, loaded, consumed) = refs
     batch, head, cta = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("t")
+    if band.high is not None:
+      # Later query blocks walk more keys under a causal mask: CTAs launch in grid order, so
+      # these go first and the light ones even out the end.
+      cta = ctas - 1 - cta
     wg = lax.axis_index("wg")
     keys = s if kv_len_ref is None else jnp.clip(kv_len_ref[batch], 0, s)
     # Queries past the length have lse = +inf (no probability): the walk only stops there.
