@@ -56,6 +56,13 @@ def cuda_compute_capability() -> tuple[int, int] | None:
 
 
 @functools.cache
+def device_kind() -> str | None:
+  """The default GPU's name (``'NVIDIA H100 80GB HBM3'``), which tuned tables are keyed by, or
+  None off the GPU."""
+  return jax.devices()[0].device_kind if platform() == "gpu" else None
+
+
+@functools.cache
 def num_multiprocessors() -> int:
   """Streaming multiprocessors of the default GPU (a small number on the CPU interpreter)."""
   if platform() != "gpu":

@@ -284,6 +284,22 @@ def _mosaic_unsupported(call, arrays):
                             has_kv_len=call.has_kv_len)
 
 
+# Per GPU, the causal calls for which None takes 'mosaic' before cuDNN: up to this many queries
+# and head dims up to this one. There the Mosaic training step ran at 1.04-1.11x cuDNN's and its
+# forward at 1.02-1.10x (benchmarks/results/2026-11-26-h100-attention-mosaic-segment-tiles.json,
+# 2026-11-26-h100-attention-mosaic-table.json); cuDNN's step is the faster at 16384 queries, at
+# head dim 256, and without a causal mask.
+_MOSAIC_BEFORE_CUDNN = {"NVIDIA H100 80GB HBM3": (4096, 128)}
+
+
+def _mosaic_before_cudnn(call, arrays) -> bool:
+  limits = _MOSAIC_BEFORE_CUDNN.get(registry.device_kind())
+  if limits is None or not call.spec.is_causal:
+    return False
+  q, _, v = arrays[:3]
+  return q.shape[1] <= limits[0] and max(q.shape[3], v.shape[3]) <= limits[1]
+
+
 def _resolve(implementation, call, arrays):
   checks = {"triton": _triton_unsupported,
             "cudnn": functools.partial(_cudnn_unsupported, arrays=arrays),
@@ -296,10 +312,15 @@ def _resolve(implementation, call, arrays):
     return check
 
   backends = {name: available(name) for name in _BACKENDS}
-  # cuDNN is the fastest where it applies, then the Mosaic kernels, then the Triton kernels
+  # cuDNN is the fastest where it applies (but for _MOSAIC_BEFORE_CUDNN's calls), then the
+  # Mosaic kernels, then the Triton kernels
   # (benchmarks/results/2026-11-25-h100-attention-mosaic-backward.json).
-  preference = (("xla",) if registry.platform() == "cpu" else
-                ("cudnn", "mosaic", "triton", "xla"))
+  if registry.platform() == "cpu":
+    preference = ("xla",)
+  elif _mosaic_before_cudnn(call, arrays):
+    preference = ("mosaic", "cudnn", "triton", "xla")
+  else:
+    preference = ("cudnn", "mosaic", "triton", "xla")
   impl = registry.resolve(OP, implementation, backends, preference)
   if impl == "triton":
     registry.using_triton(named=implementation == "triton")

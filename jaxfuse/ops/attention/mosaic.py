@@ -72,9 +72,10 @@ class Config:
 
 
 # Per head dim (the larger of the query's and the value's; the kernel is Hopper's only): tiles
-# whose Q, K, V (and output) slots fit the 227 KiB of shared memory, the fastest of those timed
-# (benchmarks/results/2026-11-24-h100-tune-attention-mosaic-hd128.json).
-# At head dim 256 a second query buffer does not fit.
+# whose Q (two buffers with prefetch_q), K and V slots fit the 227 KiB of shared memory, the
+# fastest of those timed (benchmarks/results/2026-11-24-h100-tune-attention-mosaic-hd128.json;
+# in the persistent kernel, 2026-11-25-h100-tune-attention-mosaic-persistent.json, prefetching
+# the queries gained up to 7% and lost 1% once). At head dim 256 a second buffer does not fit.
 CONFIGS = {64: Config(64, 128, 3), 128: Config(64, 128, 2),
            256: Config(64, 64, 2, prefetch_q=False)}
 
@@ -389,7 +390,8 @@ def _forward(q, k, v, q_seg, kv_seg, spans, q_len, kv_len, t: int, s: int, spec,
   cap = spec.soft_cap
   has_segments = q_seg is not None
   band = _Band.of_queries(t, spec, block_q, block_kv, kv_tiles,
-                          # Query lengths mask every tile (rows past them are stored).
+                          # Query lengths mask every tile: the rows past them, stored
+                          # like the others, must see no key.
                           mask_every_tile=q_len is not None)
   # Scores enter exp2 as one fused multiply-add, z * factor - max, with the maximum kept in
   # scaled units; a soft-cap (or a scale <= 0, which would flip the maximum) scales first.
