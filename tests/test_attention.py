@@ -672,6 +672,7 @@ def test_mosaic_names_what_it_refuses(kwargs, name):
     ((512, 4096, 64, 64), (False, 0, (256, 256), None), False, False, jnp.float16),
     ((1000, 1321, 128, 64), (True, 7, (100, 3), 5.0), True, True, jnp.bfloat16),
     ((77, 64, 64, 128), (True, -3, None, None), False, True, jnp.float16),
+    ((300, 700, 64, 64), (False, 0, None, None), False, False, jnp.bfloat16),  # 256-key tiles
 ], ids=str)
 def test_mosaic_lowers_for_hopper(shape, spec, segments, lengths, dtype):
   """The kernels (forward, and backward: at head dim 256 with dK and dV split) lowered for
