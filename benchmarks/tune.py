@@ -389,7 +389,7 @@ def _softmax_cuda(sweep):
 # --------------------------------------------------------------------------- attention
 
 def _attention(sweep):
-  from jaxfuse.ops.attention import triton
+  from jaxfuse.ops.attention import reference, triton
   from jaxfuse.ops.attention.reference import MaskSpec
   from jaxfuse.ops.attention.triton import KernelBlocks as K
 
@@ -427,7 +427,7 @@ def _attention(sweep):
       bwd_sets = []
       for q, k, v, do in sets:
         out, lse = triton.forward(q, k, v, extras, **kw)
-        delta = jnp.einsum("btnh,btnh->bnt", out.astype(jnp.float32), do.astype(jnp.float32))
+        delta = reference.delta(do, out)
         bwd_sets.append((q, k, v, do, lse, delta))
 
       def bwd(blocks, q, k, v, do, lse, delta):
