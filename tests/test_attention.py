@@ -528,6 +528,38 @@ def test_gpu_mosaic_backward_split_gradients(rng, shape, kw, ref_kw):
     assert_close(g, r, jnp.bfloat16, factor=4, name=name, floor=floor)
 
 
+@pytest.fixture
+def fused_dq(monkeypatch):
+  """'mosaic' with ``BackwardConfig.fuse_dq`` at the head dims that take it; the jit caches
+  are cleared around the test, so that it traces the fused backward and no later test
+  finds it there."""
+  from jaxfuse.ops.attention import mosaic
+  monkeypatch.setattr(mosaic, "BACKWARD_CONFIGS", {
+      dim: cfg if cfg.split_dk_dv else dataclasses.replace(cfg, fuse_dq=True)
+      for dim, cfg in mosaic.BACKWARD_CONFIGS.items()})
+  jax.clear_caches()
+  yield
+  jax.clear_caches()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h", [64, 128])
+@pytest.mark.parametrize("feature", FEATURES + [{}], ids=str)
+def test_gpu_mosaic_backward_fused_dq(rng, fused_dq, feature, h):
+  """dQ summed by the dK/dV kernel (semaphores ordering the key blocks' adds, the first
+  storing, tiles no block walks zeroed) under every mask feature, GQA and partial tiles:
+  against the float64 gradients, and the same bits twice."""
+  _mosaic_or_skip()
+  b, t, s, n, kh = 2, 1000, 1320, 4, 2
+  q, k, v, do = inputs(rng, b, t, s, n, kh, h, dtype=jnp.bfloat16)
+  kw, ref_kw = feature_kwargs(rng, feature, b, t, s, scale=40)
+  got = run("mosaic", q, k, v, do, **kw)
+  compare(got, dense_reference(q, k, v, do=do, **ref_kw), factor=4, dtype=jnp.bfloat16,
+          floors=gradient_floors(q, k, v, do, **ref_kw))
+  for first, again in zip(got[2], run("mosaic", q, k, v, do, **kw)[2]):
+    assert np.array_equal(np.asarray(first), np.asarray(again))  # same bits
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("feature", FEATURES + [{}], ids=str)
 def test_gpu_mosaic_features(rng, feature):
@@ -675,8 +707,8 @@ def test_mosaic_names_what_it_refuses(kwargs, name):
     ((300, 700, 64, 64), (False, 0, None, None), False, False, jnp.bfloat16),  # 256-key tiles
 ], ids=str)
 def test_mosaic_lowers_for_hopper(shape, spec, segments, lengths, dtype):
-  """The kernels (forward, and backward: at head dim 256 with dK and dV split) lowered for
-  CUDA on this machine, without a GPU: what changes between JAX versions in Pallas Mosaic GPU
+  """The kernels (forward, and backward: at head dim 256 with dK and dV split, below it also
+  with dQ in the dK/dV kernel) lowered for CUDA on this machine, without a GPU: what changes between JAX versions in Pallas Mosaic GPU
   (signatures, layouts, transforms, shared memory's size) fails here in CI."""
   pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
   from jax import export
@@ -697,16 +729,21 @@ def test_mosaic_lowers_for_hopper(shape, spec, segments, lengths, dtype):
   exported = export.export(jax.jit(forward), platforms=["cuda"])(*arrays, *present)
   assert exported.out_avals[0].shape == (2, t, 4, hv)
   assert exported.out_avals[1].shape == (2, 4, t)
-  def backward(q, k, v, do, lse, delta, *present):
+  def backward(q, k, v, do, lse, delta, *present, config=None):
     present = list(present)
     return mosaic.backward(q, k, v, do, lse, delta, tuple(
         present.pop(0) if e is not None else None for e in extras), spec=MaskSpec(*spec),
-        scale=0.1)
+        scale=0.1, config=config)
 
   stat = jax.ShapeDtypeStruct((2, 4, t), jnp.float32)
-  exported = export.export(jax.jit(backward), platforms=["cuda"])(
-      *arrays, jax.ShapeDtypeStruct((2, t, 4, hv), dtype), stat, stat, *present)
-  assert [a.shape for a in exported.out_avals] == [a.shape for a in arrays]
+  configs = [None]
+  if not mosaic.BACKWARD_CONFIGS[max(h, hv)].split_dk_dv:  # and with dQ in the dK/dV kernel
+    configs.append(dataclasses.replace(mosaic.BACKWARD_CONFIGS[max(h, hv)], fuse_dq=True))
+  for config in configs:
+    exported = export.export(jax.jit(functools.partial(backward, config=config)),
+                             platforms=["cuda"])(
+        *arrays, jax.ShapeDtypeStruct((2, t, 4, hv), dtype), stat, stat, *present)
+    assert [a.shape for a in exported.out_avals] == [a.shape for a in arrays]
 
 
 def _check_band_walk(band, ok, limit, spans, case, row_limit=None):
@@ -781,9 +818,34 @@ def test_mosaic_bands_cover_every_allowed_pair(rng, monkeypatch):
     dq_queries = dataclasses.replace(queries, mask_every_tile=False)
     _check_band_walk(dq_queries, ok, s if kv_len is None else kv_len, q_spans, case, q_len)
     keys = mosaic._Band.of_keys(s, spec, block_kv, block_q, q_tiles, mask_every_tile=False)
-    _check_band_walk(keys, ok.T, t if q_len is None else q_len,
-                     spans(kv_ids[None], q_ids[None], kv_rows, q_tiles * block_q, block_kv,
-                           block_q), case, kv_len)
+    kv_spans = spans(kv_ids[None], q_ids[None], kv_rows, q_tiles * block_q, block_kv, block_q)
+    _check_band_walk(keys, ok.T, t if q_len is None else q_len, kv_spans, case, kv_len)
+    _check_dq_order(keys, t if q_len is None else q_len, kv_spans, kv_len, case)
+
+
+def _check_dq_order(band, limit, spans, row_limit, case):
+  """The fused backward's dQ order (``_dq_order``): each CTA's query tiles are those its walk
+  takes (``band.cta``), and the CTAs walking a tile hold ranks 0, 1, ... in launch order, so
+  each waits on exactly the ones launched before it (a rank off by one would hang the
+  kernel or add twice)."""
+  from jaxfuse.ops.attention import mosaic
+  column = lambda x: jnp.asarray([[x]], jnp.int32)
+  ranges, ranks, visited = (np.asarray(a)[0] for a in mosaic._dq_order(
+      band, 1, limit if row_limit is None and isinstance(limit, int) else column(limit),
+      None if spans is None else jnp.asarray(spans)[None],
+      None if row_limit is None else column(row_limit)))
+  ctas = len(ranges)
+  for cta in range(ctas):
+    span_of = None if spans is None else (lambda i: tuple(int(x) for x in spans[2 * cta + i]))
+    walk = band.cta(cta * 2 * band.block_rows, limit, span_of, row_limit)
+    assert tuple(ranges[cta]) == tuple(int(x) for x in walk), (case, cta)
+  launch = range(ctas - 1, -1, -1) if mosaic._launched_last_first(band) else range(ctas)
+  walkers = np.zeros(band.col_tiles, int)
+  for cta in launch:
+    for tile in range(*ranges[cta]):
+      assert ranks[cta, tile] == walkers[tile], (case, cta, tile)
+      walkers[tile] += 1
+  np.testing.assert_array_equal(visited, walkers > 0, err_msg=str(case))
 
 
 def test_mosaic_names_a_precision_it_cannot_keep():

@@ -33,7 +33,9 @@ kernel holds query blocks and streams key tiles. Both recompute the probabilitie
 saved log-sum-exp; a row with none saved (no allowed key, padding, past the query length) has
 lse = +inf and so no probability, which no mask has to see. At head dim 256 a key block's two
 float32 gradients outgrow a warpgroup's registers: ``BackwardConfig.split_dk_dv`` computes
-them by two kernels.
+them by two kernels. ``BackwardConfig.fuse_dq`` sums dQ in the dK/dV kernel instead, from its
+own dS (five products per tile, not seven), the key blocks adding to each query tile in an
+order fixed by the inputs and kept by semaphores (``_dq_order``).
 """
 
 from __future__ import annotations
@@ -625,10 +627,16 @@ class BackwardConfig:
   # dK and dV by two kernels, each recomputing the scores (dV's without dP): at head dim 256
   # a key block's two float32 gradients together outgrow a warpgroup's registers.
   split_dk_dv: bool = False
+  # dQ summed by the dK/dV kernel from its own dS (five products per tile in all, not seven),
+  # the key blocks adding to each query tile in a fixed order (``_dq_order``); the dQ kernel
+  # and its ``dq_block_*`` tiles are then not used.
+  fuse_dq: bool = False
 
   def __post_init__(self):
     if self.stages < 2:
       raise ValueError(f"BackwardConfig.stages must be at least 2, got {self.stages}")
+    if self.fuse_dq and self.split_dk_dv:
+      raise ValueError("BackwardConfig.fuse_dq needs dK and dV in one kernel (split_dk_dv)")
 
 
 # Per head dim (the larger of the query's and the value's), for the head dims CONFIGS takes.
@@ -636,7 +644,9 @@ class BackwardConfig:
 # (benchmarks/results/2026-11-25-h100-tune-attention-mosaic-bwd.json); at 64 the dQ kernel
 # streams the forward's key tiles; at 256 shared memory takes only 32-row streamed tiles and
 # the registers one float32 gradient per key block
-# (benchmarks/results/2026-11-25-h100-tune-attention-mosaic-bwd-hd256*.json).
+# (benchmarks/results/2026-11-25-h100-tune-attention-mosaic-bwd-hd256*.json). dQ in the dK/dV
+# kernel (fuse_dq) ran 6-24% slower at every shape timed
+# (benchmarks/results/2026-11-26-h100-tune-attention-mosaic-bwd-fuse-dq.json).
 BACKWARD_CONFIGS = {64: BackwardConfig(64, 64, 64, 128, 2), 128: BackwardConfig(64, 64, 64, 64, 2),
                     256: BackwardConfig(64, 32, 64, 32, 2, split_dk_dv=True)}
 
@@ -646,7 +656,8 @@ def backward(q, k, v, do, lse, delta, extras, *, spec, scale, allow_tf32=None,
   """``(dq, dk, dv)`` from the forward's ``lse (B, N, T)`` (natural log) and
   ``delta (B, N, T) = rowsum(dO * O)`` (minus any dLSE). Two kernels, each summing in a fixed
   order (no atomics): dK/dV by key blocks, walking every query tile of every query head of
-  the key's group; dQ by query blocks."""
+  the key's group; dQ by query blocks. With ``fuse_dq`` the dK/dV kernel also adds dQ, in an
+  order the inputs fix (``_dq_order``)."""
   del allow_tf32  # 16-bit operands only
   cfg = config or BACKWARD_CONFIGS[max(q.shape[3], v.shape[3])]
   q_seg, kv_seg, q_len, kv_len = extras
@@ -678,20 +689,63 @@ def backward(q, k, v, do, lse, delta, extras, *, spec, scale, allow_tf32=None,
     dkdv_spans = _segment_spans(kv_seg, q_seg, kv_rows, q_rows, cfg.dkdv_block_kv,
                                 cfg.dkdv_block_q)
   cap = spec.soft_cap
-  dq = _dq(_pad_rows(q, -(-t // 8) * 8), padded(k, s, dq_band.col_tiles, cfg.dq_block_kv),
-           padded(v, s, dq_band.col_tiles, cfg.dq_block_kv),
-           _pad_rows(do, -(-t // 8) * 8), stats, ids(q_seg, q_rows), ids(kv_seg, kv_rows),
-           dq_spans, lengths, s, dq_band, float(scale), cap, cfg.stages)
   dkdv = functools.partial(
       _dkdv, padded(q, t, dkdv_band.col_tiles, cfg.dkdv_block_q), _pad_rows(k, -(-s // 8) * 8),
       _pad_rows(v, -(-s // 8) * 8), padded(do, t, dkdv_band.col_tiles, cfg.dkdv_block_q),
       stats, ids(q_seg, q_rows), ids(kv_seg, kv_rows), dkdv_spans, lengths, t, dkdv_band,
       float(scale), cap, cfg.stages)
+  if cfg.fuse_dq:
+    queries = t if q_len is None else jnp.clip(lengths[0], 0, t)[:, None]
+    keys = None if kv_len is None else jnp.clip(lengths[1], 0, s)[:, None]
+    ranges, ranks, visited = _dq_order(dkdv_band, q.shape[0], queries, dkdv_spans, keys)
+    dk, dv, dq = dkdv(("dk", "dv"), dq_order=(ranges, ranks))
+    # Query tiles no key block walks (no allowed key, past the lengths) got no store.
+    rows = jnp.repeat(visited, cfg.dkdv_block_q, axis=1)[:, :t, None, None]
+    return jnp.where(rows, dq[:, :t], 0.0).astype(q.dtype), dk[:, :s], dv[:, :s]
+  dq = _dq(_pad_rows(q, -(-t // 8) * 8), padded(k, s, dq_band.col_tiles, cfg.dq_block_kv),
+           padded(v, s, dq_band.col_tiles, cfg.dq_block_kv),
+           _pad_rows(do, -(-t // 8) * 8), stats, ids(q_seg, q_rows), ids(kv_seg, kv_rows),
+           dq_spans, lengths, s, dq_band, float(scale), cap, cfg.stages)
   if cfg.split_dk_dv:
     (dk,), (dv,) = dkdv(("dk",)), dkdv(("dv",))
   else:
     dk, dv = dkdv(("dk", "dv"))
   return dq[:, :t], dk[:, :s], dv[:, :s]
+
+
+def _launched_last_first(band: _Band) -> bool:
+  """Whether the dK/dV kernel launches its key blocks from the last: where the query tiles a
+  block walks start later for later blocks (a causal mask, a window), block c + 1 then
+  reaches each query tile a few tiles before block c does, so adding dQ in launch order
+  rarely waits."""
+  return band.low is not None
+
+
+def _dq_order(band: _Band, batch: int, limit, spans, row_limit):
+  """The order in which the dK/dV kernel's key blocks add to each query tile's dQ, fixed by
+  the inputs (not by timing), so that dQ's sums are deterministic: the blocks that walk a
+  tile add to it in launch order (``_launched_last_first``), each waiting on a semaphore until
+  the blocks before it have. Blocks only wait on blocks launched earlier, which are running
+  or done: no wait can outlast them.
+
+  Returns ``ranges (B, C, 2)``, the query tiles ``[lo, hi)`` CTA c walks (``band.cta``,
+  computed once here so the kernel's walk and this order agree), ``ranks (B, C, M)``, the
+  blocks before c adding to tile m (0: c stores rather than adds), and ``visited (B, M)``,
+  whether any block walks tile m. ``limit``, ``row_limit``: int or (B, 1) lengths."""
+  rows_per_cta = _CONSUMERS * band.block_rows
+  ctas = -(-band.rows // rows_per_cta)
+  c = jnp.arange(ctas, dtype=jnp.int32)[None, :]
+  span_of = None
+  if spans is not None:
+    span_of = lambda i: tuple(spans[:, c[0] * _CONSUMERS + i, j] for j in range(4))
+  lo, hi = (jnp.broadcast_to(x, (batch, ctas)).astype(jnp.int32)
+            for x in band.cta(c * rows_per_cta, limit, span_of, row_limit))
+  m = jnp.arange(band.col_tiles, dtype=jnp.int32)
+  walks = ((lo[..., None] <= m) & (m < hi[..., None])).astype(jnp.int32)
+  launched = walks[:, ::-1] if _launched_last_first(band) else walks
+  ranks = jnp.cumsum(launched, axis=1) - launched
+  ranks = ranks[:, ::-1] if _launched_last_first(band) else ranks
+  return jnp.stack([lo, hi], -1), ranks, walks.any(1)
 
 
 def _pad_rows(a, n):
@@ -901,14 +955,21 @@ def _dq(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, s: int, band: _Band, 
 
 
 def _dkdv(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, t: int, band: _Band,
-          scale: float, cap, stages: int, gradients=("dk", "dv")):
+          scale: float, cap, stages: int, gradients=("dk", "dv"), dq_order=None):
   """dK and dV (or one of them, as ``gradients`` names): a CTA owns two blocks of key rows of
   one key/value head (one per consumer warpgroup: its K, V stay in shared memory, dK and dV in
   float32 registers); a producer streams, for each query head of the group in turn, the Q,
   dO, lse and delta tiles of the band. Per tile, keys by queries (every product takes its
   operands as stored): S^T = K Q^T and dP^T = V dO^T, issued together (dV alone needs no
   dP^T); P^T = exp2(S^T - lse); dS^T = P^T (dP^T - delta); dV += P^T dO and dK += dS^T Q,
-  issued together."""
+  issued together.
+
+  With ``dq_order`` (``_dq_order``'s ranges and ranks) also dQ, as a third float32 output
+  (B, tiles * block_q, N, H), scaled: both consumers put their dS^T in shared memory, and each
+  computes half of the tile's dQ columns, dS K over the CTA's key rows; the producer adds the
+  halves to dQ by TMA in the order the ranks fix, once a semaphore per query tile says the
+  blocks before have (the first stores). dS is double-buffered and each tile's dQ computed
+  during the next tile, so neither consumer waits on the other's dS."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -921,14 +982,19 @@ def _dkdv(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, t: int, band: _Band
   ctas, q_tiles = -(-band.rows // rows_per_cta), band.col_tiles
   stages = max(2, min(stages, groups * q_tiles))
   has_segments = q_seg is not None
+  fused = dq_order is not None
+  half = h // _CONSUMERS  # dQ columns per consumer
   row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
 
   def body(q_ref, k_ref, v_ref, do_ref, stats_ref, extras, *refs):
-    q_seg_ref, kv_seg_ref, spans_ref, q_len_ref, kv_len_ref = extras
-    out_refs = dict(zip(gradients, refs[:len(gradients)]))
-    (k_smem, v_smem, q_smem, do_smem, stats_smem, kv_seg_smem, q_seg_smem, rows_loaded, loaded,
-     consumed) = refs[len(gradients):]
+    q_seg_ref, kv_seg_ref, spans_ref, q_len_ref, kv_len_ref, ranges_ref, ranks_ref = extras
+    outputs = gradients + (("dq",) if fused else ())
+    out_refs = dict(zip(outputs, refs[:len(outputs)]))
+    (k_smem, v_smem, q_smem, do_smem, stats_smem, kv_seg_smem, q_seg_smem, ds_smem, dq_smem,
+     rows_loaded, loaded, consumed, ds_ready, ds_read, dq_free, dq_staged) = refs[len(outputs):]
     batch, kv_head, cta = lax.axis_index("b"), lax.axis_index("k"), lax.axis_index("s")
+    if fused and _launched_last_first(band):
+      cta = ctas - 1 - cta
     wg = lax.axis_index("wg")
     # Queries past the lengths have lse = +inf (no probability): the band only stops there.
     queries = t if q_len_ref is None else jnp.clip(q_len_ref[batch], 0, t)
@@ -936,7 +1002,10 @@ def _dkdv(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, t: int, band: _Band
     keys = None if kv_len_ref is None else jnp.clip(kv_len_ref[batch], 0, band.rows)
     cta_first = cta * rows_per_cta
     span_of = _block_spans(spans_ref, batch, cta)
-    cta_lo, cta_hi = band.cta(cta_first, queries, span_of, keys)
+    if fused:
+      cta_lo, cta_hi = ranges_ref[batch, cta, 0], ranges_ref[batch, cta, 1]
+    else:
+      cta_lo, cta_hi = band.cta(cta_first, queries, span_of, keys)
     cta_tiles = cta_hi - cta_lo
     # The producer streams tile i of head g as number g * cta_tiles + i - cta_lo.
     slot_of = lambda u: lax.rem(u, stages) if not isinstance(u, int) else u % stages
@@ -947,7 +1016,8 @@ def _dkdv(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, t: int, band: _Band
       first = cta_first + wg * block_kv
       rows = (batch, pl.ds(first, block_kv), kv_head)
       own = rows_loaded.at[wg]
-      plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[wg], own)
+      my_k = k_smem.at[pl.ds(wg * block_kv, block_kv)]
+      plgpu.copy_gmem_to_smem(k_ref.at[rows], my_k, own)
       plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[wg], own)
       if has_segments:
         plgpu.copy_gmem_to_smem(kv_seg_ref.at[batch, pl.ds(first, block_kv)],
@@ -957,6 +1027,42 @@ def _dkdv(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, t: int, band: _Band
       span = None if span_of is None else span_of(wg)
       ranges = band.block(first, queries, span, (cta_lo, cta_hi), keys)
       tile = (block_kv, block_q)
+      if fused:  # both dS buffers start free
+        for buffer in range(2):
+          plgpu.barrier_arrive(ds_read.at[buffer])
+
+      def put_ds(u, ds):
+        """This consumer's dS^T of tile ``u`` (zeros where it passes the tile) into the
+        tile's buffer, once both consumers' products of tile ``u - 2`` have read it; returns
+        its place there."""
+        buffer = lax.rem(u, 2)
+        if keys is not None:  # keys past the length add nothing to dQ
+          ds = jnp.where(_iota(tile, 0) + first < keys, ds, jnp.zeros_like(ds))
+        plgpu.barrier_wait(ds_read.at[buffer])
+        my_ds = ds_smem.at[buffer, pl.ds(wg * block_kv, block_kv)]
+        my_ds[...] = ds
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(ds_ready.at[buffer])
+        return my_ds
+
+      def sum_dq(u):
+        """This consumer's dQ columns of tile ``u``, dS K over both consumers' key rows,
+        staged for the producer. Run a tile late, so neither consumer waits on the other's
+        dS: they drift apart, one's softmax beside the other's products."""
+        buffer = lax.rem(u, 2)
+        plgpu.barrier_wait(ds_ready.at[buffer])
+
+        def product(acc_ref):
+          plgpu.wgmma(acc_ref, ds_smem.at[buffer].transpose((1, 0)),
+                      k_smem.at[:, pl.ds(wg * half, half)])
+          return acc_ref[...]
+
+        part = pl.run_scoped(product, plgpu.ACC((block_q, half), jnp.float32))
+        plgpu.barrier_arrive(ds_read.at[buffer])
+        plgpu.barrier_wait(dq_free)
+        dq_smem.at[wg][...] = part * scale
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(dq_staged)
 
       def head_tiles(g, carry):
         number = g * cta_tiles - cta_lo
@@ -975,24 +1081,33 @@ def _dkdv(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, t: int, band: _Band
 
           stats = lambda: tuple(_load(plgpu, stats_smem.at[slot, r], col_layout) for r in (0, 1))
           p, ds = _tile_gradients(
-              (k_smem.at[wg], q_smem.at[slot]),
+              (my_k, q_smem.at[slot]),
               (v_smem.at[wg], do_smem.at[slot]) if "dk" in gradients else None, stats, 1,
               keep if masked else None, scale, cap)
+          ds = None if ds is None else ds.astype(dtype)
+          if fused:  # dS^T goes to shared memory, where dK's product takes it
+            ds = put_ds(number + i, ds)
           products = {"dk": (ds, q_smem.at[slot]), "dv": (p, do_smem.at[slot])}
 
           def accumulate(acc_refs):
             for name in sorted(gradients, reverse=True):  # dV's product needs no dS
               lhs, rhs = products[name]
-              plgpu.wgmma(acc_refs[gradients.index(name)], lhs.astype(dtype), rhs)
+              plgpu.wgmma(acc_refs[gradients.index(name)],
+                          lhs if fused and name == "dk" else lhs.astype(dtype), rhs)
 
           carry = pl.run_state(accumulate)(tuple(plgpu.ACC.init(a) for a in carry))
           plgpu.barrier_arrive(consumed.at[slot])
+          if fused:
+            _when(number + i > 0, lambda: sum_dq(number + i - 1))
           return carry
 
         def skip(i, carry):
           slot = slot_of(number + i)
           plgpu.barrier_wait(loaded.at[slot])
           plgpu.barrier_arrive(consumed.at[slot])
+          if fused:  # the partner's dQ columns still take this block's (zero) dS
+            put_ds(number + i, plgpu.layout_cast(jnp.zeros(tile, dtype), plgpu.Layout.WGMMA))
+            _when(number + i > 0, lambda: sum_dq(number + i - 1))
           return carry
 
         return _walk(ranges, (cta_lo, cta_hi), step, skip, carry)
@@ -1002,6 +1117,13 @@ def _dkdv(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, t: int, band: _Band
                                       plgpu.Layout.WGMMA) for name in gradients)
       carry = head_tiles(0, carry) if groups == 1 else lax.fori_loop(0, groups, head_tiles,
                                                                      carry)
+      if fused:
+        total = groups * cta_tiles
+
+        @pl.when(total > 0)
+        def _():
+          sum_dq(total - 1)
+          plgpu.barrier_wait(ds_read.at[lax.rem(total - 1, 2)])  # the partner's read K too
       # K's and V's slots are free once the last products have been read.
       grads = dict(zip(gradients, carry))
       if "dk" in grads:
@@ -1009,7 +1131,7 @@ def _dkdv(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, t: int, band: _Band
       if keys is not None:
         grads = {name: jnp.where(_iota(grad.shape, 0) + first < keys, grad, 0.0)
                  for name, grad in grads.items()}
-      slots = {"dk": k_smem.at[wg], "dv": v_smem.at[wg]}
+      slots = {"dk": my_k, "dv": v_smem.at[wg]}
       for name, grad in grads.items():
         slots[name][...] = grad.astype(dtype)
       plgpu.commit_smem()
@@ -1022,10 +1144,12 @@ def _dkdv(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, t: int, band: _Band
       plgpu.set_max_registers(40, action="decrease")
       total = groups * cta_tiles
 
-      def load(u, slot):
+      def tile_of(u):
         g = _div(u, cta_tiles) if groups > 1 else 0
-        i = cta_lo + u - g * cta_tiles
-        head = kv_head * groups + g
+        return kv_head * groups + g, cta_lo + u - g * cta_tiles
+
+      def load(u, slot):
+        head, i = tile_of(u)
         rows = (batch, pl.ds(i * block_q, block_q), head)
         plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], loaded.at[slot])
         plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], loaded.at[slot])
@@ -1035,26 +1159,81 @@ def _dkdv(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, t: int, band: _Band
           plgpu.copy_gmem_to_smem(q_seg_ref.at[batch, pl.ds(i * block_q, block_q)],
                                   q_seg_smem.at[slot], loaded.at[slot])
 
-      _produce(load, 0, groups * cta_tiles, stages, stages, (consumed,))
+      if not fused:
+        _produce(load, 0, total, stages, stages, (consumed,))
+        return
+
+      semaphores = pl.get_global(plgpu.SemaphoreType.REGULAR((b * n * q_tiles,)))
+      plgpu.barrier_arrive(dq_free)
+      for u in range(stages):
+        _when(u < total, functools.partial(load, u, u))
+
+      def semaphore_of(u):
+        head, i = tile_of(u)
+        return semaphores.at[(batch * n + head) * q_tiles + i]
+
+      def add_dq(u):
+        """Tile ``u``'s staged dQ into dQ, in its turn."""
+        head, i = tile_of(u)
+        rank = ranks_ref[batch, cta, i]
+        plgpu.barrier_wait(dq_staged)
+        plgpu.semaphore_wait(semaphore_of(u), rank, decrement=False, memory_scope="gpu")
+        for w in range(_CONSUMERS):
+          dst = out_refs["dq"].at[batch, pl.ds(i * block_q, block_q), head,
+                                  pl.ds(w * half, half)]
+          src = dq_smem.at[w]
+          pl.when(rank == 0)(lambda: plgpu.copy_smem_to_gmem(src, dst))
+          pl.when(rank > 0)(lambda: plgpu.copy_smem_to_gmem(src, dst, reduction_op="add"))
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        plgpu.barrier_arrive(dq_free)
+        plgpu.wait_smem_to_gmem(0)  # the adds are done, not only read from shared memory
+        plgpu.semaphore_signal(semaphore_of(u), 1, memory_scope="gpu")
+
+      # The consumers stage tile u's dQ during tile u + 1: its add follows the load that
+      # tile u + 1's release allows, so waiting on the add never holds a load back.
+      @pl.loop(0, total)
+      def _(u):
+        @pl.when(u + stages < total)
+        def _():
+          plgpu.barrier_wait(consumed.at[slot_of(u)])
+          load(u + stages, slot_of(u))
+
+        _when(u > 0, lambda: add_dq(u - 1))
+
+      _when(total > 0, lambda: add_dq(total - 1))
 
   copies = 3 + has_segments
-  tiled = _swizzled(min(block_q, block_kv))  # a product's operands share their swizzle
+  # A product's operands share their swizzle; the dQ product takes K in column halves.
+  tiled = _swizzled(min(block_q, block_kv, half if fused else block_kv))
   scratch = [
-      plgpu.SMEM((_CONSUMERS, block_kv, h), dtype, **tiled),
+      plgpu.SMEM((_CONSUMERS * block_kv, h), dtype, **tiled),
       plgpu.SMEM((_CONSUMERS, block_kv, hv), dtype, **tiled),
       plgpu.SMEM((stages, block_q, h), dtype, **tiled),
       plgpu.SMEM((stages, block_q, hv), dtype, **tiled),
       plgpu.SMEM((stages, 2, block_q), jnp.float32),
       plgpu.SMEM((_CONSUMERS, block_kv), jnp.int32) if has_segments else None,
       plgpu.SMEM((stages, block_q), jnp.int32) if has_segments else None,
+      plgpu.SMEM((2, _CONSUMERS * block_kv, block_q), dtype, **tiled) if fused else None,
+      # float32 in 8 x 32 tiles with the 128-byte swizzle: stored from wgmma's layout
+      # without bank conflicts.
+      plgpu.SMEM((_CONSUMERS, block_q, half), jnp.float32,
+                 transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)))
+      if fused else None,
       plgpu.Barrier(num_arrivals=copies - 1, num_barriers=_CONSUMERS),
       plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
       plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=2) if fused else None,
+      plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=2) if fused else None,
+      plgpu.Barrier() if fused else None,
+      plgpu.Barrier(num_arrivals=_CONSUMERS) if fused else None,
   ]
   shapes = {"dk": k.shape, "dv": v.shape}
   out_types = tuple(jax.ShapeDtypeStruct(shapes[name], dtype) for name in gradients)
+  if fused:
+    out_types += (jax.ShapeDtypeStruct((b, q_tiles * block_q, n, h), jnp.float32),)
   return _launch(body, scratch, out_types, (b, kv_heads, ctas), (q, k, v, do, stats),
-                 (q_seg, kv_seg, spans, *lengths), grid_names=("b", "k", "s"))
+                 (q_seg, kv_seg, spans, *lengths, *(dq_order or (None, None))),
+                 grid_names=("b", "k", "s"))
 
 
 def _launch(body, scratch, out_type, grid, operands, extras, grid_names=("b", "n", "t")):
