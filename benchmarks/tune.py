@@ -522,8 +522,8 @@ def _attention_mosaic_bwd(sweep):
   Triton backward ("triton") and cuDNN's step ("cudnn") on the same inputs."""
   from jaxfuse.ops.attention import mosaic, reference, triton
   B = mosaic.BackwardConfig
-  # dQ in the dK/dV kernel (fuse_dq) takes 48 KiB more shared memory: two stages at most at
-  # head dim 128.
+  # dQ in the dK/dV kernel (fuse_dq) takes 48 (head dim 64) or 64 KiB more shared memory: two
+  # stages at most at head dim 128.
   candidates = {64: [B(64, 64, 64, 64, 2), B(64, 64, 64, 128, 2, fuse_dq=True),
                      B(64, 64, 64, 128, 3, fuse_dq=True)],
                 128: [B(64, 64, 64, 64, 3), B(64, 64, 64, 64, 2, fuse_dq=True)],
