@@ -708,8 +708,9 @@ def test_mosaic_names_what_it_refuses(kwargs, name):
 ], ids=str)
 def test_mosaic_lowers_for_hopper(shape, spec, segments, lengths, dtype):
   """The kernels (forward, and backward: at head dim 256 with dK and dV split, below it also
-  with dQ in the dK/dV kernel) lowered for CUDA on this machine, without a GPU: what changes between JAX versions in Pallas Mosaic GPU
-  (signatures, layouts, transforms, shared memory's size) fails here in CI."""
+  with dQ in the dK/dV kernel) lowered for CUDA on this machine, without a GPU: what changes
+  between JAX versions in Pallas Mosaic GPU (signatures, layouts, transforms, shared memory's
+  size) fails here in CI."""
   pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
   from jax import export
   from jaxfuse.ops.attention import mosaic
@@ -820,20 +821,22 @@ def test_mosaic_bands_cover_every_allowed_pair(rng, monkeypatch):
     keys = mosaic._Band.of_keys(s, spec, block_kv, block_q, q_tiles, mask_every_tile=False)
     kv_spans = spans(kv_ids[None], q_ids[None], kv_rows, q_tiles * block_q, block_kv, block_q)
     _check_band_walk(keys, ok.T, t if q_len is None else q_len, kv_spans, case, kv_len)
-    _check_dq_order(keys, t if q_len is None else q_len, kv_spans, kv_len, case)
+    _check_dq_order(keys, t, q_len, kv_spans, kv_len, case)
 
 
-def _check_dq_order(band, limit, spans, row_limit, case):
+def _check_dq_order(band, t, q_len, spans, row_limit, case):
   """The fused backward's dQ order (``_dq_order``): each CTA's query tiles are those its walk
   takes (``band.cta``), and the CTAs walking a tile hold ranks 0, 1, ... in launch order, so
   each waits on exactly the ones launched before it (a rank off by one would hang the
-  kernel or add twice)."""
+  kernel or add twice). Lengths go in as ``backward`` passes them: (B, 1) arrays, and T as
+  an int without query lengths."""
   from jaxfuse.ops.attention import mosaic
   column = lambda x: jnp.asarray([[x]], jnp.int32)
   ranges, ranks, visited = (np.asarray(a)[0] for a in mosaic._dq_order(
-      band, 1, limit if row_limit is None and isinstance(limit, int) else column(limit),
+      band, 1, t if q_len is None else column(q_len),
       None if spans is None else jnp.asarray(spans)[None],
       None if row_limit is None else column(row_limit)))
+  limit = t if q_len is None else q_len
   ctas = len(ranges)
   for cta in range(ctas):
     span_of = None if spans is None else (lambda i: tuple(int(x) for x in spans[2 * cta + i]))
