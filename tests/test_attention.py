@@ -851,6 +851,53 @@ def _check_dq_order(band, t, q_len, spans, row_limit, case):
   np.testing.assert_array_equal(visited, walkers > 0, err_msg=str(case))
 
 
+def test_mosaic_tile_masks_match_the_reference(rng, monkeypatch):
+  """``_Band.mask`` in both of its forms (by diagonals, by positions), on every tile the
+  kernels walk of random masks, keeps exactly the pairs the reference allows: queries by key
+  tiles (forward, stopping at the query length) and keys by query tiles (dK/dV, whose rows past
+  the key length are zeroed later, not masked). Lane-layout iotas stand in for the kernel's."""
+  from jaxfuse.ops.attention import mosaic
+  from jaxfuse.ops.attention.reference import MaskSpec, allowed
+  monkeypatch.setattr(mosaic, "_iota",
+                      lambda shape, axis: jax.lax.broadcasted_iota(jnp.int32, shape, axis))
+  block_q, block_kv = 4, 8
+  for _ in range(40):
+    t, s = (int(x) for x in rng.integers(1, 30, 2))
+    window = tuple(int(x) for x in rng.integers(0, 12, 2)) if rng.integers(2) else None
+    spec = MaskSpec(bool(rng.integers(2)), int(rng.integers(-20, 30)), window)
+    q_len, kv_len = (int(rng.integers(0, n + 1)) if rng.integers(2) else None for n in (t, s))
+    segments = bool(rng.integers(2))
+    q_ids, kv_ids = (np.sort(rng.integers(0, 3, n)) for n in (t, s))
+    ok = allowed(spec, np.arange(t), np.arange(s),
+                 *((q_ids[None], kv_ids[None]) if segments else (None, None)),
+                 None if q_len is None else np.array([q_len]),
+                 None if kv_len is None else np.array([kv_len]))
+    ok = np.ones((t, s), bool) if ok is None else np.broadcast_to(np.asarray(ok)[0], (t, s))
+    queries = mosaic._Band.of_queries(t, spec, block_q, block_kv, -(-s // block_kv), False)
+    keys = mosaic._Band.of_keys(s, spec, block_kv, block_q, -(-t // block_q), False)
+    for band, kept, (row_ids, col_ids), limit, row_limit, rows in (
+        (queries, ok, (q_ids, kv_ids), s if kv_len is None else kv_len, q_len, t),
+        (keys, ok.T, (kv_ids, q_ids), t if q_len is None else q_len, None,
+         s if kv_len is None else kv_len)):
+      block = lambda a, start, n: jnp.asarray(
+          np.pad(a, (0, max(0, start + n - len(a))), mode="edge")[start:start + n])
+      for first in range(0, rows, band.block_rows):
+        for tile in range(-(-limit // band.block_cols)):
+          col0 = tile * band.block_cols
+          ids = lambda: (block(row_ids, first, band.block_rows),
+                         block(col_ids, col0, band.block_cols))
+          expected = np.zeros((band.block_rows, band.block_cols), bool)
+          part = kept[first:first + band.block_rows, col0:col0 + band.block_cols]
+          expected[:part.shape[0], :part.shape[1]] = part
+          for diagonal in (True, False):
+            scores = band.mask(jnp.zeros((band.block_rows, band.block_cols)), first, col0,
+                               limit, row_limit, ids if segments else None, diagonal)
+            got = np.isfinite(np.asarray(scores))
+            where = (t, s, spec, q_len, kv_len, segments, band.block_rows, first, tile, diagonal)
+            np.testing.assert_array_equal(got[:rows - first], expected[:rows - first],
+                                          err_msg=str(where))
+
+
 def test_mosaic_names_a_precision_it_cannot_keep():
   """Precision names TF32 or not, as for 'triton'; an algorithm preset is XLA's alone: refused,
   so None moves on to 'xla'."""

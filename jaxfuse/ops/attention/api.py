@@ -286,10 +286,10 @@ def _mosaic_unsupported(call, arrays):
 
 
 # Per GPU, the causal calls for which None takes 'mosaic' before cuDNN: up to this many queries
-# and head dims up to this one. There the Mosaic training step ran at 1.04-1.11x cuDNN's and its
-# forward at 1.02-1.10x (benchmarks/results/2026-11-26-h100-attention-mosaic-segment-tiles.json,
-# 2026-11-26-h100-attention-mosaic-table.json); cuDNN's step is the faster at 16384 queries, at
-# head dim 256, and without a causal mask.
+# and head dims up to this one. There the Mosaic training step ran at 1.05-1.11x cuDNN's and its
+# forward at 1.06-1.13x (benchmarks/results/2026-11-26-h100-attention-mosaic-masks.json,
+# 2026-11-26-h100-attention-mosaic-table-masks.json); cuDNN's step is the faster at 16384
+# queries, at head dim 256, and without a causal mask.
 _MOSAIC_BEFORE_CUDNN = {"NVIDIA H100 80GB HBM3": (4096, 128)}
 
 

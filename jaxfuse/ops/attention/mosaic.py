@@ -65,10 +65,12 @@ class Config:
   block_kv: int = 128
   stages: int = 2
   prefetch_q: bool = True
+  # Masks compare each score's column minus row with scalar bounds (``_Band.mask``), or, False,
+  # its positions.
+  diagonal_mask: bool = True
 
   def __post_init__(self):
-    # The producer refills a slot only after both its key and value are consumed, while a
-    # consumer waits for the next key before releasing the value: one slot would deadlock.
+    # With one slot every load would wait for the products before it: nothing in flight.
     if self.stages < 2:
       raise ValueError(f"Config.stages must be at least 2, got {self.stages}")
 
@@ -77,9 +79,13 @@ class Config:
 # whose Q (two buffers with prefetch_q), K and V slots fit the 227 KiB of shared memory, the
 # fastest of those timed (benchmarks/results/2026-11-24-h100-tune-attention-mosaic-hd128.json;
 # in the persistent kernel, 2026-11-25-h100-tune-attention-mosaic-persistent.json, prefetching
-# the queries gained up to 7% and lost 1% once). At head dim 256 a second buffer does not fit.
+# the queries gained up to 7% and lost 1% once). At head dim 256 a second buffer does not fit,
+# and masks by positions ran its causal forward 3.5% faster than by diagonals, which ran head
+# dims 64 and 128 3-7% faster (scratch A/B in one run; the rates each gives:
+# benchmarks/results/2026-11-26-h100-attention-mosaic-hd256-position-mask.json and
+# 2026-11-26-h100-attention-mosaic-table-masks.json).
 CONFIGS = {64: Config(64, 128, 3), 128: Config(64, 128, 2),
-           256: Config(64, 64, 2, prefetch_q=False)}
+           256: Config(64, 64, 2, prefetch_q=False, diagonal_mask=False)}
 
 
 def unavailable() -> str | None:
@@ -345,14 +351,39 @@ class _Band:
     lo = _minimum(_maximum(lo, cta_lo), cta_hi)
     return (lo,) + tuple(_minimum(_maximum(x, lo), cta_hi) for x in (full_lo, full_hi, hi))
 
-  def allowed(self, rows, cols, limit):
-    """The position mask of a tile: ``rows``, ``cols`` are its positions broadcast to it."""
-    ok = cols < limit
-    if self.high is not None:
-      ok = ok & (cols <= rows + self.high)
-    if self.low is not None:
-      ok = ok & (cols >= rows + self.low)
-    return ok
+  def mask(self, z, row0, col0, limit, row_limit=None, ids=None, diagonal=True):
+    """Tile ``z`` (first row ``row0``, column ``col0``) with -inf where the band, the
+    ``limit`` of the columns, the ``row_limit`` of the rows or, where ``ids()`` gives the
+    rows' and columns' segment ids, unequal ids mask it. A limit that is a multiple of the
+    tile costs nothing (no tile walked crosses it). ``diagonal``: the band compares the
+    tile's column-minus-row with bounds that take its origin (one compare per bound and
+    element), else its positions (``Config.diagonal_mask``)."""
+    rows, cols = _iota(z.shape, 0), _iota(z.shape, 1)
+    ok = []
+    crosses_limit = not (isinstance(limit, int) and limit % self.block_cols == 0)
+    if diagonal:  # the origin goes to the scalars: positions relative to it
+      shift = col0 - row0
+      if self.high is not None:
+        ok.append(cols - rows <= self.high - shift)
+      if self.low is not None:
+        ok.append(cols - rows >= self.low - shift)
+      limit = limit - col0
+      row_limit = None if row_limit is None else row_limit - row0
+    else:
+      rows, cols = rows + row0, cols + col0
+      if self.high is not None:
+        ok.append(cols <= rows + self.high)
+      if self.low is not None:
+        ok.append(cols >= rows + self.low)
+    if crosses_limit:
+      ok.append(cols < limit)
+    if row_limit is not None:
+      ok.append(rows < row_limit)
+    if ids is not None:
+      row_ids, col_ids = ids()
+      ok.append(lax.broadcast_in_dim(row_ids, z.shape, [0])
+                == lax.broadcast_in_dim(col_ids, z.shape, [1]))
+    return jnp.where(functools.reduce(jnp.logical_and, ok), z, -jnp.inf) if ok else z
 
 
 def _work_item(cta, i, ctas: int, heads: int, q_tiles: int):
@@ -457,15 +488,9 @@ def _forward(q, k, v, q_seg, kv_seg, spans, q_len, kv_len, t: int, s: int, spec,
         lo, full_lo, full_hi, hi = band.block(first, keys, span, (cta_lo, cta_hi), q_rows)
 
         def mask(z, j, slot):
-          rows, cols = _iota(z.shape, 0) + first, _iota(z.shape, 1) + j * block_kv
-          ok = band.allowed(rows, cols, keys)
-          if q_rows is not None:
-            ok = ok & (rows < q_rows)
-          if has_segments:
-            kv_ids = _load(plgpu, kv_seg_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
-            ok = ok & (lax.broadcast_in_dim(q_ids, z.shape, [0])
-                       == lax.broadcast_in_dim(kv_ids, z.shape, [1]))
-          return jnp.where(ok, z, -jnp.inf)
+          ids = None if not has_segments else lambda: (
+              q_ids, _load(plgpu, kv_seg_smem.at[slot], plgpu.Layout.WGMMA.reduce(0)))
+          return band.mask(z, first, j * block_kv, keys, q_rows, ids, cfg.diagonal_mask)
 
         row_stat = lambda value: plgpu.layout_cast(jnp.full((block_q,), value, jnp.float32),
                                                    plgpu.Layout.WGMMA.reduce(1))
@@ -560,8 +585,10 @@ def _forward(q, k, v, q_seg, kv_seg, spans, q_len, kv_len, t: int, s: int, spec,
       plgpu.set_max_registers(40, action="decrease")
 
       def stream_item(i, streamed):
-        """The key and value tiles of the CTA's item ``i`` into the ring, each slot refilled
-        once both consumers are done with it, running on into the next item's tiles."""
+        """The key and value tiles of the CTA's item ``i`` into the ring, running on into the
+        next item's tiles. A slot's key refills once both consumers' scores have read it, its
+        value (and segment ids, which the mask reads after the scores) once both products
+        have: the next key loads half a tile sooner."""
         batch, head, tile = item(i)
         _, _, _, (cta_lo, cta_hi) = tile_range(batch, tile, kv_len_ref, q_len_ref, spans_ref)
         kv_head = lax.div(head, jnp.int32(groups))
@@ -571,14 +598,12 @@ def _forward(q, k, v, q_seg, kv_seg, spans, q_len, kv_len, t: int, s: int, spec,
           ring = streamed + j - cta_lo
           slot = lax.rem(ring, stages)
 
-          @pl.when(ring >= stages)
-          def _():
-            plgpu.barrier_wait(k_consumed.at[slot])
-            plgpu.barrier_wait(v_consumed.at[slot])
-
+          refill = ring >= stages
           # Keys past S read as zeros (TMA's bounds) and are masked.
           rows = (batch, pl.ds(j * block_kv, block_kv), kv_head)
+          _when(refill, lambda: plgpu.barrier_wait(k_consumed.at[slot]))
           plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_loaded.at[slot])
+          _when(refill, lambda: plgpu.barrier_wait(v_consumed.at[slot]))
           if has_segments:
             plgpu.copy_gmem_to_smem(kv_seg_ref.at[batch, pl.ds(j * block_kv, block_kv)],
                                     kv_seg_smem.at[slot], seg_loaded.at[slot])
@@ -646,7 +671,9 @@ class BackwardConfig:
 # the registers one float32 gradient per key block
 # (benchmarks/results/2026-11-25-h100-tune-attention-mosaic-bwd-hd256*.json). dQ in the dK/dV
 # kernel (fuse_dq) ran 6-24% slower at every shape timed
-# (benchmarks/results/2026-11-26-h100-tune-attention-mosaic-bwd-fuse-dq.json).
+# (benchmarks/results/2026-11-26-h100-tune-attention-mosaic-bwd-fuse-dq.json). Consumers
+# of 240 registers (the producer 24) ran within 1% of 232 (and 40) either way
+# (benchmarks/results/2026-11-26-h100-tune-attention-mosaic-bwd-registers.json).
 BACKWARD_CONFIGS = {64: BackwardConfig(64, 64, 64, 128, 2), 128: BackwardConfig(64, 64, 64, 64, 2),
                     256: BackwardConfig(64, 32, 64, 32, 2, split_dk_dv=True)}
 
@@ -764,10 +791,10 @@ def _base2_scores(z, scale, cap):
   return capped * (cap * _LOG2E), 1.0 - capped * capped
 
 
-def _tile_gradients(s_operands, dp_operands, stats, stats_axis: int, keep, scale: float, cap):
+def _tile_gradients(s_operands, dp_operands, stats, stats_axis: int, mask, scale: float, cap):
   """``(P, dS)`` of one tile, recomputed: ``S = a b^T`` and ``dP = c d^T`` for the shared-memory
-  operands ``(a, b)`` and ``(c, d)`` by wgmma, issued together; ``P = exp2(S - lse)`` where
-  ``keep()`` (None: everywhere), ``dS = P (dP - delta)`` times the soft-cap's derivative (None
+  operands ``(a, b)`` and ``(c, d)`` by wgmma, issued together; ``P = exp2(mask(S) - lse)``
+  (``mask`` None: no mask), ``dS = P (dP - delta)`` times the soft-cap's derivative (None
   where ``dp_operands`` is None). ``stats()`` gives (lse, delta) along the tile's axis
   ``stats_axis``, read while the products run."""
   from jax.experimental import pallas as pl
@@ -783,8 +810,8 @@ def _tile_gradients(s_operands, dp_operands, stats, stats_axis: int, keep, scale
   z, *dp = pl.run_scoped(products, *[plgpu.ACC(tile, jnp.float32) for _ in pairs])
   lse, delta = stats()
   z, cap_grad = _base2_scores(z, scale, cap)
-  if keep is not None:
-    z = jnp.where(keep(), z, -jnp.inf)
+  if mask is not None:
+    z = mask(z)
   p = jnp.exp2(z - lax.broadcast_in_dim(lse, tile, [stats_axis]))
   if dp_operands is None:
     return p, None
@@ -881,23 +908,19 @@ def _dq(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, s: int, band: _Band, 
       q_ids = _load(plgpu, q_seg_smem.at[wg], row_layout) if has_segments else None
       span = None if span_of is None else span_of(wg)
       ranges = band.block(first, keys, span, (cta_lo, cta_hi), queries)
-      tile = (block_q, block_kv)
 
       def step(j, dq, masked):
         slot = slot_of(j)
         plgpu.barrier_wait(loaded.at[slot])
 
-        def keep():
-          ok = band.allowed(_iota(tile, 0) + first, _iota(tile, 1) + j * block_kv, keys)
-          if not has_segments:
-            return ok
-          kv_ids = _load(plgpu, kv_seg_smem.at[slot], col_layout)
-          return ok & (lax.broadcast_in_dim(q_ids, tile, [0])
-                       == lax.broadcast_in_dim(kv_ids, tile, [1]))
+        def mask(z):
+          ids = None if not has_segments else lambda: (
+              q_ids, _load(plgpu, kv_seg_smem.at[slot], col_layout))
+          return band.mask(z, first, j * block_kv, keys, ids=ids)
 
         _, ds = _tile_gradients((q_smem.at[wg], k_smem.at[slot]),
                                 (do_smem.at[wg], v_smem.at[slot]), lambda: (lse, delta), 0,
-                                keep if masked else None, scale, cap)
+                                mask if masked else None, scale, cap)
 
         def gradient(acc_ref):
           plgpu.wgmma(acc_ref, ds.astype(dtype), k_smem.at[slot])
@@ -1071,19 +1094,16 @@ def _dkdv(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, t: int, band: _Band
           slot = slot_of(number + i)
           plgpu.barrier_wait(loaded.at[slot])
 
-          def keep():
-            ok = band.allowed(_iota(tile, 0) + first, _iota(tile, 1) + i * block_q, queries)
-            if not has_segments:
-              return ok
-            q_ids = _load(plgpu, q_seg_smem.at[slot], col_layout)
-            return ok & (lax.broadcast_in_dim(kv_ids, tile, [0])
-                         == lax.broadcast_in_dim(q_ids, tile, [1]))
+          def mask(z):
+            ids = None if not has_segments else lambda: (
+                kv_ids, _load(plgpu, q_seg_smem.at[slot], col_layout))
+            return band.mask(z, first, i * block_q, queries, ids=ids)
 
           stats = lambda: tuple(_load(plgpu, stats_smem.at[slot, r], col_layout) for r in (0, 1))
           p, ds = _tile_gradients(
               (my_k, q_smem.at[slot]),
               (v_smem.at[wg], do_smem.at[slot]) if "dk" in gradients else None, stats, 1,
-              keep if masked else None, scale, cap)
+              mask if masked else None, scale, cap)
           ds = None if ds is None else ds.astype(dtype)
           if fused:  # dS^T goes to shared memory, where dK's product takes it
             ds = put_ds(number + i, ds)
