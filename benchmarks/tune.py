@@ -489,6 +489,8 @@ def _attention_mosaic(sweep):
                      C(64, 128, 3, prefetch_q=False)],
                 128: [C(64, 128, 2, prefetch_q=False), C(64, 64, 4), C(64, 64, 2)],
                 256: []}
+  for dim, config in mosaic.CONFIGS.items():  # and each default's other mask form
+    candidates[dim].append(dataclasses.replace(config, diagonal_mask=not config.diagonal_mask))
   for (b, t, n, h), sets, spec, flops in _attention_problems(
       ((4, 4096, 16, 128), (1, 16384, 16, 128), (8, 2048, 16, 64), (2, 8192, 8, 256)), 3):
     def fwd(config, q, k, v, spec=spec, h=h):
