@@ -80,10 +80,9 @@ class Config:
 # fastest of those timed (benchmarks/results/2026-11-24-h100-tune-attention-mosaic-hd128.json;
 # in the persistent kernel, 2026-11-25-h100-tune-attention-mosaic-persistent.json, prefetching
 # the queries gained up to 7% and lost 1% once). At head dim 256 a second buffer does not fit,
-# and masks by positions ran its causal forward 3.5% faster than by diagonals, which ran head
-# dims 64 and 128 3-7% faster (scratch A/B in one run; the rates each gives:
-# benchmarks/results/2026-11-26-h100-attention-mosaic-hd256-position-mask.json and
-# 2026-11-26-h100-attention-mosaic-table-masks.json).
+# and masks by positions ran its causal forward 1.7% faster than by diagonals, which ran head
+# dims 64 and 128 4% and 1% faster
+# (benchmarks/results/2026-11-26-h100-tune-attention-mosaic-mask-form.json).
 CONFIGS = {64: Config(64, 128, 3), 128: Config(64, 128, 2),
            256: Config(64, 64, 2, prefetch_q=False, diagonal_mask=False)}
 
