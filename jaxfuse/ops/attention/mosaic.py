@@ -361,11 +361,11 @@ class _Band:
     ok = []
     crosses_limit = not (isinstance(limit, int) and limit % self.block_cols == 0)
     if diagonal:  # the origin goes to the scalars: positions relative to it
-      shift = col0 - row0
+      offsets, shift = cols - rows, col0 - row0
       if self.high is not None:
-        ok.append(cols - rows <= self.high - shift)
+        ok.append(offsets <= self.high - shift)
       if self.low is not None:
-        ok.append(cols - rows >= self.low - shift)
+        ok.append(offsets >= self.low - shift)
       limit = limit - col0
       row_limit = None if row_limit is None else row_limit - row0
     else:
