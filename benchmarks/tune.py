@@ -531,6 +531,15 @@ def _attention_mosaic_bwd(sweep):
                 128: [B(64, 64, 64, 64, 3), B(64, 64, 64, 64, 2, fuse_dq=True)],
                 # Shared memory takes 32-row streamed tiles and three stages at most.
                 256: [B(64, 32, 64, 32, 3, split_dk_dv=True)]}
+  for dim, config in mosaic.BACKWARD_CONFIGS.items():  # and each default's other mask form
+    candidates[dim].append(dataclasses.replace(config, diagonal_mask=not config.diagonal_mask))
+  default = lambda h, spec, segments: mosaic.default_backward_config(h, h, spec, segments)
+
+  def others(h, spec, segments):
+    """The candidates and the other table's default, each once, without the default."""
+    found = [mosaic.BACKWARD_CONFIGS[h], mosaic.BACKWARD_UNMASKED_CONFIGS.get(h)] + candidates[h]
+    return [c for i, c in enumerate(found) if c is not None and c not in found[:i]
+            and c != default(h, spec, segments)]
   for (b, t, n, h), sets, spec, flops in _attention_problems(
       ((4, 4096, 16, 128), (1, 16384, 16, 128), (8, 2048, 16, 64), (2, 8192, 8, 256)), 4):
     def step(config, q, k, v, do, spec=spec, h=h):
@@ -550,7 +559,7 @@ def _attention_mosaic_bwd(sweep):
     sweep.problem("attention_mosaic_bwd",
                   f"attention {b}x{t}x{n}x{h} {'causal' if spec.is_causal else 'full'} step",
                   jax.jit(step, static_argnums=0),
-                  [mosaic.BACKWARD_CONFIGS[h], "triton", "cudnn"] + candidates[h], sets,
+                  [default(h, spec, False), "triton", "cudnn"] + others(h, spec, False), sets,
                   3.5 * flops, unit="TFLOP/s")
 
   h = 128
@@ -563,7 +572,7 @@ def _attention_mosaic_bwd(sweep):
 
     sweep.problem("attention_mosaic_bwd", f"{label} step",
                   jax.jit(masked_step, static_argnums=0),
-                  [mosaic.BACKWARD_CONFIGS[h]] + candidates[h], sets, 3.5 * flops,
+                  [default(h, spec, True)] + others(h, spec, True), sets, 3.5 * flops,
                   unit="TFLOP/s")
 
 

@@ -707,10 +707,10 @@ def test_mosaic_names_what_it_refuses(kwargs, name):
     ((300, 700, 64, 64), (False, 0, None, None), False, False, jnp.bfloat16),  # 256-key tiles
 ], ids=str)
 def test_mosaic_lowers_for_hopper(shape, spec, segments, lengths, dtype):
-  """The kernels (forward, and backward: at head dim 256 with dK and dV split, below it also
-  with dQ in the dK/dV kernel) lowered for CUDA on this machine, without a GPU: what changes
-  between JAX versions in Pallas Mosaic GPU (signatures, layouts, transforms, shared memory's
-  size) fails here in CI."""
+  """The kernels (forward, and backward with either mask form: at head dim 256 with dK and dV
+  split, below it also with dQ in the dK/dV kernel) lowered for CUDA on this machine, without
+  a GPU: what changes between JAX versions in Pallas Mosaic GPU (signatures, layouts,
+  transforms, shared memory's size) fails here in CI."""
   pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
   from jax import export
   from jaxfuse.ops.attention import mosaic
@@ -737,9 +737,10 @@ def test_mosaic_lowers_for_hopper(shape, spec, segments, lengths, dtype):
         scale=0.1, config=config)
 
   stat = jax.ShapeDtypeStruct((2, 4, t), jnp.float32)
-  configs = [None]
-  if not mosaic.BACKWARD_CONFIGS[max(h, hv)].split_dk_dv:  # and with dQ in the dK/dV kernel
-    configs.append(dataclasses.replace(mosaic.BACKWARD_CONFIGS[max(h, hv)], fuse_dq=True))
+  default = mosaic.BACKWARD_CONFIGS[max(h, hv)]
+  configs = [None, dataclasses.replace(default, diagonal_mask=not default.diagonal_mask)]
+  if not default.split_dk_dv:  # and with dQ in the dK/dV kernel
+    configs.append(dataclasses.replace(default, fuse_dq=True))
   for config in configs:
     exported = export.export(jax.jit(functools.partial(backward, config=config)),
                              platforms=["cuda"])(
@@ -896,6 +897,24 @@ def test_mosaic_tile_masks_match_the_reference(rng, monkeypatch):
             where = (t, s, spec, q_len, kv_len, segments, band.block_rows, first, tile, diagonal)
             np.testing.assert_array_equal(got[:rows - first], expected[:rows - first],
                                           err_msg=str(where))
+
+
+@pytest.mark.parametrize("kw,segments", [({}, False), (dict(is_causal=True), False),
+                                         (dict(local_window_size=(8, 8)), False), ({}, True)],
+                         ids=str)
+def test_mosaic_tables_for_unmasked_calls_serve_only_them(kw, segments):
+  """The forward's and backward's tables for calls without a causal mask, window or segments
+  (``UNMASKED_CONFIGS``): every other call takes the masked tables."""
+  from jaxfuse.ops.attention import bench, mosaic
+  spec = bench._mask_spec(kw)
+  unmasked = not (kw or segments)
+  for dim in mosaic.CONFIGS:
+    for table, masked_table, default in (
+        (mosaic.UNMASKED_CONFIGS, mosaic.CONFIGS, mosaic.default_config),
+        (mosaic.BACKWARD_UNMASKED_CONFIGS, mosaic.BACKWARD_CONFIGS,
+         mosaic.default_backward_config)):
+      expected = table.get(dim, masked_table[dim]) if unmasked else masked_table[dim]
+      assert default(dim, 64, spec, segments) == expected, (dim, default)
 
 
 def test_mosaic_names_a_precision_it_cannot_keep():

@@ -655,6 +655,8 @@ class BackwardConfig:
   # the key blocks adding to each query tile in a fixed order (``_dq_order``); the dQ kernel
   # and its ``dq_block_*`` tiles are then not used.
   fuse_dq: bool = False
+  # Masks by column minus row, or, False, by positions (``Config.diagonal_mask``).
+  diagonal_mask: bool = True
 
   def __post_init__(self):
     if self.stages < 2:
@@ -672,9 +674,26 @@ class BackwardConfig:
 # kernel (fuse_dq) ran 6-24% slower at every shape timed
 # (benchmarks/results/2026-11-26-h100-tune-attention-mosaic-bwd-fuse-dq.json). Consumers
 # of 240 registers (the producer 24) ran within 1% of 232 (and 40) either way
-# (benchmarks/results/2026-11-26-h100-tune-attention-mosaic-bwd-registers.json).
-BACKWARD_CONFIGS = {64: BackwardConfig(64, 64, 64, 128, 2), 128: BackwardConfig(64, 64, 64, 64, 2),
+# (benchmarks/results/2026-11-26-h100-tune-attention-mosaic-bwd-registers.json). Masks by
+# positions ran the causal step 2-3% faster at head dim 64 in two runs; at 128 and 256 the
+# forms tied (2026-11-26-h100-tune-attention-mosaic-bwd-mask-form.json, ...-bwd-tables.json).
+BACKWARD_CONFIGS = {64: BackwardConfig(64, 64, 64, 128, 2, diagonal_mask=False),
+                    128: BackwardConfig(64, 64, 64, 64, 2),
                     256: BackwardConfig(64, 32, 64, 32, 2, split_dk_dv=True)}
+
+# Where no mask walks the bands (no causal mask, window or segments), at head dim 256 a third
+# stage ran the full step 3-6% faster in three runs; causal it lost 3%
+# (benchmarks/results/2026-11-25-h100-tune-attention-mosaic-bwd-hd256-stages.json,
+# 2026-11-26-h100-tune-attention-mosaic-bwd-mask-form.json, ...-bwd-tables.json).
+BACKWARD_UNMASKED_CONFIGS = {256: BackwardConfig(64, 32, 64, 32, 3, split_dk_dv=True)}
+
+
+def default_backward_config(h: int, hv: int, spec, has_segments: bool) -> BackwardConfig:
+  """The backward's tiles for head dims ``h`` (queries, keys) and ``hv`` (values) and a mask."""
+  dim = max(h, hv)
+  if not (spec.is_causal or spec.window is not None or has_segments):
+    return BACKWARD_UNMASKED_CONFIGS.get(dim, BACKWARD_CONFIGS[dim])
+  return BACKWARD_CONFIGS[dim]
 
 
 def backward(q, k, v, do, lse, delta, extras, *, spec, scale, allow_tf32=None,
@@ -685,8 +704,8 @@ def backward(q, k, v, do, lse, delta, extras, *, spec, scale, allow_tf32=None,
   the key's group; dQ by query blocks. With ``fuse_dq`` the dK/dV kernel also adds dQ, in an
   order the inputs fix (``_dq_order``)."""
   del allow_tf32  # 16-bit operands only
-  cfg = config or BACKWARD_CONFIGS[max(q.shape[3], v.shape[3])]
   q_seg, kv_seg, q_len, kv_len = extras
+  cfg = config or default_backward_config(q.shape[3], v.shape[3], spec, q_seg is not None)
   t, s = q.shape[1], k.shape[1]
   dq_band = _Band.of_queries(t, spec, cfg.dq_block_q, cfg.dq_block_kv,
                              -(-s // cfg.dq_block_kv), mask_every_tile=False)
@@ -719,7 +738,7 @@ def backward(q, k, v, do, lse, delta, extras, *, spec, scale, allow_tf32=None,
       _dkdv, padded(q, t, dkdv_band.col_tiles, cfg.dkdv_block_q), _pad_rows(k, -(-s // 8) * 8),
       _pad_rows(v, -(-s // 8) * 8), padded(do, t, dkdv_band.col_tiles, cfg.dkdv_block_q),
       stats, ids(q_seg, q_rows), ids(kv_seg, kv_rows), dkdv_spans, lengths, t, dkdv_band,
-      float(scale), cap, cfg.stages)
+      float(scale), cap, cfg.stages, cfg.diagonal_mask)
   if cfg.fuse_dq:
     queries = t if q_len is None else jnp.clip(lengths[0], 0, t)[:, None]
     keys = None if kv_len is None else jnp.clip(lengths[1], 0, s)[:, None]
@@ -731,7 +750,7 @@ def backward(q, k, v, do, lse, delta, extras, *, spec, scale, allow_tf32=None,
   dq = _dq(_pad_rows(q, -(-t // 8) * 8), padded(k, s, dq_band.col_tiles, cfg.dq_block_kv),
            padded(v, s, dq_band.col_tiles, cfg.dq_block_kv),
            _pad_rows(do, -(-t // 8) * 8), stats, ids(q_seg, q_rows), ids(kv_seg, kv_rows),
-           dq_spans, lengths, s, dq_band, float(scale), cap, cfg.stages)
+           dq_spans, lengths, s, dq_band, float(scale), cap, cfg.stages, cfg.diagonal_mask)
   if cfg.split_dk_dv:
     (dk,), (dv,) = dkdv(("dk",)), dkdv(("dv",))
   else:
@@ -851,7 +870,7 @@ def _walk(ranges, cta, step, skip, carry):
 
 
 def _dq(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, s: int, band: _Band, scale: float,
-        cap, stages: int):
+        cap, stages: int, diagonal: bool):
   """dQ: a CTA owns two blocks of query rows of one head (one per consumer warpgroup: its
   Q, dO, lse and delta stay in shared memory and registers); a producer warpgroup streams
   the key and value tiles of the band. Per tile: S = Q K^T and dP = dO V^T, issued
@@ -915,7 +934,7 @@ def _dq(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, s: int, band: _Band, 
         def mask(z):
           ids = None if not has_segments else lambda: (
               q_ids, _load(plgpu, kv_seg_smem.at[slot], col_layout))
-          return band.mask(z, first, j * block_kv, keys, ids=ids)
+          return band.mask(z, first, j * block_kv, keys, ids=ids, diagonal=diagonal)
 
         _, ds = _tile_gradients((q_smem.at[wg], k_smem.at[slot]),
                                 (do_smem.at[wg], v_smem.at[slot]), lambda: (lse, delta), 0,
@@ -977,7 +996,8 @@ def _dq(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, s: int, band: _Band, 
 
 
 def _dkdv(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, t: int, band: _Band,
-          scale: float, cap, stages: int, gradients=("dk", "dv"), dq_order=None):
+          scale: float, cap, stages: int, diagonal: bool, gradients=("dk", "dv"),
+          dq_order=None):
   """dK and dV (or one of them, as ``gradients`` names): a CTA owns two blocks of key rows of
   one key/value head (one per consumer warpgroup: its K, V stay in shared memory, dK and dV in
   float32 registers); a producer streams, for each query head of the group in turn, the Q,
@@ -1096,7 +1116,7 @@ def _dkdv(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, t: int, band: _Band
           def mask(z):
             ids = None if not has_segments else lambda: (
                 kv_ids, _load(plgpu, q_seg_smem.at[slot], col_layout))
-            return band.mask(z, first, i * block_q, queries, ids=ids)
+            return band.mask(z, first, i * block_q, queries, ids=ids, diagonal=diagonal)
 
           stats = lambda: tuple(_load(plgpu, stats_smem.at[slot, r], col_layout) for r in (0, 1))
           p, ds = _tile_gradients(
