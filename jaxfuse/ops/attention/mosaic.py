@@ -107,10 +107,16 @@ def unavailable() -> str | None:
 UNMASKED_CONFIGS = {64: Config(64, 256, 2)}
 
 
+def _unmasked(spec, has_segments: bool) -> bool:
+  """Whether no mask walks the bands (no causal mask, window or segments): the unmasked
+  tables apply."""
+  return not (spec.is_causal or spec.window is not None or has_segments)
+
+
 def default_config(h: int, hv: int, spec, has_segments: bool) -> Config:
   """The forward's tiles for head dims ``h`` (queries, keys) and ``hv`` (values) and a mask."""
   dim = max(h, hv)
-  if not (spec.is_causal or spec.window is not None or has_segments):
+  if _unmasked(spec, has_segments):
     return UNMASKED_CONFIGS.get(dim, CONFIGS[dim])
   return CONFIGS[dim]
 
@@ -691,7 +697,7 @@ BACKWARD_UNMASKED_CONFIGS = {256: BackwardConfig(64, 32, 64, 32, 3, split_dk_dv=
 def default_backward_config(h: int, hv: int, spec, has_segments: bool) -> BackwardConfig:
   """The backward's tiles for head dims ``h`` (queries, keys) and ``hv`` (values) and a mask."""
   dim = max(h, hv)
-  if not (spec.is_causal or spec.window is not None or has_segments):
+  if _unmasked(spec, has_segments):
     return BACKWARD_UNMASKED_CONFIGS.get(dim, BACKWARD_CONFIGS[dim])
   return BACKWARD_CONFIGS[dim]
 
