@@ -673,9 +673,10 @@ class BackwardConfig:
 
 # Per head dim (the larger of the query's and the value's), for the head dims CONFIGS takes.
 # At 128 neither a third stage nor longer tiles gained
-# (benchmarks/results/2026-11-25-h100-tune-attention-mosaic-bwd.json); at 64 the dQ kernel
-# streams the forward's key tiles; at 256 shared memory takes only 32-row streamed tiles and
-# the registers one float32 gradient per key block
+# (benchmarks/results/2026-11-25-h100-tune-attention-mosaic-bwd.json; on full rows a third
+# stage read +0.4% and -2.4%, 2026-11-26-h100-tune-attention-mosaic-bwd-full-stages.json);
+# at 64 the dQ kernel streams the forward's key tiles; at 256 shared memory takes only 32-row
+# streamed tiles and the registers one float32 gradient per key block
 # (benchmarks/results/2026-11-25-h100-tune-attention-mosaic-bwd-hd256*.json). dQ in the dK/dV
 # kernel (fuse_dq) ran 6-24% slower at every shape timed
 # (benchmarks/results/2026-11-26-h100-tune-attention-mosaic-bwd-fuse-dq.json). Consumers
