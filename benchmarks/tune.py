@@ -524,15 +524,16 @@ def _attention_mosaic_bwd(sweep):
   Triton backward ("triton") and cuDNN's step ("cudnn") on the same inputs."""
   from jaxfuse.ops.attention import mosaic, reference, triton
   B = mosaic.BackwardConfig
-  # dQ in the dK/dV kernel (fuse_dq) takes 48 (head dim 64) or 64 KiB more shared memory: two
-  # stages at most at head dim 128.
-  candidates = {64: [B(64, 64, 64, 64, 2), B(64, 64, 64, 128, 2, fuse_dq=True),
-                     B(64, 64, 64, 128, 3, fuse_dq=True)],
-                128: [B(64, 64, 64, 64, 3), B(64, 64, 64, 64, 2, fuse_dq=True)],
-                # Shared memory takes 32-row streamed tiles and three stages at most.
+  candidates = {64: [B(64, 64, 64, 64, 2, persistent=True)],
+                # Three stages leave room for one buffer of held rows (not persistent).
+                128: [B(64, 64, 64, 64, 3)],
+                # Shared memory takes 32-row streamed tiles and three stages at most, and one
+                # buffer of held rows (not persistent).
                 256: [B(64, 32, 64, 32, 3, split_dk_dv=True)]}
   for dim, config in mosaic.BACKWARD_CONFIGS.items():  # and each default's other mask form
     candidates[dim].append(dataclasses.replace(config, diagonal_mask=not config.diagonal_mask))
+    if dim < 256:  # and its other scheduling
+      candidates[dim].append(dataclasses.replace(config, persistent=not config.persistent))
   default = lambda h, spec, segments: mosaic.default_backward_config(h, h, spec, segments)
 
   def others(h, spec, segments):

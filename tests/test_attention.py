@@ -529,14 +529,18 @@ def test_gpu_mosaic_backward_split_gradients(rng, shape, kw, ref_kw):
 
 
 @pytest.fixture
-def fused_dq(monkeypatch):
-  """'mosaic' with ``BackwardConfig.fuse_dq`` at the head dims that take it; the jit caches
-  are cleared around the test, so that it traces the fused backward and no later test
-  finds it there."""
+def few_ctas(monkeypatch):
+  """The 'mosaic' kernels persistent (the backward's too, where its tables allow) on three
+  CTAs, so that each runs many items (buffers reused, rings running on across items); the jit
+  caches are cleared around the test, so that it traces these kernels and no later test finds
+  them there."""
+  from jaxfuse._core import registry
   from jaxfuse.ops.attention import mosaic
-  monkeypatch.setattr(mosaic, "BACKWARD_CONFIGS", {
-      dim: cfg if cfg.split_dk_dv else dataclasses.replace(cfg, fuse_dq=True)
-      for dim, cfg in mosaic.BACKWARD_CONFIGS.items()})
+  monkeypatch.setattr(registry, "num_multiprocessors", lambda: 3)
+  for name in ("BACKWARD_CONFIGS", "BACKWARD_UNMASKED_CONFIGS"):
+    monkeypatch.setattr(mosaic, name, {
+        dim: cfg if cfg.split_dk_dv else dataclasses.replace(cfg, persistent=True)
+        for dim, cfg in getattr(mosaic, name).items()})
   jax.clear_caches()
   yield
   jax.clear_caches()
@@ -545,10 +549,10 @@ def fused_dq(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("h", [64, 128])
 @pytest.mark.parametrize("feature", FEATURES + [{}], ids=str)
-def test_gpu_mosaic_backward_fused_dq(rng, fused_dq, feature, h):
-  """dQ summed by the dK/dV kernel (semaphores ordering the key blocks' adds, the first
-  storing, tiles no block walks zeroed) under every mask feature, GQA and partial tiles:
-  against the float64 gradients, and the same bits twice."""
+def test_gpu_mosaic_many_items_per_cta(rng, few_ctas, feature, h):
+  """Forward and backward persistent with many work items per CTA (held rows
+  double-buffered), under every mask feature, GQA and partial tiles: against the float64
+  reference, and the same bits twice."""
   _mosaic_or_skip()
   b, t, s, n, kh = 2, 1000, 1320, 4, 2
   q, k, v, do = inputs(rng, b, t, s, n, kh, h, dtype=jnp.bfloat16)
@@ -739,8 +743,8 @@ def test_mosaic_lowers_for_hopper(shape, spec, segments, lengths, dtype):
   stat = jax.ShapeDtypeStruct((2, 4, t), jnp.float32)
   default = mosaic.BACKWARD_CONFIGS[max(h, hv)]
   configs = [None, dataclasses.replace(default, diagonal_mask=not default.diagonal_mask)]
-  if not default.split_dk_dv:  # and with dQ in the dK/dV kernel
-    configs.append(dataclasses.replace(default, fuse_dq=True))
+  if max(h, hv) < 256:  # and in the other scheduling (at 256 two buffers outgrow the memory)
+    configs.append(dataclasses.replace(default, persistent=not default.persistent))
   for config in configs:
     exported = export.export(jax.jit(functools.partial(backward, config=config)),
                              platforms=["cuda"])(
@@ -822,34 +826,6 @@ def test_mosaic_bands_cover_every_allowed_pair(rng, monkeypatch):
     keys = mosaic._Band.of_keys(s, spec, block_kv, block_q, q_tiles, mask_every_tile=False)
     kv_spans = spans(kv_ids[None], q_ids[None], kv_rows, q_tiles * block_q, block_kv, block_q)
     _check_band_walk(keys, ok.T, t if q_len is None else q_len, kv_spans, case, kv_len)
-    _check_dq_order(keys, t, q_len, kv_spans, kv_len, case)
-
-
-def _check_dq_order(band, t, q_len, spans, row_limit, case):
-  """The fused backward's dQ order (``_dq_order``): each CTA's query tiles are those its walk
-  takes (``band.cta``), and the CTAs walking a tile hold ranks 0, 1, ... in launch order, so
-  each waits on exactly the ones launched before it (a rank off by one would hang the
-  kernel or add twice). Lengths go in as ``backward`` passes them: (B, 1) arrays, and T as
-  an int without query lengths."""
-  from jaxfuse.ops.attention import mosaic
-  column = lambda x: jnp.asarray([[x]], jnp.int32)
-  ranges, ranks, visited = (np.asarray(a)[0] for a in mosaic._dq_order(
-      band, 1, t if q_len is None else column(q_len),
-      None if spans is None else jnp.asarray(spans)[None],
-      None if row_limit is None else column(row_limit)))
-  limit = t if q_len is None else q_len
-  ctas = len(ranges)
-  for cta in range(ctas):
-    span_of = None if spans is None else (lambda i: tuple(int(x) for x in spans[2 * cta + i]))
-    walk = band.cta(cta * 2 * band.block_rows, limit, span_of, row_limit)
-    assert tuple(ranges[cta]) == tuple(int(x) for x in walk), (case, cta)
-  launch = range(ctas - 1, -1, -1) if mosaic._launched_last_first(band) else range(ctas)
-  walkers = np.zeros(band.col_tiles, int)
-  for cta in launch:
-    for tile in range(*ranges[cta]):
-      assert ranks[cta, tile] == walkers[tile], (case, cta, tile)
-      walkers[tile] += 1
-  np.testing.assert_array_equal(visited, walkers > 0, err_msg=str(case))
 
 
 def test_mosaic_tile_masks_match_the_reference(rng, monkeypatch):

@@ -25,17 +25,18 @@ Mosaic barrier's phase is tracked per thread, so no wait may be skipped).
 Partial tiles: queries and keys past T and S are read as zeros by TMA, which also drops stores
 past T; keys past S are masked. Query and value head dims are 64, 128 or 256, independently.
 
-Backward: two kernels of the same shape (a producer streaming tiles to two consumers, bands
-walked in masked and unmasked runs), each summing in a fixed order, so the gradients are
-deterministic without atomics. The dK/dV kernel holds key blocks and streams the query tiles
-of every query head of the key's group in turn (GQA sums over the group in order); the dQ
-kernel holds query blocks and streams key tiles. Both recompute the probabilities from the
+Backward: two kernels of the same shape (a producer streaming tiles to two consumers, each
+holding a block of rows; bands walked in masked and unmasked runs), each summing in a fixed
+order, so the gradients are deterministic without atomics. A CTA takes one item, or, with
+``BackwardConfig.persistent``, one CTA per SM takes items in pairs as the forward's, its ring
+running on across items and the next item's rows loading into a second buffer. The dK/dV
+kernel holds key blocks and streams the query tiles of every query head of the key's group in
+turn (GQA sums over the group in order); the dQ kernel holds query blocks and streams key
+tiles. Both recompute the probabilities from the
 saved log-sum-exp; a row with none saved (no allowed key, padding, past the query length) has
 lse = +inf and so no probability, which no mask has to see. At head dim 256 a key block's two
 float32 gradients outgrow a warpgroup's registers: ``BackwardConfig.split_dk_dv`` computes
-them by two kernels. ``BackwardConfig.fuse_dq`` sums dQ in the dK/dV kernel instead, from its
-own dS (five products per tile, not seven), the key blocks adding to each query tile in an
-order fixed by the inputs and kept by semaphores (``_dq_order``).
+them by two kernels.
 """
 
 from __future__ import annotations
@@ -391,21 +392,43 @@ class _Band:
     return jnp.where(functools.reduce(jnp.logical_and, ok), z, -jnp.inf) if ok else z
 
 
-def _work_item(cta, i, ctas: int, heads: int, q_tiles: int):
-  """``(batch, head, tile)``: item ``i`` of CTA ``cta`` of the persistent forward.
+def _work_item(cta, i, ctas: int, heads: int, blocks: int):
+  """``(batch, head, block)``: item ``i`` of CTA ``cta`` of a persistent kernel whose items
+  are ``blocks`` blocks of rows per head (query tiles in the forward).
 
-  Work comes in pairs of query tiles of one head, the k-th from each end, the later first
-  (with an odd count the middle tile pairs with tile ``q_tiles``, past T, which walks and
-  stores nothing): under a causal mask every pair walks about as many key tiles, so dealing
-  pairs round-robin to the CTAs balances them. A head's pairs are consecutive, so the CTAs
-  running at once stream the keys of a few heads, from L2."""
-  per_head = -(-q_tiles // 2)
+  Work comes in pairs of blocks of one head, the k-th from each end, the later first (with an
+  odd count the middle block pairs with block ``blocks``, past the rows, which walks and
+  stores nothing): under a causal mask (or packed causal documents) every pair walks about
+  as many tiles, so dealing pairs round-robin to the CTAs balances them. A head's pairs are
+  consecutive, so the CTAs running at once stream the tiles of a few heads, from L2."""
+  per_head = -(-blocks // 2)
   pair = cta + lax.div(i, 2) * ctas
   k = lax.rem(pair, per_head)
   head_of_batch = lax.div(pair, per_head)
-  later = q_tiles - 1 - k
-  tile = jnp.where(lax.rem(i, 2) == 0, later, jnp.where(later == k, q_tiles, k))
-  return lax.div(head_of_batch, heads), lax.rem(head_of_batch, heads), tile
+  later = blocks - 1 - k
+  block = jnp.where(lax.rem(i, 2) == 0, later, jnp.where(later == k, blocks, k))
+  return lax.div(head_of_batch, heads), lax.rem(head_of_batch, heads), block
+
+
+def _schedule(batch: int, heads: int, blocks: int, persistent: bool = True,
+              last_first: bool = False):
+  """A kernel's work over ``blocks`` blocks of rows per head: ``(ctas, count, item)``, its
+  CTAs, the items CTA ``cta`` takes (``count(cta)``) and its i-th (``item(cta, i)``: batch,
+  head, block). Persistent: one CTA per SM at most, items dealt in pairs (``_work_item``).
+  Else a CTA per item, in the order the GPU launches them, a head's blocks from the last
+  where ``last_first`` (where later blocks walk more tiles, they go first and the light ones
+  even out the end)."""
+  if not persistent:
+    def item(cta, i):
+      del i
+      head_of_batch, block = lax.div(cta, blocks), lax.rem(cta, blocks)
+      return (lax.div(head_of_batch, heads), lax.rem(head_of_batch, heads),
+              blocks - 1 - block if last_first else block)
+    return batch * heads * blocks, lambda cta: 1, item
+  pairs = batch * heads * -(-blocks // 2)
+  ctas = min(pairs, registry.num_multiprocessors())
+  count = lambda cta: 2 * (lax.div(pairs - 1 - cta, ctas) + 1)
+  return ctas, count, lambda cta, i: _work_item(cta, i, ctas, heads, blocks)
 
 
 def _forward(q, k, v, q_seg, kv_seg, spans, q_len, kv_len, t: int, s: int, spec,
@@ -423,8 +446,7 @@ def _forward(q, k, v, q_seg, kv_seg, spans, q_len, kv_len, t: int, s: int, spec,
   q_tiles, kv_tiles = -(-t // rows_per_cta), -(-s // block_kv)
   stages = max(2, min(cfg.stages, kv_tiles))
   q_buffers = 2 if cfg.prefetch_q else 1
-  pairs = b * n * -(-q_tiles // 2)
-  ctas = min(pairs, registry.num_multiprocessors())
+  ctas, count, work_item = _schedule(b, n, q_tiles)
   cap = spec.soft_cap
   has_segments = q_seg is not None
   band = _Band.of_queries(t, spec, block_q, block_kv, kv_tiles,
@@ -435,7 +457,7 @@ def _forward(q, k, v, q_seg, kv_seg, spans, q_len, kv_len, t: int, s: int, spec,
   # scaled units; a soft-cap (or a scale <= 0, which would flip the maximum) scales first.
   factor = scale * _LOG2E if cap is None and scale > 0 else 1.0
 
-  item = lambda i: _work_item(lax.axis_index("cta"), i, ctas, n, q_tiles)
+  item = lambda i: work_item(lax.axis_index("cta"), i)
 
   def tile_range(batch, tile, kv_len_ref, q_len_ref, spans_ref):
     """``keys``, ``q_rows``, ``span_of`` and the CTA's key tiles (``band.cta``) of a tile."""
@@ -450,7 +472,7 @@ def _forward(q, k, v, q_seg, kv_seg, spans, q_len, kv_len, t: int, s: int, spec,
     (out_ref, lse_ref, q_smem, k_smem, v_smem, o_smem, lse_smem, q_seg_smem, kv_seg_smem,
      k_loaded, v_loaded, seg_loaded, q_loaded, k_consumed, v_consumed, schedule) = refs
     wg = lax.axis_index("wg")
-    my_items = 2 * (lax.div(pairs - 1 - lax.axis_index("cta"), ctas) + 1)
+    my_items = count(lax.axis_index("cta"))
 
     def take_turn():
       plgpu.barrier_arrive(schedule)
@@ -639,8 +661,8 @@ def _forward(q, k, v, q_seg, kv_seg, spans, q_len, kv_len, t: int, s: int, spec,
   ]
   out_types = (jax.ShapeDtypeStruct((b, q.shape[1], n, hv), dtype),
                jax.ShapeDtypeStruct((b, n, q_tiles * rows_per_cta), jnp.float32))
-  return _launch(body, scratch, out_types, (ctas,), (q, k, v),
-                 (q_seg, kv_seg, spans, q_len, kv_len), grid_names=("cta",))
+  return _launch(body, scratch, out_types, ctas, (q, k, v),
+                 (q_seg, kv_seg, spans, q_len, kv_len))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -648,7 +670,9 @@ class BackwardConfig:
   """Tiles of the two backward kernels. dK/dV: each consumer warpgroup holds ``dkdv_block_kv``
   key rows and their two float32 gradients while query tiles of ``dkdv_block_q`` rows stream
   past; dQ: each holds ``dq_block_q`` query rows and their gradient while key tiles of
-  ``dq_block_kv`` rows stream past. ``stages``: streamed tiles in flight."""
+  ``dq_block_kv`` rows stream past. ``stages``: streamed tiles in flight. ``persistent``: a
+  CTA per SM runs item after item (``_schedule``), the next item's held rows loading into a
+  second buffer while this item's walk runs; else a CTA per item."""
   dkdv_block_kv: int = 64
   dkdv_block_q: int = 64
   dq_block_q: int = 64
@@ -657,18 +681,13 @@ class BackwardConfig:
   # dK and dV by two kernels, each recomputing the scores (dV's without dP): at head dim 256
   # a key block's two float32 gradients together outgrow a warpgroup's registers.
   split_dk_dv: bool = False
-  # dQ summed by the dK/dV kernel from its own dS (five products per tile in all, not seven),
-  # the key blocks adding to each query tile in a fixed order (``_dq_order``); the dQ kernel
-  # and its ``dq_block_*`` tiles are then not used.
-  fuse_dq: bool = False
   # Masks by column minus row, or, False, by positions (``Config.diagonal_mask``).
   diagonal_mask: bool = True
+  persistent: bool = False
 
   def __post_init__(self):
     if self.stages < 2:
       raise ValueError(f"BackwardConfig.stages must be at least 2, got {self.stages}")
-    if self.fuse_dq and self.split_dk_dv:
-      raise ValueError("BackwardConfig.fuse_dq needs dK and dV in one kernel (split_dk_dv)")
 
 
 # Per head dim (the larger of the query's and the value's), for the head dims CONFIGS takes.
@@ -677,14 +696,17 @@ class BackwardConfig:
 # stage read +0.4% and -2.4%, 2026-11-26-h100-tune-attention-mosaic-bwd-full-stages.json);
 # at 64 the dQ kernel streams the forward's key tiles; at 256 shared memory takes only 32-row
 # streamed tiles and the registers one float32 gradient per key block
-# (benchmarks/results/2026-11-25-h100-tune-attention-mosaic-bwd-hd256*.json). dQ in the dK/dV
-# kernel (fuse_dq) ran 6-24% slower at every shape timed
-# (benchmarks/results/2026-11-26-h100-tune-attention-mosaic-bwd-fuse-dq.json). Consumers
-# of 240 registers (the producer 24) ran within 1% of 232 (and 40) either way
+# (benchmarks/results/2026-11-25-h100-tune-attention-mosaic-bwd-hd256*.json). Consumers of 240
+# registers (the producer 24) ran within 1% of 232 (and 40) either way
 # (benchmarks/results/2026-11-26-h100-tune-attention-mosaic-bwd-registers.json). Masks by
 # positions ran the causal step 2-3% faster at head dim 64 in two runs; at 128 and 256 the
 # forms tied (2026-11-26-h100-tune-attention-mosaic-bwd-mask-form.json, ...-bwd-tables.json).
-BACKWARD_CONFIGS = {64: BackwardConfig(64, 64, 64, 128, 2, diagonal_mask=False),
+# Persistent kernels ran the step 4-5% faster at head dim 64; at 128 within 1% on (4, 4096)
+# and 3% slower on 16k causal rows, where a CTA per item (the GPU deals them as CTAs finish,
+# the light ones last) ends more evenly than a static deal; at 256 a second buffer of held
+# rows does not fit (benchmarks/results/2026-11-26-h100-tune-attention-mosaic-bwd-persistent.json).
+BACKWARD_CONFIGS = {64: BackwardConfig(64, 64, 64, 128, 2, diagonal_mask=False,
+                                       persistent=True),
                     128: BackwardConfig(64, 64, 64, 64, 2),
                     256: BackwardConfig(64, 32, 64, 32, 2, split_dk_dv=True)}
 
@@ -708,8 +730,7 @@ def backward(q, k, v, do, lse, delta, extras, *, spec, scale, allow_tf32=None,
   """``(dq, dk, dv)`` from the forward's ``lse (B, N, T)`` (natural log) and
   ``delta (B, N, T) = rowsum(dO * O)`` (minus any dLSE). Two kernels, each summing in a fixed
   order (no atomics): dK/dV by key blocks, walking every query tile of every query head of
-  the key's group; dQ by query blocks. With ``fuse_dq`` the dK/dV kernel also adds dQ, in an
-  order the inputs fix (``_dq_order``)."""
+  the key's group; dQ by query blocks."""
   del allow_tf32  # 16-bit operands only
   q_seg, kv_seg, q_len, kv_len = extras
   cfg = config or default_backward_config(q.shape[3], v.shape[3], spec, q_seg is not None)
@@ -729,9 +750,8 @@ def backward(q, k, v, do, lse, delta, extras, *, spec, scale, allow_tf32=None,
                      jnp.pad(delta, ((0, 0), (0, 0), (0, q_rows - t)))], axis=2)
   ids = lambda a, n: None if a is None else _pad_rows(a.astype(jnp.int32), n)
   lengths = [None if a is None else a.astype(jnp.int32) for a in (q_len, kv_len)]
-  # TMA copies of 8 x 64 tiles need T and S multiples of 8, and a static (untraced) tile
-  # start keeps its whole tile in bounds: the streamed operand is padded to whole tiles
-  # where its first tiles may reach the last.
+  # TMA copies of 8 x 64 tiles need T and S multiples of 8, and a tile's slice must fit its
+  # operand: a streamed operand of few tiles is padded to whole tiles.
   def padded(a, n, tiles, block):
     few = tiles <= max(2, cfg.stages)
     return _pad_rows(a, tiles * block if few else -(-n // 8) * 8)
@@ -741,63 +761,20 @@ def backward(q, k, v, do, lse, delta, extras, *, spec, scale, allow_tf32=None,
     dkdv_spans = _segment_spans(kv_seg, q_seg, kv_rows, q_rows, cfg.dkdv_block_kv,
                                 cfg.dkdv_block_q)
   cap = spec.soft_cap
+  dq = _dq(_pad_rows(q, -(-t // 8) * 8), padded(k, s, dq_band.col_tiles, cfg.dq_block_kv),
+           padded(v, s, dq_band.col_tiles, cfg.dq_block_kv),
+           _pad_rows(do, -(-t // 8) * 8), stats, ids(q_seg, q_rows), ids(kv_seg, kv_rows),
+           dq_spans, lengths, s, dq_band, float(scale), cap, cfg)
   dkdv = functools.partial(
       _dkdv, padded(q, t, dkdv_band.col_tiles, cfg.dkdv_block_q), _pad_rows(k, -(-s // 8) * 8),
       _pad_rows(v, -(-s // 8) * 8), padded(do, t, dkdv_band.col_tiles, cfg.dkdv_block_q),
       stats, ids(q_seg, q_rows), ids(kv_seg, kv_rows), dkdv_spans, lengths, t, dkdv_band,
-      float(scale), cap, cfg.stages, cfg.diagonal_mask)
-  if cfg.fuse_dq:
-    queries = t if q_len is None else jnp.clip(lengths[0], 0, t)[:, None]
-    keys = None if kv_len is None else jnp.clip(lengths[1], 0, s)[:, None]
-    ranges, ranks, visited = _dq_order(dkdv_band, q.shape[0], queries, dkdv_spans, keys)
-    dk, dv, dq = dkdv(("dk", "dv"), dq_order=(ranges, ranks))
-    # Query tiles no key block walks (no allowed key, past the lengths) got no store.
-    rows = jnp.repeat(visited, cfg.dkdv_block_q, axis=1)[:, :t, None, None]
-    return jnp.where(rows, dq[:, :t], 0.0).astype(q.dtype), dk[:, :s], dv[:, :s]
-  dq = _dq(_pad_rows(q, -(-t // 8) * 8), padded(k, s, dq_band.col_tiles, cfg.dq_block_kv),
-           padded(v, s, dq_band.col_tiles, cfg.dq_block_kv),
-           _pad_rows(do, -(-t // 8) * 8), stats, ids(q_seg, q_rows), ids(kv_seg, kv_rows),
-           dq_spans, lengths, s, dq_band, float(scale), cap, cfg.stages, cfg.diagonal_mask)
+      float(scale), cap, cfg)
   if cfg.split_dk_dv:
     (dk,), (dv,) = dkdv(("dk",)), dkdv(("dv",))
   else:
     dk, dv = dkdv(("dk", "dv"))
   return dq[:, :t], dk[:, :s], dv[:, :s]
-
-
-def _launched_last_first(band: _Band) -> bool:
-  """Whether the dK/dV kernel launches its key blocks from the last: where the query tiles a
-  block walks start later for later blocks (a causal mask, a window), block c + 1 then
-  reaches each query tile a few tiles before block c does, so adding dQ in launch order
-  rarely waits."""
-  return band.low is not None
-
-
-def _dq_order(band: _Band, batch: int, limit, spans, row_limit):
-  """The order in which the dK/dV kernel's key blocks add to each query tile's dQ, fixed by
-  the inputs (not by timing), so that dQ's sums are deterministic: the blocks that walk a
-  tile add to it in launch order (``_launched_last_first``), each waiting on a semaphore until
-  the blocks before it have. Blocks only wait on blocks launched earlier, which are running
-  or done: no wait can outlast them.
-
-  Returns ``ranges (B, C, 2)``, the query tiles ``[lo, hi)`` CTA c walks (``band.cta``,
-  computed once here so the kernel's walk and this order agree), ``ranks (B, C, M)``, the
-  blocks before c adding to tile m (0: c stores rather than adds), and ``visited (B, M)``,
-  whether any block walks tile m. ``limit``, ``row_limit``: int or (B, 1) lengths."""
-  rows_per_cta = _CONSUMERS * band.block_rows
-  ctas = -(-band.rows // rows_per_cta)
-  c = jnp.arange(ctas, dtype=jnp.int32)[None, :]
-  span_of = None
-  if spans is not None:
-    span_of = lambda i: tuple(spans[:, c[0] * _CONSUMERS + i, j] for j in range(4))
-  lo, hi = (jnp.broadcast_to(x, (batch, ctas)).astype(jnp.int32)
-            for x in band.cta(c * rows_per_cta, limit, span_of, row_limit))
-  m = jnp.arange(band.col_tiles, dtype=jnp.int32)
-  walks = ((lo[..., None] <= m) & (m < hi[..., None])).astype(jnp.int32)
-  launched = walks[:, ::-1] if _launched_last_first(band) else walks
-  ranks = jnp.cumsum(launched, axis=1) - launched
-  ranks = ranks[:, ::-1] if _launched_last_first(band) else ranks
-  return jnp.stack([lo, hi], -1), ranks, walks.any(1)
 
 
 def _pad_rows(a, n):
@@ -844,23 +821,23 @@ def _tile_gradients(s_operands, dp_operands, stats, stats_axis: int, mask, scale
   return p, ds if cap_grad is None else ds * cap_grad
 
 
-def _produce(load, lo, hi, stages: int, first_loads: int, consumed):
-  """The producer's ring over tiles ``[lo, hi)``: ``load(j, slot)`` of the first
-  ``first_loads`` (at most ``stages``) at once, then of each later tile into the slot of the
-  tile ``stages`` before it, once the ``consumed`` barriers say that one is done with. The
-  first starts are Python ints where ``lo`` is: a static start past the rows fails to trace,
-  so ``first_loads`` stops at the tiles there are."""
+def _ring(stream, tiles, streamed, stages: int, consumed):
+  """The producer's part of one item: ``stream(u, slot)`` of its tiles ``u`` in
+  ``[0, tiles)`` into the ring of ``stages`` slots, which ``streamed`` tiles of earlier items
+  have run through; a slot is refilled once the ``consumed`` barriers say its tile is done
+  with. Returns the tiles streamed so far."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
-  for i in range(first_loads):
-    _when(lo + i < hi, functools.partial(load, lo + i, i))
 
-  @pl.loop(lo + stages, _maximum(hi, lo + stages))
-  def _(j):
-    slot = lax.rem(j - lo, stages)
+  @pl.loop(0, tiles)
+  def _(u):
+    ring = streamed + u
+    slot = lax.rem(ring, stages)
     for barrier in consumed:
-      plgpu.barrier_wait(barrier.at[slot])
-    load(j, slot)
+      _when(ring >= stages, functools.partial(plgpu.barrier_wait, barrier.at[slot]))
+    stream(u, slot)
+
+  return streamed + tiles
 
 
 def _walk(ranges, cta, step, skip, carry):
@@ -877,11 +854,13 @@ def _walk(ranges, cta, step, skip, carry):
 
 
 def _dq(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, s: int, band: _Band, scale: float,
-        cap, stages: int, diagonal: bool):
-  """dQ: a CTA owns two blocks of query rows of one head (one per consumer warpgroup: its
-  Q, dO, lse and delta stay in shared memory and registers); a producer warpgroup streams
-  the key and value tiles of the band. Per tile: S = Q K^T and dP = dO V^T, issued
-  together; P = exp2(S - lse); dS = P (dP - delta); dQ += dS K."""
+        cap, cfg: BackwardConfig):
+  """dQ by items (``_schedule``) of two blocks of query rows of one head (one per consumer
+  warpgroup: its Q, dO, lse and delta stay in shared memory and registers, the next item's
+  loading into a second buffer where ``cfg.persistent``); a producer warpgroup streams the key
+  and value tiles of the band through a ring that runs on from item to item. Per tile:
+  S = Q K^T and dP = dO V^T, issued together; P = exp2(S - lse); dS = P (dP - delta);
+  dQ += dS K."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -891,134 +870,158 @@ def _dq(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, s: int, band: _Band, 
   dtype = q.dtype
   block_q, block_kv = band.block_rows, band.block_cols
   rows_per_cta = _CONSUMERS * block_q
-  ctas, kv_tiles = -(-band.rows // rows_per_cta), band.col_tiles
-  stages = max(2, min(stages, kv_tiles))
+  blocks = -(-band.rows // rows_per_cta)
+  stages = max(2, min(cfg.stages, band.col_tiles))
+  buffers = 2 if cfg.persistent else 1
   has_segments = q_seg is not None
   row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+  # Under a causal mask later query blocks walk more key tiles.
+  ctas, count, work_item = _schedule(b, n, blocks, cfg.persistent,
+                                     last_first=band.high is not None)
 
   def body(q_ref, k_ref, v_ref, do_ref, stats_ref, extras, *refs):
     q_seg_ref, kv_seg_ref, spans_ref, q_len_ref, kv_len_ref = extras
     (dq_ref, q_smem, do_smem, stats_smem, k_smem, v_smem, q_seg_smem, kv_seg_smem,
      rows_loaded, loaded, consumed) = refs
-    batch, head, cta = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("t")
-    if band.high is not None:
-      # Later query blocks walk more keys under a causal mask: CTAs launch in grid order, so
-      # these go first and the light ones even out the end.
-      cta = ctas - 1 - cta
-    wg = lax.axis_index("wg")
-    keys = s if kv_len_ref is None else jnp.clip(kv_len_ref[batch], 0, s)
-    # Queries past the length have lse = +inf (no probability): the walk only stops there.
-    queries = None if q_len_ref is None else jnp.clip(q_len_ref[batch], 0, band.rows)
-    cta_first = cta * rows_per_cta
-    span_of = _block_spans(spans_ref, batch, cta)
-    cta_lo, cta_hi = band.cta(cta_first, keys, span_of, queries)
-    slot_of = lambda j: lax.rem(j - cta_lo, stages)
+    cta, wg = lax.axis_index("cta"), lax.axis_index("wg")
+    my_items = count(cta)
+
+    def walked(item):
+      """Item ``item``'s batch, head, block, key length, query length, segment spans and
+      the key tiles its CTA streams (none for a block past the rows)."""
+      batch, head, block = work_item(cta, item)
+      keys = s if kv_len_ref is None else jnp.clip(kv_len_ref[batch], 0, s)
+      # Queries past the length have lse = +inf (no probability): the walk only stops there.
+      queries = None if q_len_ref is None else jnp.clip(q_len_ref[batch], 0, band.rows)
+      span_of = _block_spans(spans_ref, batch, jnp.minimum(block, blocks - 1))
+      cta_lo, cta_hi = band.cta(block * rows_per_cta, keys, span_of, queries)
+      return (batch, head, block, keys, queries, span_of,
+              (cta_lo, jnp.where(block < blocks, cta_hi, cta_lo)))
 
     @pl.when(wg < _CONSUMERS)
     def _consumer():
       plgpu.set_max_registers(232, action="increase")
-      first = cta_first + wg * block_q
-      rows = (batch, pl.ds(first, block_q), head)
-      own = rows_loaded.at[wg]
-      plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[wg], own)
-      plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[wg], own)
-      plgpu.copy_gmem_to_smem(stats_ref.at[batch, head, :, pl.ds(first, block_q)],
-                              stats_smem.at[wg], own)
-      if has_segments:
-        plgpu.copy_gmem_to_smem(q_seg_ref.at[batch, pl.ds(first, block_q)],
-                                q_seg_smem.at[wg], own)
-      plgpu.barrier_wait(own)
-      lse = _load(plgpu, stats_smem.at[wg, 0], row_layout)
-      delta = _load(plgpu, stats_smem.at[wg, 1], row_layout)
-      q_ids = _load(plgpu, q_seg_smem.at[wg], row_layout) if has_segments else None
-      span = None if span_of is None else span_of(wg)
-      ranges = band.block(first, keys, span, (cta_lo, cta_hi), queries)
 
-      def step(j, dq, masked):
-        slot = slot_of(j)
-        plgpu.barrier_wait(loaded.at[slot])
+      def load_rows(item, buffer):
+        batch, head, block = work_item(cta, item)
+        first = block * rows_per_cta + wg * block_q
+        rows = (batch, pl.ds(first, block_q), head)
+        own = rows_loaded.at[buffer * _CONSUMERS + wg]
+        plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[buffer, wg], own)
+        plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[buffer, wg], own)
+        plgpu.copy_gmem_to_smem(stats_ref.at[batch, head, :, pl.ds(first, block_q)],
+                                stats_smem.at[buffer, wg], own)
+        if has_segments:
+          plgpu.copy_gmem_to_smem(q_seg_ref.at[batch, pl.ds(first, block_q)],
+                                  q_seg_smem.at[buffer, wg], own)
 
-        def mask(z):
-          ids = None if not has_segments else lambda: (
-              q_ids, _load(plgpu, kv_seg_smem.at[slot], col_layout))
-          return band.mask(z, first, j * block_kv, keys, ids=ids, diagonal=diagonal)
+      load_rows(0, 0)
 
-        _, ds = _tile_gradients((q_smem.at[wg], k_smem.at[slot]),
-                                (do_smem.at[wg], v_smem.at[slot]), lambda: (lse, delta), 0,
-                                mask if masked else None, scale, cap)
+      def run_item(item, streamed):
+        batch, head, block, keys, queries, span_of, (cta_lo, cta_hi) = walked(item)
+        buffer = lax.rem(item, buffers)
+        my_q = q_smem.at[buffer, wg]
+        plgpu.barrier_wait(rows_loaded.at[buffer * _CONSUMERS + wg])
+        if cfg.persistent:  # the other buffer's dQ (the item before's) has left: next rows there
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          _when(item + 1 < my_items, lambda: load_rows(item + 1, 1 - buffer))
+        lse = _load(plgpu, stats_smem.at[buffer, wg, 0], row_layout)
+        delta = _load(plgpu, stats_smem.at[buffer, wg, 1], row_layout)
+        q_ids = _load(plgpu, q_seg_smem.at[buffer, wg], row_layout) if has_segments else None
+        first = block * rows_per_cta + wg * block_q
+        span = None if span_of is None else span_of(wg)
+        ranges = band.block(first, keys, span, (cta_lo, cta_hi), queries)
+        slot_of = lambda j: lax.rem(streamed + j - cta_lo, stages)
 
-        def gradient(acc_ref):
-          plgpu.wgmma(acc_ref, ds.astype(dtype), k_smem.at[slot])
+        def step(j, dq, masked):
+          slot = slot_of(j)
+          plgpu.barrier_wait(loaded.at[slot])
 
-        dq = pl.run_state(gradient)(plgpu.ACC.init(dq))
-        plgpu.barrier_arrive(consumed.at[slot])
-        return dq
+          def mask(z):
+            ids = None if not has_segments else lambda: (
+                q_ids, _load(plgpu, kv_seg_smem.at[slot], col_layout))
+            return band.mask(z, first, j * block_kv, keys, ids=ids, diagonal=cfg.diagonal_mask)
 
-      def skip(j, dq):
-        slot = slot_of(j)
-        plgpu.barrier_wait(loaded.at[slot])
-        plgpu.barrier_arrive(consumed.at[slot])
-        return dq
+          _, ds = _tile_gradients((my_q, k_smem.at[slot]),
+                                  (do_smem.at[buffer, wg], v_smem.at[slot]),
+                                  lambda: (lse, delta), 0, mask if masked else None, scale, cap)
 
-      dq = _walk(ranges, (cta_lo, cta_hi), step, skip,
-                 plgpu.layout_cast(jnp.zeros((block_q, h), jnp.float32), plgpu.Layout.WGMMA))
-      # Q's slot is free once the last product has been read.
-      q_smem.at[wg][...] = (dq * scale).astype(dtype)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(q_smem.at[wg], dq_ref.at[rows])  # rows past T are dropped
+          def gradient(acc_ref):
+            plgpu.wgmma(acc_ref, ds.astype(dtype), k_smem.at[slot])
+
+          dq = pl.run_state(gradient)(plgpu.ACC.init(dq))
+          plgpu.barrier_arrive(consumed.at[slot])
+          return dq
+
+        def skip(j, dq):
+          slot = slot_of(j)
+          plgpu.barrier_wait(loaded.at[slot])
+          plgpu.barrier_arrive(consumed.at[slot])
+          return dq
+
+        dq = _walk(ranges, (cta_lo, cta_hi), step, skip,
+                   plgpu.layout_cast(jnp.zeros((block_q, h), jnp.float32), plgpu.Layout.WGMMA))
+        # Q's slot is free once the last product has been read.
+        my_q[...] = (dq * scale).astype(dtype)
+        plgpu.commit_smem()
+        _when(block < blocks, lambda: plgpu.copy_smem_to_gmem(  # rows past T are dropped
+            my_q, dq_ref.at[batch, pl.ds(first, block_q), head]))
+        return streamed + cta_hi - cta_lo
+
+      lax.fori_loop(0, my_items, run_item, jnp.int32(0))
       plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == _CONSUMERS)
     def _producer():
       plgpu.set_max_registers(40, action="decrease")
-      kv_head = lax.div(head, jnp.int32(groups))
 
-      def load(j, slot):
-        rows = (batch, pl.ds(j * block_kv, block_kv), kv_head)
-        plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], loaded.at[slot])
-        plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], loaded.at[slot])
-        if has_segments:
-          plgpu.copy_gmem_to_smem(kv_seg_ref.at[batch, pl.ds(j * block_kv, block_kv)],
-                                  kv_seg_smem.at[slot], loaded.at[slot])
+      def stream_item(item, streamed):
+        batch, head, _, _, _, _, (cta_lo, cta_hi) = walked(item)
+        kv_head = lax.div(head, jnp.int32(groups))
 
-      _produce(load, cta_lo, cta_hi, stages, min(stages, kv_tiles), (consumed,))
+        def load(u, slot):
+          rows = (batch, pl.ds((cta_lo + u) * block_kv, block_kv), kv_head)
+          plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], loaded.at[slot])
+          plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], loaded.at[slot])
+          if has_segments:
+            plgpu.copy_gmem_to_smem(kv_seg_ref.at[batch, pl.ds((cta_lo + u) * block_kv,
+                                                               block_kv)],
+                                    kv_seg_smem.at[slot], loaded.at[slot])
+
+        return _ring(load, cta_hi - cta_lo, streamed, stages, (consumed,))
+
+      lax.fori_loop(0, my_items, stream_item, jnp.int32(0))
 
   copies = 2 + has_segments
   tiled = _swizzled(min(block_q, block_kv))  # a product's operands share their swizzle
   scratch = [
-      plgpu.SMEM((_CONSUMERS, block_q, h), dtype, **tiled),
-      plgpu.SMEM((_CONSUMERS, block_q, hv), dtype, **tiled),
-      plgpu.SMEM((_CONSUMERS, 2, block_q), jnp.float32),
+      plgpu.SMEM((buffers, _CONSUMERS, block_q, h), dtype, **tiled),
+      plgpu.SMEM((buffers, _CONSUMERS, block_q, hv), dtype, **tiled),
+      plgpu.SMEM((buffers, _CONSUMERS, 2, block_q), jnp.float32),
       plgpu.SMEM((stages, block_kv, h), dtype, **tiled),
       plgpu.SMEM((stages, block_kv, hv), dtype, **tiled),
-      plgpu.SMEM((_CONSUMERS, block_q), jnp.int32) if has_segments else None,
+      plgpu.SMEM((buffers, _CONSUMERS, block_q), jnp.int32) if has_segments else None,
       plgpu.SMEM((stages, block_kv), jnp.int32) if has_segments else None,
-      plgpu.Barrier(num_arrivals=copies + 1, num_barriers=_CONSUMERS),
+      plgpu.Barrier(num_arrivals=copies + 1, num_barriers=buffers * _CONSUMERS),
       plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
       plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
   ]
   out_type = jax.ShapeDtypeStruct(q.shape, dtype)
-  return _launch(body, scratch, out_type, (b, n, ctas), (q, k, v, do, stats),
+  return _launch(body, scratch, out_type, ctas, (q, k, v, do, stats),
                  (q_seg, kv_seg, spans, *lengths))
 
 
 def _dkdv(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, t: int, band: _Band,
-          scale: float, cap, stages: int, diagonal: bool, gradients=("dk", "dv"),
-          dq_order=None):
-  """dK and dV (or one of them, as ``gradients`` names): a CTA owns two blocks of key rows of
-  one key/value head (one per consumer warpgroup: its K, V stay in shared memory, dK and dV in
-  float32 registers); a producer streams, for each query head of the group in turn, the Q,
-  dO, lse and delta tiles of the band. Per tile, keys by queries (every product takes its
-  operands as stored): S^T = K Q^T and dP^T = V dO^T, issued together (dV alone needs no
-  dP^T); P^T = exp2(S^T - lse); dS^T = P^T (dP^T - delta); dV += P^T dO and dK += dS^T Q,
-  issued together.
-
-  With ``dq_order`` (``_dq_order``'s ranges and ranks) also dQ, as a third float32 output
-  (B, tiles * block_q, N, H), scaled: both consumers put their dS^T in shared memory, and each
-  computes half of the tile's dQ columns, dS K over the CTA's key rows; the producer adds the
-  halves to dQ by TMA in the order the ranks fix, once a semaphore per query tile says the
-  blocks before have (the first stores). dS is double-buffered and each tile's dQ computed
-  during the next tile, so neither consumer waits on the other's dS."""
+          scale: float, cap, cfg: BackwardConfig, gradients=("dk", "dv")):
+  """dK and dV (or one of them, as ``gradients`` names) by items (``_schedule``) of two
+  blocks of key rows of one key/value head (one per consumer warpgroup: its K, V stay
+  in shared memory, dK and dV in float32 registers; the next item's loading into a second
+  buffer where ``cfg.persistent``); a producer streams, for each query head of the group in
+  turn, the Q, dO, lse and delta tiles of the band, through a ring that runs on from item to
+  item. Per tile, keys by queries (every product takes its operands as stored):
+  S^T = K Q^T and dP^T = V dO^T, issued together (dV alone needs no dP^T);
+  P^T = exp2(S^T - lse); dS^T = P^T (dP^T - delta); dV += P^T dO and dK += dS^T Q, issued
+  together."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -1028,263 +1031,183 @@ def _dkdv(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, t: int, band: _Band
   dtype = q.dtype
   block_kv, block_q = band.block_rows, band.block_cols
   rows_per_cta = _CONSUMERS * block_kv
-  ctas, q_tiles = -(-band.rows // rows_per_cta), band.col_tiles
-  stages = max(2, min(stages, groups * q_tiles))
+  blocks = -(-band.rows // rows_per_cta)
+  stages = max(2, min(cfg.stages, groups * band.col_tiles))
+  buffers = 2 if cfg.persistent else 1
   has_segments = q_seg is not None
-  fused = dq_order is not None
-  half = h // _CONSUMERS  # dQ columns per consumer
   row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+  # Under a causal mask earlier key blocks walk more query tiles: launched first.
+  ctas, count, work_item = _schedule(b, kv_heads, blocks, cfg.persistent)
 
   def body(q_ref, k_ref, v_ref, do_ref, stats_ref, extras, *refs):
-    q_seg_ref, kv_seg_ref, spans_ref, q_len_ref, kv_len_ref, ranges_ref, ranks_ref = extras
-    outputs = gradients + (("dq",) if fused else ())
-    out_refs = dict(zip(outputs, refs[:len(outputs)]))
-    (k_smem, v_smem, q_smem, do_smem, stats_smem, kv_seg_smem, q_seg_smem, ds_smem, dq_smem,
-     rows_loaded, loaded, consumed, ds_ready, ds_read, dq_free, dq_staged) = refs[len(outputs):]
-    batch, kv_head, cta = lax.axis_index("b"), lax.axis_index("k"), lax.axis_index("s")
-    if fused and _launched_last_first(band):
-      cta = ctas - 1 - cta
-    wg = lax.axis_index("wg")
-    # Queries past the lengths have lse = +inf (no probability): the band only stops there.
-    queries = t if q_len_ref is None else jnp.clip(q_len_ref[batch], 0, t)
-    # Keys past their length get no gradient (zeroed at the end): their walk stops there too.
-    keys = None if kv_len_ref is None else jnp.clip(kv_len_ref[batch], 0, band.rows)
-    cta_first = cta * rows_per_cta
-    span_of = _block_spans(spans_ref, batch, cta)
-    if fused:
-      cta_lo, cta_hi = ranges_ref[batch, cta, 0], ranges_ref[batch, cta, 1]
-    else:
-      cta_lo, cta_hi = band.cta(cta_first, queries, span_of, keys)
-    cta_tiles = cta_hi - cta_lo
-    # The producer streams tile i of head g as number g * cta_tiles + i - cta_lo.
-    slot_of = lambda u: lax.rem(u, stages) if not isinstance(u, int) else u % stages
+    q_seg_ref, kv_seg_ref, spans_ref, q_len_ref, kv_len_ref = extras
+    out_refs = dict(zip(gradients, refs[:len(gradients)]))
+    (k_smem, v_smem, q_smem, do_smem, stats_smem, kv_seg_smem, q_seg_smem,
+     rows_loaded, loaded, consumed) = refs[len(gradients):]
+    cta, wg = lax.axis_index("cta"), lax.axis_index("wg")
+    my_items = count(cta)
+
+    def walked(item):
+      """Item ``item``'s batch, key/value head, block, query length, key length, segment
+      spans and the query tiles its CTA streams per head (none for a block past the rows)."""
+      batch, kv_head, block = work_item(cta, item)
+      # Queries past the lengths have lse = +inf (no probability): the band only stops there.
+      queries = t if q_len_ref is None else jnp.clip(q_len_ref[batch], 0, t)
+      # Keys past their length get no gradient (zeroed at the end): their walk stops there.
+      keys = None if kv_len_ref is None else jnp.clip(kv_len_ref[batch], 0, band.rows)
+      span_of = _block_spans(spans_ref, batch, jnp.minimum(block, blocks - 1))
+      cta_lo, cta_hi = band.cta(block * rows_per_cta, queries, span_of, keys)
+      return (batch, kv_head, block, queries, keys, span_of,
+              (cta_lo, jnp.where(block < blocks, cta_hi, cta_lo)))
 
     @pl.when(wg < _CONSUMERS)
     def _consumer():
       plgpu.set_max_registers(232, action="increase")
-      first = cta_first + wg * block_kv
-      rows = (batch, pl.ds(first, block_kv), kv_head)
-      own = rows_loaded.at[wg]
-      my_k = k_smem.at[pl.ds(wg * block_kv, block_kv)]
-      plgpu.copy_gmem_to_smem(k_ref.at[rows], my_k, own)
-      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[wg], own)
-      if has_segments:
-        plgpu.copy_gmem_to_smem(kv_seg_ref.at[batch, pl.ds(first, block_kv)],
-                                kv_seg_smem.at[wg], own)
-      plgpu.barrier_wait(own)
-      kv_ids = _load(plgpu, kv_seg_smem.at[wg], row_layout) if has_segments else None
-      span = None if span_of is None else span_of(wg)
-      ranges = band.block(first, queries, span, (cta_lo, cta_hi), keys)
-      tile = (block_kv, block_q)
-      if fused:  # both dS buffers start free
-        for buffer in range(2):
-          plgpu.barrier_arrive(ds_read.at[buffer])
 
-      def put_ds(u, ds):
-        """This consumer's dS^T of tile ``u`` (zeros where it passes the tile) into the
-        tile's buffer, once both consumers' products of tile ``u - 2`` have read it; returns
-        its place there."""
-        buffer = lax.rem(u, 2)
-        if keys is not None:  # keys past the length add nothing to dQ
-          ds = jnp.where(_iota(tile, 0) + first < keys, ds, jnp.zeros_like(ds))
-        plgpu.barrier_wait(ds_read.at[buffer])
-        my_ds = ds_smem.at[buffer, pl.ds(wg * block_kv, block_kv)]
-        my_ds[...] = ds
+      def load_rows(item, buffer):
+        batch, kv_head, block = work_item(cta, item)
+        first = block * rows_per_cta + wg * block_kv
+        rows = (batch, pl.ds(first, block_kv), kv_head)
+        own = rows_loaded.at[buffer * _CONSUMERS + wg]
+        plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[buffer, wg], own)
+        plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[buffer, wg], own)
+        if has_segments:
+          plgpu.copy_gmem_to_smem(kv_seg_ref.at[batch, pl.ds(first, block_kv)],
+                                  kv_seg_smem.at[buffer, wg], own)
+
+      load_rows(0, 0)
+
+      def run_item(item, streamed):
+        batch, kv_head, block, queries, keys, span_of, (cta_lo, cta_hi) = walked(item)
+        buffer = lax.rem(item, buffers)
+        my_k, my_v = k_smem.at[buffer, wg], v_smem.at[buffer, wg]
+        plgpu.barrier_wait(rows_loaded.at[buffer * _CONSUMERS + wg])
+        if cfg.persistent:  # the other buffer's gradients (the item before's) have left
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          _when(item + 1 < my_items, lambda: load_rows(item + 1, 1 - buffer))
+        kv_ids = (_load(plgpu, kv_seg_smem.at[buffer, wg], row_layout) if has_segments
+                  else None)
+        first = block * rows_per_cta + wg * block_kv
+        span = None if span_of is None else span_of(wg)
+        ranges = band.block(first, queries, span, (cta_lo, cta_hi), keys)
+        cta_tiles = cta_hi - cta_lo
+
+        def head_tiles(g, carry):
+          # The producer streams tile i of head g as number g * cta_tiles + i - cta_lo.
+          number = streamed + g * cta_tiles - cta_lo
+
+          def step(i, carry, masked):
+            slot = lax.rem(number + i, stages)
+            plgpu.barrier_wait(loaded.at[slot])
+
+            def mask(z):
+              ids = None if not has_segments else lambda: (
+                  kv_ids, _load(plgpu, q_seg_smem.at[slot], col_layout))
+              return band.mask(z, first, i * block_q, queries, ids=ids,
+                               diagonal=cfg.diagonal_mask)
+
+            stats = lambda: tuple(_load(plgpu, stats_smem.at[slot, r], col_layout)
+                                  for r in (0, 1))
+            p, ds = _tile_gradients(
+                (my_k, q_smem.at[slot]),
+                (my_v, do_smem.at[slot]) if "dk" in gradients else None, stats, 1,
+                mask if masked else None, scale, cap)
+            products = {"dk": (ds, q_smem.at[slot]), "dv": (p, do_smem.at[slot])}
+
+            def accumulate(acc_refs):
+              for name in sorted(gradients, reverse=True):  # dV's product needs no dS
+                lhs, rhs = products[name]
+                plgpu.wgmma(acc_refs[gradients.index(name)], lhs.astype(dtype), rhs)
+
+            carry = pl.run_state(accumulate)(tuple(plgpu.ACC.init(a) for a in carry))
+            plgpu.barrier_arrive(consumed.at[slot])
+            return carry
+
+          def skip(i, carry):
+            slot = lax.rem(number + i, stages)
+            plgpu.barrier_wait(loaded.at[slot])
+            plgpu.barrier_arrive(consumed.at[slot])
+            return carry
+
+          return _walk(ranges, (cta_lo, cta_hi), step, skip, carry)
+
+        width = {"dk": h, "dv": hv}
+        carry = tuple(plgpu.layout_cast(jnp.zeros((block_kv, width[name]), jnp.float32),
+                                        plgpu.Layout.WGMMA) for name in gradients)
+        carry = head_tiles(0, carry) if groups == 1 else lax.fori_loop(0, groups, head_tiles,
+                                                                       carry)
+        # K's and V's slots are free once the last products have been read.
+        grads = dict(zip(gradients, carry))
+        if "dk" in grads:
+          grads["dk"] = grads["dk"] * scale
+        if keys is not None:
+          grads = {name: jnp.where(_iota(grad.shape, 0) + first < keys, grad, 0.0)
+                   for name, grad in grads.items()}
+        slots = {"dk": my_k, "dv": my_v}
+        for name, grad in grads.items():
+          slots[name][...] = grad.astype(dtype)
         plgpu.commit_smem()
-        plgpu.barrier_arrive(ds_ready.at[buffer])
-        return my_ds
 
-      def sum_dq(u):
-        """This consumer's dQ columns of tile ``u``, dS K over both consumers' key rows,
-        staged for the producer. Run a tile late, so neither consumer waits on the other's
-        dS: they drift apart, one's softmax beside the other's products."""
-        buffer = lax.rem(u, 2)
-        plgpu.barrier_wait(ds_ready.at[buffer])
+        @pl.when(block < blocks)
+        def _store():  # rows past S are dropped
+          for name in gradients:
+            plgpu.copy_smem_to_gmem(slots[name],
+                                    out_refs[name].at[batch, pl.ds(first, block_kv), kv_head])
 
-        def product(acc_ref):
-          plgpu.wgmma(acc_ref, ds_smem.at[buffer].transpose((1, 0)),
-                      k_smem.at[:, pl.ds(wg * half, half)])
-          return acc_ref[...]
+        return streamed + groups * cta_tiles
 
-        part = pl.run_scoped(product, plgpu.ACC((block_q, half), jnp.float32))
-        plgpu.barrier_arrive(ds_read.at[buffer])
-        plgpu.barrier_wait(dq_free)
-        dq_smem.at[wg][...] = part * scale
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(dq_staged)
-
-      def head_tiles(g, carry):
-        number = g * cta_tiles - cta_lo
-
-        def step(i, carry, masked):
-          slot = slot_of(number + i)
-          plgpu.barrier_wait(loaded.at[slot])
-
-          def mask(z):
-            ids = None if not has_segments else lambda: (
-                kv_ids, _load(plgpu, q_seg_smem.at[slot], col_layout))
-            return band.mask(z, first, i * block_q, queries, ids=ids, diagonal=diagonal)
-
-          stats = lambda: tuple(_load(plgpu, stats_smem.at[slot, r], col_layout) for r in (0, 1))
-          p, ds = _tile_gradients(
-              (my_k, q_smem.at[slot]),
-              (v_smem.at[wg], do_smem.at[slot]) if "dk" in gradients else None, stats, 1,
-              mask if masked else None, scale, cap)
-          ds = None if ds is None else ds.astype(dtype)
-          if fused:  # dS^T goes to shared memory, where dK's product takes it
-            ds = put_ds(number + i, ds)
-          products = {"dk": (ds, q_smem.at[slot]), "dv": (p, do_smem.at[slot])}
-
-          def accumulate(acc_refs):
-            for name in sorted(gradients, reverse=True):  # dV's product needs no dS
-              lhs, rhs = products[name]
-              plgpu.wgmma(acc_refs[gradients.index(name)],
-                          lhs if fused and name == "dk" else lhs.astype(dtype), rhs)
-
-          carry = pl.run_state(accumulate)(tuple(plgpu.ACC.init(a) for a in carry))
-          plgpu.barrier_arrive(consumed.at[slot])
-          if fused:
-            _when(number + i > 0, lambda: sum_dq(number + i - 1))
-          return carry
-
-        def skip(i, carry):
-          slot = slot_of(number + i)
-          plgpu.barrier_wait(loaded.at[slot])
-          plgpu.barrier_arrive(consumed.at[slot])
-          if fused:  # the partner's dQ columns still take this block's (zero) dS
-            put_ds(number + i, plgpu.layout_cast(jnp.zeros(tile, dtype), plgpu.Layout.WGMMA))
-            _when(number + i > 0, lambda: sum_dq(number + i - 1))
-          return carry
-
-        return _walk(ranges, (cta_lo, cta_hi), step, skip, carry)
-
-      width = {"dk": h, "dv": hv}
-      carry = tuple(plgpu.layout_cast(jnp.zeros((block_kv, width[name]), jnp.float32),
-                                      plgpu.Layout.WGMMA) for name in gradients)
-      carry = head_tiles(0, carry) if groups == 1 else lax.fori_loop(0, groups, head_tiles,
-                                                                     carry)
-      if fused:
-        total = groups * cta_tiles
-
-        @pl.when(total > 0)
-        def _():
-          sum_dq(total - 1)
-          plgpu.barrier_wait(ds_read.at[lax.rem(total - 1, 2)])  # the partner's read K too
-      # K's and V's slots are free once the last products have been read.
-      grads = dict(zip(gradients, carry))
-      if "dk" in grads:
-        grads["dk"] = grads["dk"] * scale
-      if keys is not None:
-        grads = {name: jnp.where(_iota(grad.shape, 0) + first < keys, grad, 0.0)
-                 for name, grad in grads.items()}
-      slots = {"dk": my_k, "dv": v_smem.at[wg]}
-      for name, grad in grads.items():
-        slots[name][...] = grad.astype(dtype)
-      plgpu.commit_smem()
-      for name in gradients:  # rows past S are dropped
-        plgpu.copy_smem_to_gmem(slots[name], out_refs[name].at[rows])
+      lax.fori_loop(0, my_items, run_item, jnp.int32(0))
       plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == _CONSUMERS)
     def _producer():
       plgpu.set_max_registers(40, action="decrease")
-      total = groups * cta_tiles
 
-      def tile_of(u):
-        g = _div(u, cta_tiles) if groups > 1 else 0
-        return kv_head * groups + g, cta_lo + u - g * cta_tiles
+      def stream_item(item, streamed):
+        batch, kv_head, _, _, _, _, (cta_lo, cta_hi) = walked(item)
+        cta_tiles = cta_hi - cta_lo
 
-      def load(u, slot):
-        head, i = tile_of(u)
-        rows = (batch, pl.ds(i * block_q, block_q), head)
-        plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], loaded.at[slot])
-        plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], loaded.at[slot])
-        plgpu.copy_gmem_to_smem(stats_ref.at[batch, head, :, pl.ds(i * block_q, block_q)],
-                                stats_smem.at[slot], loaded.at[slot])
-        if has_segments:
-          plgpu.copy_gmem_to_smem(q_seg_ref.at[batch, pl.ds(i * block_q, block_q)],
-                                  q_seg_smem.at[slot], loaded.at[slot])
+        def load(u, slot):
+          g = _div(u, cta_tiles) if groups > 1 else 0
+          head, i = kv_head * groups + g, cta_lo + u - g * cta_tiles
+          rows = (batch, pl.ds(i * block_q, block_q), head)
+          plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], loaded.at[slot])
+          plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], loaded.at[slot])
+          plgpu.copy_gmem_to_smem(stats_ref.at[batch, head, :, pl.ds(i * block_q, block_q)],
+                                  stats_smem.at[slot], loaded.at[slot])
+          if has_segments:
+            plgpu.copy_gmem_to_smem(q_seg_ref.at[batch, pl.ds(i * block_q, block_q)],
+                                    q_seg_smem.at[slot], loaded.at[slot])
 
-      if not fused:
-        _produce(load, 0, total, stages, stages, (consumed,))
-        return
+        return _ring(load, groups * cta_tiles, streamed, stages, (consumed,))
 
-      semaphores = pl.get_global(plgpu.SemaphoreType.REGULAR((b * n * q_tiles,)))
-      plgpu.barrier_arrive(dq_free)
-      for u in range(stages):
-        _when(u < total, functools.partial(load, u, u))
-
-      def semaphore_of(u):
-        head, i = tile_of(u)
-        return semaphores.at[(batch * n + head) * q_tiles + i]
-
-      def add_dq(u):
-        """Tile ``u``'s staged dQ into dQ, in its turn."""
-        head, i = tile_of(u)
-        rank = ranks_ref[batch, cta, i]
-        plgpu.barrier_wait(dq_staged)
-        plgpu.semaphore_wait(semaphore_of(u), rank, decrement=False, memory_scope="gpu")
-        for w in range(_CONSUMERS):
-          dst = out_refs["dq"].at[batch, pl.ds(i * block_q, block_q), head,
-                                  pl.ds(w * half, half)]
-          src = dq_smem.at[w]
-          pl.when(rank == 0)(lambda: plgpu.copy_smem_to_gmem(src, dst))
-          pl.when(rank > 0)(lambda: plgpu.copy_smem_to_gmem(src, dst, reduction_op="add"))
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        plgpu.barrier_arrive(dq_free)
-        plgpu.wait_smem_to_gmem(0)  # the adds are done, not only read from shared memory
-        plgpu.semaphore_signal(semaphore_of(u), 1, memory_scope="gpu")
-
-      # The consumers stage tile u's dQ during tile u + 1: its add follows the load that
-      # tile u + 1's release allows, so waiting on the add never holds a load back.
-      @pl.loop(0, total)
-      def _(u):
-        @pl.when(u + stages < total)
-        def _():
-          plgpu.barrier_wait(consumed.at[slot_of(u)])
-          load(u + stages, slot_of(u))
-
-        _when(u > 0, lambda: add_dq(u - 1))
-
-      _when(total > 0, lambda: add_dq(total - 1))
+      lax.fori_loop(0, my_items, stream_item, jnp.int32(0))
 
   copies = 3 + has_segments
-  # A product's operands share their swizzle; the dQ product takes K in column halves.
-  tiled = _swizzled(min(block_q, block_kv, half if fused else block_kv))
+  tiled = _swizzled(min(block_q, block_kv))  # a product's operands share their swizzle
   scratch = [
-      plgpu.SMEM((_CONSUMERS * block_kv, h), dtype, **tiled),
-      plgpu.SMEM((_CONSUMERS, block_kv, hv), dtype, **tiled),
+      plgpu.SMEM((buffers, _CONSUMERS, block_kv, h), dtype, **tiled),
+      plgpu.SMEM((buffers, _CONSUMERS, block_kv, hv), dtype, **tiled),
       plgpu.SMEM((stages, block_q, h), dtype, **tiled),
       plgpu.SMEM((stages, block_q, hv), dtype, **tiled),
       plgpu.SMEM((stages, 2, block_q), jnp.float32),
-      plgpu.SMEM((_CONSUMERS, block_kv), jnp.int32) if has_segments else None,
+      plgpu.SMEM((buffers, _CONSUMERS, block_kv), jnp.int32) if has_segments else None,
       plgpu.SMEM((stages, block_q), jnp.int32) if has_segments else None,
-      plgpu.SMEM((2, _CONSUMERS * block_kv, block_q), dtype, **tiled) if fused else None,
-      # float32 in 8 x 32 tiles with the 128-byte swizzle: stored from wgmma's layout
-      # without bank conflicts.
-      plgpu.SMEM((_CONSUMERS, block_q, half), jnp.float32,
-                 transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)))
-      if fused else None,
-      plgpu.Barrier(num_arrivals=copies - 1, num_barriers=_CONSUMERS),
+      plgpu.Barrier(num_arrivals=copies - 1, num_barriers=buffers * _CONSUMERS),
       plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
       plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
-      plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=2) if fused else None,
-      plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=2) if fused else None,
-      plgpu.Barrier() if fused else None,
-      plgpu.Barrier(num_arrivals=_CONSUMERS) if fused else None,
   ]
   shapes = {"dk": k.shape, "dv": v.shape}
   out_types = tuple(jax.ShapeDtypeStruct(shapes[name], dtype) for name in gradients)
-  if fused:
-    out_types += (jax.ShapeDtypeStruct((b, q_tiles * block_q, n, h), jnp.float32),)
-  return _launch(body, scratch, out_types, (b, kv_heads, ctas), (q, k, v, do, stats),
-                 (q_seg, kv_seg, spans, *lengths, *(dq_order or (None, None))),
-                 grid_names=("b", "k", "s"))
+  return _launch(body, scratch, out_types, ctas, (q, k, v, do, stats),
+                 (q_seg, kv_seg, spans, *lengths))
 
 
-def _launch(body, scratch, out_type, grid, operands, extras, grid_names=("b", "n", "t")):
-  """``body(*operands, extras, *outputs, *scratch)`` on a grid of CTAs of two consumer
-  warpgroups and a producer; ``extras`` (optional operands) and ``scratch`` keep their Nones."""
+
+def _launch(body, scratch, out_type, ctas: int, operands, extras):
+  """``body(*operands, extras, *outputs, *scratch)`` on ``ctas`` CTAs (grid axis "cta") of two
+  consumer warpgroups and a producer; ``extras`` (optional operands) and ``scratch`` keep
+  their Nones."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
   inputs = [x for x in extras if x is not None]
@@ -1304,7 +1227,7 @@ def _launch(body, scratch, out_type, grid, operands, extras, grid_names=("b", "n
     pl.run_scoped(with_scratch, *present, collective_axes="wg")
 
   kernel = plgpu.kernel(
-      entry, out_type=out_type, grid=grid, grid_names=grid_names,
+      entry, out_type=out_type, grid=(ctas,), grid_names=("cta",),
       num_threads=_CONSUMERS + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True))
   return kernel(*operands, *inputs)
