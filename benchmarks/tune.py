@@ -389,7 +389,7 @@ def _softmax_cuda(sweep):
 # --------------------------------------------------------------------------- attention
 
 def _attention(sweep):
-  from jaxfuse.ops.attention import reference, triton
+  from jaxfuse.ops.attention import triton
   from jaxfuse.ops.attention.reference import MaskSpec
   from jaxfuse.ops.attention.triton import KernelBlocks as K
 
@@ -427,11 +427,10 @@ def _attention(sweep):
       bwd_sets = []
       for q, k, v, do in sets:
         out, lse = triton.forward(q, k, v, extras, **kw)
-        delta = reference.delta(do, out)
-        bwd_sets.append((q, k, v, do, lse, delta))
+        bwd_sets.append((q, k, v, do, lse, out, jnp.zeros_like(lse)))
 
-      def bwd(blocks, q, k, v, do, lse, delta):
-        return triton.backward(q, k, v, do, lse, delta, extras, blocks=blocks, **kw)
+      def bwd(blocks, q, k, v, do, lse, out, dlse):
+        return triton.backward(q, k, v, do, lse, out, dlse, extras, blocks=blocks, **kw)
 
       c = candidates[h]
       sweep.problem("attention", f"{label} fwd", fwd,
@@ -522,7 +521,7 @@ def _attention_mosaic_bwd(sweep):
   """The Hopper backward's tiles per head dim, timed as the training step it serves (Mosaic
   forward, then the backward named by the variant), against the Mosaic forward with the
   Triton backward ("triton") and cuDNN's step ("cudnn") on the same inputs."""
-  from jaxfuse.ops.attention import mosaic, reference, triton
+  from jaxfuse.ops.attention import mosaic, triton
   B = mosaic.BackwardConfig
   candidates = {64: [B(64, 64, 64, 64, 2, persistent=True)],
                 # Three stages leave room for one buffer of held rows (not persistent).
@@ -551,10 +550,10 @@ def _attention_mosaic_bwd(sweep):
         return (out,) + vjp(do)
       kw = dict(spec=spec, scale=h ** -0.5)
       out, lse = mosaic.forward(q, k, v, (None,) * 4, **kw)
-      delta = reference.delta(do, out)
+      dlse = jnp.zeros_like(lse)
       if config == "triton":
-        return (out,) + triton.backward(q, k, v, do, lse, delta, (None,) * 4, **kw)
-      return (out,) + mosaic.backward(q, k, v, do, lse, delta, (None,) * 4, config=config,
+        return (out,) + triton.backward(q, k, v, do, lse, out, dlse, (None,) * 4, **kw)
+      return (out,) + mosaic.backward(q, k, v, do, lse, out, dlse, (None,) * 4, config=config,
                                       **kw)
 
     sweep.problem("attention_mosaic_bwd",
@@ -568,8 +567,8 @@ def _attention_mosaic_bwd(sweep):
     def masked_step(config, q, k, v, do, spec=spec, extras=extras):
       kw = dict(spec=spec, scale=h ** -0.5)
       out, lse = mosaic.forward(q, k, v, extras, **kw)
-      delta = jnp.einsum("btnh,btnh->bnt", do.astype(jnp.float32), out.astype(jnp.float32))
-      return (out,) + mosaic.backward(q, k, v, do, lse, delta, extras, config=config, **kw)
+      return (out,) + mosaic.backward(q, k, v, do, lse, out, jnp.zeros_like(lse), extras,
+                                      config=config, **kw)
 
     sweep.problem("attention_mosaic_bwd", f"{label} step",
                   jax.jit(masked_step, static_argnums=0),

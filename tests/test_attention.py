@@ -22,8 +22,10 @@ IMPLS = ["xla", "triton"]
 
 
 def dense_reference(q, k, v, *, scale=None, causal=False, offset=0, window=None, q_seg=None,
-                    kv_seg=None, q_len=None, kv_len=None, cap=None, bias=None, mask=None, do=None):
-  """float64 (out, lse) and, given do, (dq, dk, dv) by JAX autodiff of the dense formula."""
+                    kv_seg=None, q_len=None, kv_len=None, cap=None, bias=None, mask=None, do=None,
+                    dlse=None):
+  """float64 (out, lse) and, given do (and dlse, else zeros), (dq, dk, dv) by JAX autodiff of
+  the dense formula."""
   q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
   b, t, n, h = q.shape
   s, kh = k.shape[1], k.shape[2]
@@ -62,7 +64,9 @@ def dense_reference(q, k, v, *, scale=None, causal=False, offset=0, window=None,
     (out, lse), vjp = jax.vjp(f, *(jnp.asarray(a) for a in (q, k, v)))
     grads = None
     if do is not None:
-      cotangents = (jnp.asarray(np.asarray(do, np.float64)), jnp.zeros_like(lse))
+      cotangents = (jnp.asarray(np.asarray(do, np.float64)),
+                    jnp.zeros_like(lse) if dlse is None else jnp.asarray(np.asarray(dlse,
+                                                                                np.float64)))
       grads = tuple(np.asarray(g) for g in vjp(cotangents))
     return np.asarray(out), np.asarray(lse), grads
 
@@ -72,10 +76,10 @@ def inputs(rng, b, t, s, n, kh, h, hv=None, dtype=jnp.float32):
           random(rng, (b, s, kh, hv or h), dtype), random(rng, (b, t, n, hv or h), dtype))
 
 
-def run(impl, q, k, v, do, **kw):
+def run(impl, q, k, v, do, dlse=None, **kw):
   (out, lse), vjp = jax.vjp(lambda q, k, v: jaxfuse.attention(
       q, k, v, return_lse=True, implementation=impl, **kw), q, k, v)
-  return out, lse, vjp((do, jnp.zeros_like(lse)))
+  return out, lse, vjp((do, jnp.zeros_like(lse) if dlse is None else dlse))
 
 
 def gradient_floors(q, k, v, do, *, causal=False, offset=0, window=None, q_seg=None,
@@ -187,6 +191,25 @@ def test_unmasked_interior_blocks(rng, monkeypatch, feature):
   if "cap" in feature:
     kw["logits_soft_cap"] = ref_kw["cap"] = feature["cap"]
   compare(run("triton", q, k, v, do, **kw), dense_reference(q, k, v, do=do, **ref_kw))
+
+
+@pytest.mark.parametrize("impl", IMPLS + [pytest.param("mosaic", marks=pytest.mark.gpu)])
+def test_lse_cotangent_reaches_the_inputs(rng, impl):
+  """Gradients through the returned log-sum-exp too (a dLSE cotangent, which the kernels fold
+  into delta: the Mosaic dQ kernel in its own rowsum(dO * O)), causal with GQA and odd
+  lengths: against the float64 reference."""
+  dtype = jnp.float32
+  if impl == "mosaic":
+    _mosaic_or_skip()
+    dtype = jnp.bfloat16
+  b, t, s, n, kh, h = 2, 100, 130, 4, 2, 64
+  q, k, v, do = inputs(rng, b, t, s, n, kh, h, dtype=dtype)
+  dlse = random(rng, (b, n, t), jnp.float32)
+  ref_kw = dict(causal=True, offset=s - t)
+  compare(run(impl, q, k, v, do, dlse, is_causal=True, causal_offset=s - t),
+          dense_reference(q, k, v, do=do, dlse=dlse, **ref_kw), factor=4,
+          dtype=None if dtype == jnp.float32 else dtype,
+          floors=gradient_floors(q, k, v, do, **ref_kw))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -519,9 +542,8 @@ def test_gpu_mosaic_backward_split_gradients(rng, shape, kw, ref_kw):
   spec = MaskSpec(kw.get("is_causal", False), offset, window)
   scale = h ** -0.5
   out, lse = mosaic.forward(q, k, v, extras, spec=spec, scale=scale)
-  delta = jnp.einsum("btnh,btnh->bnt", do.astype(jnp.float32), out.astype(jnp.float32))
-  grads = mosaic.backward(q, k, v, do, lse, delta, extras, spec=spec, scale=scale,
-                          config=mosaic.BACKWARD_CONFIGS[256])
+  grads = mosaic.backward(q, k, v, do, lse, out, jnp.zeros_like(lse), extras, spec=spec,
+                          scale=scale, config=mosaic.BACKWARD_CONFIGS[256])
   _, _, r_grads = dense_reference(q, k, v, do=do, **ref_kw)
   floors = gradient_floors(q, k, v, do, **ref_kw)
   for name, g, r, floor in zip(("dq", "dk", "dv"), grads, r_grads, (*floors, 0.0)):
@@ -734,9 +756,9 @@ def test_mosaic_lowers_for_hopper(shape, spec, segments, lengths, dtype):
   exported = export.export(jax.jit(forward), platforms=["cuda"])(*arrays, *present)
   assert exported.out_avals[0].shape == (2, t, 4, hv)
   assert exported.out_avals[1].shape == (2, 4, t)
-  def backward(q, k, v, do, lse, delta, *present, config=None):
+  def backward(q, k, v, do, lse, out, dlse, *present, config=None):
     present = list(present)
-    return mosaic.backward(q, k, v, do, lse, delta, tuple(
+    return mosaic.backward(q, k, v, do, lse, out, dlse, tuple(
         present.pop(0) if e is not None else None for e in extras), spec=MaskSpec(*spec),
         scale=0.1, config=config)
 
@@ -748,7 +770,8 @@ def test_mosaic_lowers_for_hopper(shape, spec, segments, lengths, dtype):
   for config in configs:
     exported = export.export(jax.jit(functools.partial(backward, config=config)),
                              platforms=["cuda"])(
-        *arrays, jax.ShapeDtypeStruct((2, t, 4, hv), dtype), stat, stat, *present)
+        *arrays, jax.ShapeDtypeStruct((2, t, 4, hv), dtype), stat,
+        jax.ShapeDtypeStruct((2, t, 4, hv), dtype), stat, *present)
     assert [a.shape for a in exported.out_avals] == [a.shape for a in arrays]
 
 

@@ -352,10 +352,8 @@ def _flash_fwd(q, k, v, extras, kernel):
 def _flash_bwd(kernel, residuals, cotangents):
   q, k, v, extras, out, lse = residuals
   do, dlse = cotangents
-  delta = reference.delta(do, out)
-  if dlse is not None:
-    delta = delta - dlse
-  dq, dk, dv = _kernels(*kernel)[1](q, k, v, extras, do, lse, delta)
+  dlse = jnp.zeros_like(lse) if dlse is None else dlse
+  dq, dk, dv = _kernels(*kernel)[1](q, k, v, extras, do, lse, out, dlse)
   return dq, dk, dv, jax.tree.map(lambda _: None, extras)
 
 
@@ -407,16 +405,17 @@ def _sharded(impl, call, direction, q, k, v, extras, *grads):
                              out_dims=[dims["do"], dims["stat"]], parallel={"b", "k", "g"})
     return unsplit(out), lse.reshape(b, n, t)
 
-  do, lse, delta = grads
+  do, lse, out, dlse = grads
 
-  def local(q, k, v, do, lse, delta, *rest):
+  def local(q, k, v, do, lse, out, dlse, *rest):
     merge = lambda a: a.reshape(a.shape[0], -1, a.shape[-1])
-    dq, dk, dv = _FLASH[impl].backward(unsplit(q), k, v, unsplit(do), merge(lse),
-                                       merge(delta), rebuild(rest), **kw)
+    dq, dk, dv = _FLASH[impl].backward(unsplit(q), k, v, unsplit(do), merge(lse), unsplit(out),
+                                       merge(dlse), rebuild(rest), **kw)
     return split(dq, k.shape[2]), dk, dv
 
   dq, dk, dv = parallel_call(
-      OP, local, split(q), k, v, split(do), split_stat(lse), split_stat(delta), *present,
-      in_dims=[dims["q"], dims["kv"], dims["v"], dims["do"], dims["stat"], dims["stat"]]
-      + extra_dims, out_dims=[dims["q"], dims["kv"], dims["v"]], parallel={"b", "k", "g"})
+      OP, local, split(q), k, v, split(do), split_stat(lse), split(out), split_stat(dlse),
+      *present, in_dims=[dims["q"], dims["kv"], dims["v"], dims["do"], dims["stat"], dims["do"],
+                         dims["stat"]] + extra_dims,
+      out_dims=[dims["q"], dims["kv"], dims["v"]], parallel={"b", "k", "g"})
   return unsplit(dq), dk, dv

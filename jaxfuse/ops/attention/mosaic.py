@@ -51,10 +51,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxfuse._core import registry
+from jaxfuse.ops.attention import reference
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 _CONSUMERS = 2
+_SMEM_BYTES = 227 * 1024  # shared memory a Hopper CTA may take
 
 
 @dataclasses.dataclass(frozen=True)
@@ -688,6 +690,11 @@ class BackwardConfig:
   def __post_init__(self):
     if self.stages < 2:
       raise ValueError(f"BackwardConfig.stages must be at least 2, got {self.stages}")
+    # The dQ kernel's items then cover every query row the dK/dV kernel streams: the stats it
+    # hands on (lse, delta) have no row unwritten.
+    if (2 * self.dq_block_q) % self.dkdv_block_q:
+      raise ValueError(f"BackwardConfig.dkdv_block_q ({self.dkdv_block_q}) must divide two "
+                       f"dq_block_q ({2 * self.dq_block_q})")
 
 
 # Per head dim (the larger of the query's and the value's), for the head dims CONFIGS takes.
@@ -725,12 +732,14 @@ def default_backward_config(h: int, hv: int, spec, has_segments: bool) -> Backwa
   return BACKWARD_CONFIGS[dim]
 
 
-def backward(q, k, v, do, lse, delta, extras, *, spec, scale, allow_tf32=None,
+def backward(q, k, v, do, lse, out, dlse, extras, *, spec, scale, allow_tf32=None,
              config: BackwardConfig | None = None):
-  """``(dq, dk, dv)`` from the forward's ``lse (B, N, T)`` (natural log) and
-  ``delta (B, N, T) = rowsum(dO * O)`` (minus any dLSE). Two kernels, each summing in a fixed
-  order (no atomics): dK/dV by key blocks, walking every query tile of every query head of
-  the key's group; dQ by query blocks."""
+  """``(dq, dk, dv)`` from the forward's ``out (B, T, N, Hv)`` and ``lse (B, N, T)`` (natural
+  log) and the cotangents ``do`` and ``dlse (B, N, T)``. Two kernels, each summing in a fixed
+  order (no atomics): dQ by query blocks, then dK/dV by key blocks, walking every query tile of
+  every query head of the key's group. ``delta = rowsum(dO * O) - dlse`` comes from the dQ
+  kernel, which holds dO's rows anyway, where O's fit beside them in shared memory
+  (``_holds_out_rows``; else from XLA's pass, which reads dO a second time)."""
   del allow_tf32  # 16-bit operands only
   q_seg, kv_seg, q_len, kv_len = extras
   cfg = config or default_backward_config(q.shape[3], v.shape[3], spec, q_seg is not None)
@@ -746,6 +755,8 @@ def backward(q, k, v, do, lse, delta, extras, *, spec, scale, allow_tf32=None,
   # A row with no allowed key saved lse = -inf; +inf makes its probabilities 0, and so those
   # of padded rows and of rows past the query lengths: no mask needs them.
   lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * _LOG2E)
+  in_kernel_delta = _holds_out_rows(cfg, q.shape[3], v.shape[3], q.dtype.itemsize)
+  delta = -dlse if in_kernel_delta else reference.delta(do, out) - dlse
   stats = jnp.stack([jnp.pad(lse2, ((0, 0), (0, 0), (0, q_rows - t)), constant_values=jnp.inf),
                      jnp.pad(delta, ((0, 0), (0, 0), (0, q_rows - t)))], axis=2)
   ids = lambda a, n: None if a is None else _pad_rows(a.astype(jnp.int32), n)
@@ -761,10 +772,11 @@ def backward(q, k, v, do, lse, delta, extras, *, spec, scale, allow_tf32=None,
     dkdv_spans = _segment_spans(kv_seg, q_seg, kv_rows, q_rows, cfg.dkdv_block_kv,
                                 cfg.dkdv_block_q)
   cap = spec.soft_cap
-  dq = _dq(_pad_rows(q, -(-t // 8) * 8), padded(k, s, dq_band.col_tiles, cfg.dq_block_kv),
-           padded(v, s, dq_band.col_tiles, cfg.dq_block_kv),
-           _pad_rows(do, -(-t // 8) * 8), stats, ids(q_seg, q_rows), ids(kv_seg, kv_rows),
-           dq_spans, lengths, s, dq_band, float(scale), cap, cfg)
+  dq, stats = _dq(_pad_rows(q, -(-t // 8) * 8), padded(k, s, dq_band.col_tiles, cfg.dq_block_kv),
+                  padded(v, s, dq_band.col_tiles, cfg.dq_block_kv),
+                  _pad_rows(do, -(-t // 8) * 8), stats, ids(q_seg, q_rows),
+                  ids(kv_seg, kv_rows), dq_spans, lengths, s, dq_band, float(scale), cap, cfg,
+                  _pad_rows(out, -(-t // 8) * 8) if in_kernel_delta else None)
   dkdv = functools.partial(
       _dkdv, padded(q, t, dkdv_band.col_tiles, cfg.dkdv_block_q), _pad_rows(k, -(-s // 8) * 8),
       _pad_rows(v, -(-s // 8) * 8), padded(do, t, dkdv_band.col_tiles, cfg.dkdv_block_q),
@@ -775,6 +787,15 @@ def backward(q, k, v, do, lse, delta, extras, *, spec, scale, allow_tf32=None,
   else:
     dk, dv = dkdv(("dk", "dv"))
   return dq[:, :t], dk[:, :s], dv[:, :s]
+
+
+def _holds_out_rows(cfg: BackwardConfig, h: int, hv: int, itemsize: int) -> bool:
+  """Whether the dQ kernel's shared memory holds the forward's output rows beside its Q and dO
+  rows and streamed K and V tiles (with room for the stats, ids and barriers)."""
+  buffers = 2 if cfg.persistent else 1
+  held = buffers * _CONSUMERS * cfg.dq_block_q * (h + 2 * hv) * itemsize
+  streamed = cfg.stages * cfg.dq_block_kv * (h + hv) * itemsize
+  return held + streamed + 4096 <= _SMEM_BYTES
 
 
 def _pad_rows(a, n):
@@ -854,13 +875,14 @@ def _walk(ranges, cta, step, skip, carry):
 
 
 def _dq(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, s: int, band: _Band, scale: float,
-        cap, cfg: BackwardConfig):
+        cap, cfg: BackwardConfig, out=None):
   """dQ by items (``_schedule``) of two blocks of query rows of one head (one per consumer
   warpgroup: its Q, dO, lse and delta stay in shared memory and registers, the next item's
   loading into a second buffer where ``cfg.persistent``); a producer warpgroup streams the key
   and value tiles of the band through a ring that runs on from item to item. Per tile:
   S = Q K^T and dP = dO V^T, issued together; P = exp2(S - lse); dS = P (dP - delta);
-  dQ += dS K."""
+  dQ += dS K. With the forward's ``out``, ``stats``' second row holds -dlse: delta adds
+  rowsum(dO * O) from the rows held, and the stats go out with dQ for the dK/dV kernel."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -880,9 +902,10 @@ def _dq(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, s: int, band: _Band, 
                                      last_first=band.high is not None)
 
   def body(q_ref, k_ref, v_ref, do_ref, stats_ref, extras, *refs):
-    q_seg_ref, kv_seg_ref, spans_ref, q_len_ref, kv_len_ref = extras
-    (dq_ref, q_smem, do_smem, stats_smem, k_smem, v_smem, q_seg_smem, kv_seg_smem,
-     rows_loaded, loaded, consumed) = refs
+    q_seg_ref, kv_seg_ref, spans_ref, q_len_ref, kv_len_ref, out_ref = extras
+    dq_ref, stats_out_ref = refs[:1 + (out is not None)] + ((None,) if out is None else ())
+    (q_smem, do_smem, stats_smem, k_smem, v_smem, q_seg_smem, kv_seg_smem, out_smem,
+     rows_loaded, loaded, consumed) = refs[1 + (out is not None):]
     cta, wg = lax.axis_index("cta"), lax.axis_index("wg")
     my_items = count(cta)
 
@@ -914,6 +937,8 @@ def _dq(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, s: int, band: _Band, 
         if has_segments:
           plgpu.copy_gmem_to_smem(q_seg_ref.at[batch, pl.ds(first, block_q)],
                                   q_seg_smem.at[buffer, wg], own)
+        if out is not None:
+          plgpu.copy_gmem_to_smem(out_ref.at[rows], out_smem.at[buffer, wg], own)
 
       load_rows(0, 0)
 
@@ -929,6 +954,14 @@ def _dq(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, s: int, band: _Band, 
         delta = _load(plgpu, stats_smem.at[buffer, wg, 1], row_layout)
         q_ids = _load(plgpu, q_seg_smem.at[buffer, wg], row_layout) if has_segments else None
         first = block * rows_per_cta + wg * block_q
+        if out is not None:  # delta = rowsum(dO * O) - dlse, stored for the dK/dV kernel
+          rows_of = lambda ref: _load(plgpu, ref.at[buffer, wg], plgpu.Layout.WGMMA)
+          delta = delta + (rows_of(do_smem).astype(jnp.float32)
+                           * rows_of(out_smem).astype(jnp.float32)).sum(axis=1)
+          stats_smem.at[buffer, wg, 1][...] = delta
+          plgpu.commit_smem()
+          _when(block < blocks, lambda: plgpu.copy_smem_to_gmem(
+              stats_smem.at[buffer, wg], stats_out_ref.at[batch, head, :, pl.ds(first, block_q)]))
         span = None if span_of is None else span_of(wg)
         ranges = band.block(first, keys, span, (cta_lo, cta_hi), queries)
         slot_of = lambda j: lax.rem(streamed + j - cta_lo, stages)
@@ -1002,13 +1035,19 @@ def _dq(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, s: int, band: _Band, 
       plgpu.SMEM((stages, block_kv, hv), dtype, **tiled),
       plgpu.SMEM((buffers, _CONSUMERS, block_q), jnp.int32) if has_segments else None,
       plgpu.SMEM((stages, block_kv), jnp.int32) if has_segments else None,
-      plgpu.Barrier(num_arrivals=copies + 1, num_barriers=buffers * _CONSUMERS),
+      plgpu.SMEM((buffers, _CONSUMERS, block_q, hv), dtype, **tiled) if out is not None else None,
+      # Q, dO, stats (ids, O) per buffer and consumer.
+      plgpu.Barrier(num_arrivals=copies + 1 + (out is not None),
+                    num_barriers=buffers * _CONSUMERS),
       plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
       plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
   ]
-  out_type = jax.ShapeDtypeStruct(q.shape, dtype)
-  return _launch(body, scratch, out_type, ctas, (q, k, v, do, stats),
-                 (q_seg, kv_seg, spans, *lengths))
+  out_types = (jax.ShapeDtypeStruct(q.shape, dtype),)
+  if out is not None:
+    out_types += (jax.ShapeDtypeStruct(stats.shape, jnp.float32),)
+  results = _launch(body, scratch, out_types, ctas, (q, k, v, do, stats),
+                    (q_seg, kv_seg, spans, *lengths, out))
+  return results if out is not None else (results[0], stats)
 
 
 def _dkdv(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, t: int, band: _Band,

@@ -4,11 +4,11 @@ Forward: a program owns ``block_q`` query rows of one head and walks the key/val
 its causal/window band can reach (blocks wholly outside the band are never loaded), keeping an
 online softmax in float32 and saving the log-sum-exp per row.
 
-Backward: ``delta = rowsum(dO * O)`` comes from XLA. The dK/dV pass gives a program one
-key/value block of one KV head (keys-first tiles, so no operand is transposed in registers)
-and walks every query block of every query head of its group
-(grouped-query attention sums over the group in a fixed order, without atomics); the dQ pass
-mirrors the forward. Both recompute the probabilities from the saved log-sum-exp, so no (T, S)
+Backward: ``delta = rowsum(dO * O)`` (minus any dLSE) comes from XLA. The dK/dV pass gives a
+program one key/value block of one KV head (keys-first tiles, so no operand is transposed in
+registers) and walks every query block of every query head of its group (grouped-query
+attention sums over the group in a fixed order, without atomics); the dQ pass mirrors the
+forward. Both recompute the probabilities from the saved log-sum-exp, so no (T, S)
 array ever reaches memory, and both are deterministic.
 
 Masks (causal with an offset, local window, segment ids, sequence lengths) are computed from
@@ -34,6 +34,7 @@ from jax.experimental import pallas as pl
 from jaxfuse._core.registry import pallas_triton as plgpu  # None where JAX has no Triton
 
 from jaxfuse._core import registry
+from jaxfuse.ops.attention import reference
 from jaxfuse.ops.attention.reference import MaskSpec
 
 _NEG_INF = float("-inf")
@@ -406,9 +407,11 @@ def forward(q, k, v, extras, *, spec: MaskSpec, scale: float, allow_tf32=None,
   )(q, k, v, *_extras(extras))
 
 
-def backward(q, k, v, do, lse, delta, extras, *, spec: MaskSpec, scale: float, allow_tf32=None,
-             blocks: AttentionBlocks | None = None):
-  """Returns ``(dq, dk, dv)``; ``delta (B, N, T)`` is ``rowsum(dO * O)`` minus any dLSE."""
+def backward(q, k, v, do, lse, out, dlse, extras, *, spec: MaskSpec, scale: float,
+             allow_tf32=None, blocks: AttentionBlocks | None = None):
+  """Returns ``(dq, dk, dv)`` from the forward's ``out`` and ``lse`` and the cotangents ``do``
+  and ``dlse (B, N, T)``."""
+  delta = reference.delta(do, out) - dlse
   st = _static(q, k, v, extras, spec, scale, allow_tf32, blocks)
   b = q.shape[0]
   inputs = (q, k, v, do, lse, delta, *_extras(extras))
