@@ -708,6 +708,18 @@ def test_mosaic_segment_spans_reach_every_match(rng):
                                                [1, 3, 1, 1]])
 
 
+@pytest.mark.parametrize("kwargs,name", [(dict(stages=1), "stages"),
+                                         (dict(dkdv_block_q=256), "dkdv_block_q")])
+def test_mosaic_backward_config_names_what_it_refuses(kwargs, name):
+  """A backward config that could not run (no tile in flight; dK/dV query tiles reaching rows
+  the dQ kernel's items leave without stats) is refused when made, naming the field."""
+  from jaxfuse.ops.attention import mosaic
+  with pytest.raises(ValueError, match=name):
+    mosaic.BackwardConfig(**kwargs)
+  for config in (*mosaic.BACKWARD_CONFIGS.values(), *mosaic.BACKWARD_UNMASKED_CONFIGS.values()):
+    dataclasses.replace(config)  # the tables' own pass
+
+
 @pytest.mark.parametrize("kwargs,name", [
     (dict(dtype=jnp.float32), "float32"), (dict(h=96), "query/key head dim"),
     (dict(hv=80), "value head dim"), (dict(h=32, hv=128), "32"),
