@@ -407,8 +407,8 @@ def test_cudnn_refusal_is_a_reason_not_a_crash(rng, monkeypatch):
 
 def test_default_takes_mosaic_before_cudnn_where_it_measured_faster(monkeypatch):
   """On an H100, None takes 'mosaic' before cuDNN for causal calls of up to 4096 queries at
-  head dims up to 128, where its training step measured faster; cuDNN first elsewhere and on
-  GPUs not measured."""
+  head dims up to 128 and calls without a causal mask of up to 2048 at head dim 64, where its
+  training step measured faster; cuDNN first elsewhere and on GPUs not measured."""
   from jaxfuse._core import registry
   from jaxfuse.ops.attention import api
   monkeypatch.setattr(registry, "platform", lambda: "gpu")
@@ -431,7 +431,10 @@ def test_default_takes_mosaic_before_cudnn_where_it_measured_faster(monkeypatch)
   assert chosen(h100, True, 4097, 128) == "cudnn"
   assert chosen(h100, True, 2048, 128, hv=256) == "cudnn"
   assert chosen(h100, False, 2048, 128) == "cudnn"
+  assert chosen(h100, False, 2048, 64) == "mosaic"
+  assert chosen(h100, False, 2049, 64) == "cudnn"
   assert chosen("NVIDIA H200", True, 2048, 128) == "cudnn"
+  assert chosen("NVIDIA H200", False, 2048, 64) == "cudnn"
 
 
 @pytest.mark.gpu

@@ -285,17 +285,18 @@ def _mosaic_unsupported(call, arrays):
                             has_kv_len=call.has_kv_len)
 
 
-# Per GPU, the causal calls for which None takes 'mosaic' before cuDNN: up to this many queries
-# and head dims up to this one. There the Mosaic training step ran at 1.05-1.11x cuDNN's and its
-# forward at 1.06-1.13x (benchmarks/results/2026-11-26-h100-attention-mosaic-masks.json,
-# 2026-11-26-h100-attention-mosaic-table-masks.json); cuDNN's step is the faster at 16384
-# queries, at head dim 256, and without a causal mask.
-_MOSAIC_BEFORE_CUDNN = {"NVIDIA H100 80GB HBM3": (4096, 128)}
+# Per GPU, the calls (causal or not) for which None takes 'mosaic' before cuDNN: up to this
+# many queries and head dims up to this one. There the Mosaic training step ran at 1.05-1.23x
+# cuDNN's and its forward at 1.06-1.13x, causal, and 1.05x and 1.10x at head dim 64 without a
+# mask (benchmarks/results/2026-11-26-h100-attention-mosaic-delta-in-dq.json,
+# 2026-11-26-h100-attention-mosaic-masks.json); cuDNN's step is the faster at 16384 queries,
+# at head dim 256, and at head dim 128 without a mask.
+_MOSAIC_BEFORE_CUDNN = {"NVIDIA H100 80GB HBM3": {True: (4096, 128), False: (2048, 64)}}
 
 
 def _mosaic_before_cudnn(call, arrays) -> bool:
-  limits = _MOSAIC_BEFORE_CUDNN.get(registry.device_kind())
-  if limits is None or not call.spec.is_causal:
+  limits = _MOSAIC_BEFORE_CUDNN.get(registry.device_kind(), {}).get(call.spec.is_causal)
+  if limits is None:
     return False
   q, _, v = arrays[:3]
   return q.shape[1] <= limits[0] and max(q.shape[3], v.shape[3]) <= limits[1]
