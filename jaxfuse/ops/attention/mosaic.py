@@ -32,11 +32,10 @@ order, so the gradients are deterministic without atomics. A CTA takes one item,
 running on across items and the next item's rows loading into a second buffer. The dK/dV
 kernel holds key blocks and streams the query tiles of every query head of the key's group in
 turn (GQA sums over the group in order); the dQ kernel holds query blocks and streams key
-tiles. Both recompute the probabilities from the
-saved log-sum-exp; a row with none saved (no allowed key, padding, past the query length) has
-lse = +inf and so no probability, which no mask has to see. At head dim 256 a key block's two
-float32 gradients outgrow a warpgroup's registers: ``BackwardConfig.split_dk_dv`` computes
-them by two kernels.
+tiles. Both recompute the probabilities from the saved log-sum-exp; a row with none saved (no
+allowed key, padding, past the query length) has lse = +inf and so no probability, which no
+mask has to see. At head dim 256 a key block's two float32 gradients outgrow a warpgroup's
+registers: ``BackwardConfig.split_dk_dv`` computes them by two kernels.
 """
 
 from __future__ import annotations
@@ -903,9 +902,10 @@ def _dq(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, s: int, band: _Band, 
 
   def body(q_ref, k_ref, v_ref, do_ref, stats_ref, extras, *refs):
     q_seg_ref, kv_seg_ref, spans_ref, q_len_ref, kv_len_ref, out_ref = extras
-    dq_ref, stats_out_ref = refs[:1 + (out is not None)] + ((None,) if out is None else ())
+    dq_ref, *refs = refs
+    stats_out_ref = refs.pop(0) if out is not None else None
     (q_smem, do_smem, stats_smem, k_smem, v_smem, q_seg_smem, kv_seg_smem, out_smem,
-     rows_loaded, loaded, consumed) = refs[1 + (out is not None):]
+     rows_loaded, loaded, consumed) = refs
     cta, wg = lax.axis_index("cta"), lax.axis_index("wg")
     my_items = count(cta)
 
