@@ -526,9 +526,9 @@ def _attention_mosaic_bwd(sweep):
   candidates = {64: [B(64, 64, 64, 64, 2, persistent=True)],
                 # Three stages leave room for one buffer of held rows (not persistent).
                 128: [B(64, 64, 64, 64, 3)],
-                # Shared memory takes 32-row streamed tiles and three stages at most, and one
-                # buffer of held rows (not persistent).
-                256: [B(64, 32, 64, 32, 3, split_dk_dv=True)]}
+                # Shared memory takes 32-row streamed tiles; the tables' defaults (two and three
+                # stages, dK and dV paired) are the candidates.
+                256: []}
   for dim, config in mosaic.BACKWARD_CONFIGS.items():  # and each default's other mask form
     candidates[dim].append(dataclasses.replace(config, diagonal_mask=not config.diagonal_mask))
     if dim < 256:  # and its other scheduling

@@ -530,9 +530,10 @@ def test_gpu_mosaic_backward(rng, shape, causal, offset):
 @pytest.mark.parametrize("shape", [(2, 300, 517, 4, 2, 256, 256), (2, 200, 517, 2, 2, 128, 256),
                                    (2, 129, 517, 2, 1, 256, 64), (2, 200, 517, 2, 2, 128, 64)],
                          ids=str)
-def test_gpu_mosaic_backward_split_gradients(rng, shape, kw, ref_kw):
-  """dK and dV by separate kernels on 32-row streamed tiles (head dim 256's configuration),
-  also at head dims that need not split, against the float64 gradients."""
+def test_gpu_mosaic_backward_paired_gradients(rng, shape, kw, ref_kw):
+  """dK and dV paired (one gradient per consumer of a shared key block) on 32-row streamed
+  tiles (head dim 256's configuration), also at head dims that need not pair them, against the
+  float64 gradients."""
   _mosaic_or_skip()
   from jaxfuse.ops.attention import mosaic
   from jaxfuse.ops.attention.api import _band
@@ -564,7 +565,7 @@ def few_ctas(monkeypatch):
   monkeypatch.setattr(registry, "num_multiprocessors", lambda: 3)
   for name in ("BACKWARD_CONFIGS", "BACKWARD_UNMASKED_CONFIGS"):
     monkeypatch.setattr(mosaic, name, {
-        dim: cfg if cfg.split_dk_dv else dataclasses.replace(cfg, persistent=True)
+        dim: cfg if cfg.paired_dk_dv else dataclasses.replace(cfg, persistent=True)
         for dim, cfg in getattr(mosaic, name).items()})
   jax.clear_caches()
   yield
@@ -712,10 +713,12 @@ def test_mosaic_segment_spans_reach_every_match(rng):
 
 
 @pytest.mark.parametrize("kwargs,name", [(dict(stages=1), "stages"),
-                                         (dict(dkdv_block_q=256), "dkdv_block_q")])
+                                         (dict(dkdv_block_q=256), "dkdv_block_q"),
+                                         (dict(persistent=True, paired_dk_dv=True), "persistent")])
 def test_mosaic_backward_config_names_what_it_refuses(kwargs, name):
   """A backward config that could not run (no tile in flight; dK/dV query tiles reaching rows
-  the dQ kernel's items leave without stats) is refused when made, naming the field."""
+  the dQ kernel's items leave without stats; paired dK/dV, which takes a CTA per key block,
+  made persistent) is refused when made, naming the field."""
   from jaxfuse.ops.attention import mosaic
   with pytest.raises(ValueError, match=name):
     mosaic.BackwardConfig(**kwargs)
@@ -749,7 +752,7 @@ def test_mosaic_names_what_it_refuses(kwargs, name):
 ], ids=str)
 def test_mosaic_lowers_for_hopper(shape, spec, segments, lengths, dtype):
   """The kernels (forward, and backward with either mask form: at head dim 256 with dK and dV
-  split, below it also with dQ in the dK/dV kernel) lowered for CUDA on this machine, without
+  paired, below it also in the other scheduling) lowered for CUDA on this machine, without
   a GPU: what changes between JAX versions in Pallas Mosaic GPU (signatures, layouts,
   transforms, shared memory's size) fails here in CI."""
   pytest.importorskip("jax.experimental.pallas.mosaic_gpu")

@@ -35,7 +35,8 @@ turn (GQA sums over the group in order); the dQ kernel holds query blocks and st
 tiles. Both recompute the probabilities from the saved log-sum-exp; a row with none saved (no
 allowed key, padding, past the query length) has lse = +inf and so no probability, which no
 mask has to see. At head dim 256 a key block's two float32 gradients outgrow a warpgroup's
-registers: ``BackwardConfig.split_dk_dv`` computes them by two kernels.
+registers: ``BackwardConfig.paired_dk_dv`` gives each consumer one of them, for one block of
+key rows, the two trading P^T and dP^T - delta through shared memory.
 """
 
 from __future__ import annotations
@@ -679,9 +680,10 @@ class BackwardConfig:
   dq_block_q: int = 64
   dq_block_kv: int = 64
   stages: int = 2
-  # dK and dV by two kernels, each recomputing the scores (dV's without dP): at head dim 256
-  # a key block's two float32 gradients together outgrow a warpgroup's registers.
-  split_dk_dv: bool = False
+  # dK and dV with the two consumers sharing one block of key rows, one holding dK, the other
+  # dV (``_dkdv_paired``): at head dim 256 a key block's two float32 gradients together
+  # outgrow a warpgroup's registers.
+  paired_dk_dv: bool = False
   # Masks by column minus row, or, False, by positions (``Config.diagonal_mask``).
   diagonal_mask: bool = True
   persistent: bool = False
@@ -689,6 +691,9 @@ class BackwardConfig:
   def __post_init__(self):
     if self.stages < 2:
       raise ValueError(f"BackwardConfig.stages must be at least 2, got {self.stages}")
+    if self.persistent and self.paired_dk_dv:
+      raise ValueError("BackwardConfig.persistent takes dK and dV in one warpgroup, not "
+                       "paired_dk_dv")
     # The dQ kernel's items then cover every query row the dK/dV kernel streams: the stats it
     # hands on (lse, delta) have no row unwritten.
     if (2 * self.dq_block_q) % self.dkdv_block_q:
@@ -702,7 +707,10 @@ class BackwardConfig:
 # stage read +0.4% and -2.4%, 2026-11-26-h100-tune-attention-mosaic-bwd-full-stages.json);
 # at 64 the dQ kernel streams the forward's key tiles; at 256 shared memory takes only 32-row
 # streamed tiles and the registers one float32 gradient per key block
-# (benchmarks/results/2026-11-25-h100-tune-attention-mosaic-bwd-hd256*.json). Consumers of 240
+# (benchmarks/results/2026-11-25-h100-tune-attention-mosaic-bwd-hd256*.json), which dK and
+# dV paired give each consumer: four products per tile where two kernels took five, the step
+# at 0.96x cuDNN's causal and 1.04x full against 0.88x and 1.03x
+# (2026-11-26-h100-attention-mosaic-paired-dkdv.json, ...-table-bwd-tables.json). Consumers of 240
 # registers (the producer 24) ran within 1% of 232 (and 40) either way
 # (benchmarks/results/2026-11-26-h100-tune-attention-mosaic-bwd-registers.json). Masks by
 # positions ran the causal step 2-3% faster at head dim 64 in two runs; at 128 and 256 the
@@ -714,13 +722,13 @@ class BackwardConfig:
 BACKWARD_CONFIGS = {64: BackwardConfig(64, 64, 64, 128, 2, diagonal_mask=False,
                                        persistent=True),
                     128: BackwardConfig(64, 64, 64, 64, 2),
-                    256: BackwardConfig(64, 32, 64, 32, 2, split_dk_dv=True)}
+                    256: BackwardConfig(64, 32, 64, 32, 2, paired_dk_dv=True)}
 
 # Where no mask walks the bands (no causal mask, window or segments), at head dim 256 a third
 # stage ran the full step 3-6% faster in three runs; causal it lost 3%
 # (benchmarks/results/2026-11-25-h100-tune-attention-mosaic-bwd-hd256-stages.json,
 # 2026-11-26-h100-tune-attention-mosaic-bwd-mask-form.json, ...-bwd-tables.json).
-BACKWARD_UNMASKED_CONFIGS = {256: BackwardConfig(64, 32, 64, 32, 3, split_dk_dv=True)}
+BACKWARD_UNMASKED_CONFIGS = {256: BackwardConfig(64, 32, 64, 32, 3, paired_dk_dv=True)}
 
 
 def default_backward_config(h: int, hv: int, spec, has_segments: bool) -> BackwardConfig:
@@ -776,15 +784,11 @@ def backward(q, k, v, do, lse, out, dlse, extras, *, spec, scale, allow_tf32=Non
                   _pad_rows(do, -(-t // 8) * 8), stats, ids(q_seg, q_rows),
                   ids(kv_seg, kv_rows), dq_spans, lengths, s, dq_band, float(scale), cap, cfg,
                   _pad_rows(out, -(-t // 8) * 8) if in_kernel_delta else None)
-  dkdv = functools.partial(
-      _dkdv, padded(q, t, dkdv_band.col_tiles, cfg.dkdv_block_q), _pad_rows(k, -(-s // 8) * 8),
-      _pad_rows(v, -(-s // 8) * 8), padded(do, t, dkdv_band.col_tiles, cfg.dkdv_block_q),
-      stats, ids(q_seg, q_rows), ids(kv_seg, kv_rows), dkdv_spans, lengths, t, dkdv_band,
-      float(scale), cap, cfg)
-  if cfg.split_dk_dv:
-    (dk,), (dv,) = dkdv(("dk",)), dkdv(("dv",))
-  else:
-    dk, dv = dkdv(("dk", "dv"))
+  dkdv_args = (padded(q, t, dkdv_band.col_tiles, cfg.dkdv_block_q), _pad_rows(k, -(-s // 8) * 8),
+               _pad_rows(v, -(-s // 8) * 8), padded(do, t, dkdv_band.col_tiles, cfg.dkdv_block_q),
+               stats, ids(q_seg, q_rows), ids(kv_seg, kv_rows), dkdv_spans, lengths, t,
+               dkdv_band, float(scale), cap, cfg)
+  dk, dv = (_dkdv_paired if cfg.paired_dk_dv else _dkdv)(*dkdv_args)
   return dq[:, :t], dk[:, :s], dv[:, :s]
 
 
@@ -816,28 +820,25 @@ def _base2_scores(z, scale, cap):
 def _tile_gradients(s_operands, dp_operands, stats, stats_axis: int, mask, scale: float, cap):
   """``(P, dS)`` of one tile, recomputed: ``S = a b^T`` and ``dP = c d^T`` for the shared-memory
   operands ``(a, b)`` and ``(c, d)`` by wgmma, issued together; ``P = exp2(mask(S) - lse)``
-  (``mask`` None: no mask), ``dS = P (dP - delta)`` times the soft-cap's derivative (None
-  where ``dp_operands`` is None). ``stats()`` gives (lse, delta) along the tile's axis
-  ``stats_axis``, read while the products run."""
+  (``mask`` None: no mask), ``dS = P (dP - delta)`` times the soft-cap's derivative.
+  ``stats()`` gives (lse, delta) along the tile's axis ``stats_axis``, read while the products
+  run."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
   tile = (s_operands[0].shape[0], s_operands[1].shape[0])
-  pairs = [s_operands] + ([] if dp_operands is None else [dp_operands])
 
   def products(*acc_refs):
-    for acc_ref, (lhs, rhs) in zip(acc_refs, pairs):
+    for acc_ref, (lhs, rhs) in zip(acc_refs, (s_operands, dp_operands)):
       plgpu.wgmma(acc_ref, lhs, rhs.transpose((1, 0)))
     return tuple(acc_ref[...] for acc_ref in acc_refs)
 
-  z, *dp = pl.run_scoped(products, *[plgpu.ACC(tile, jnp.float32) for _ in pairs])
+  z, dp = pl.run_scoped(products, *[plgpu.ACC(tile, jnp.float32) for _ in range(2)])
   lse, delta = stats()
   z, cap_grad = _base2_scores(z, scale, cap)
   if mask is not None:
     z = mask(z)
   p = jnp.exp2(z - lax.broadcast_in_dim(lse, tile, [stats_axis]))
-  if dp_operands is None:
-    return p, None
-  ds = p * (dp[0] - lax.broadcast_in_dim(delta, tile, [stats_axis]))
+  ds = p * (dp - lax.broadcast_in_dim(delta, tile, [stats_axis]))
   return p, ds if cap_grad is None else ds * cap_grad
 
 
@@ -860,17 +861,43 @@ def _ring(stream, tiles, streamed, stages: int, consumed):
   return streamed + tiles
 
 
+def _query_tile_loader(refs, slots, loaded, batch, kv_head, groups: int, lo, per_head,
+                       block_q: int):
+  """The dK/dV kernels' ``stream(u, slot)`` for ``_ring``: the u-th tile streamed, tile
+  ``lo + u % per_head`` of query head ``u // per_head`` of the key's group; its Q, dO, stats
+  (lse, delta) and, where ``refs`` has them, segment ids (``refs``: those four in global
+  memory, ``slots``: in shared memory)."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  q_ref, do_ref, stats_ref, q_seg_ref = refs
+  q_smem, do_smem, stats_smem, q_seg_smem = slots
+
+  def load(u, slot):
+    g = _div(u, per_head) if groups > 1 else 0
+    head, i = kv_head * groups + g, lo + u - g * per_head
+    rows = pl.ds(i * block_q, block_q)
+    plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_smem.at[slot], loaded.at[slot])
+    plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, head], do_smem.at[slot], loaded.at[slot])
+    plgpu.copy_gmem_to_smem(stats_ref.at[batch, head, :, rows], stats_smem.at[slot],
+                            loaded.at[slot])
+    if q_seg_ref is not None:
+      plgpu.copy_gmem_to_smem(q_seg_ref.at[batch, rows], q_seg_smem.at[slot], loaded.at[slot])
+
+  return load
+
+
 def _walk(ranges, cta, step, skip, carry):
   """A consumer's tiles of the CTA's ``[cta_lo, cta_hi)``: masked tiles, unmasked tiles,
   masked tiles of its own band ``(lo, full_lo, full_hi, hi)``, the partner's tiles around
-  them passed by ``skip``."""
+  them passed by ``skip`` (None where the band is the CTA's)."""
   lo, full_lo, full_hi, hi = ranges
   cta_lo, cta_hi = cta
-  carry = _loop(cta_lo, lo, skip, carry)
+  if skip is not None:
+    carry = _loop(cta_lo, lo, skip, carry)
   carry = _loop(lo, full_lo, functools.partial(step, masked=True), carry)
   carry = _loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
   carry = _loop(full_hi, hi, functools.partial(step, masked=True), carry)
-  return _loop(hi, cta_hi, skip, carry)
+  return carry if skip is None else _loop(hi, cta_hi, skip, carry)
 
 
 def _dq(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, s: int, band: _Band, scale: float,
@@ -1051,14 +1078,13 @@ def _dq(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, s: int, band: _Band, 
 
 
 def _dkdv(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, t: int, band: _Band,
-          scale: float, cap, cfg: BackwardConfig, gradients=("dk", "dv")):
-  """dK and dV (or one of them, as ``gradients`` names) by items (``_schedule``) of two
-  blocks of key rows of one key/value head (one per consumer warpgroup: its K, V stay
-  in shared memory, dK and dV in float32 registers; the next item's loading into a second
-  buffer where ``cfg.persistent``); a producer streams, for each query head of the group in
-  turn, the Q, dO, lse and delta tiles of the band, through a ring that runs on from item to
-  item. Per tile, keys by queries (every product takes its operands as stored):
-  S^T = K Q^T and dP^T = V dO^T, issued together (dV alone needs no dP^T);
+          scale: float, cap, cfg: BackwardConfig):
+  """dK and dV by items (``_schedule``) of two blocks of key rows of one key/value head (one
+  per consumer warpgroup: its K, V stay in shared memory, dK and dV in float32 registers; the
+  next item's loading into a second buffer where ``cfg.persistent``); a producer streams, for
+  each query head of the group in turn, the Q, dO, lse and delta tiles of the band, through a
+  ring that runs on from item to item. Per tile, keys by queries (every product takes its
+  operands as stored): S^T = K Q^T and dP^T = V dO^T, issued together;
   P^T = exp2(S^T - lse); dS^T = P^T (dP^T - delta); dV += P^T dO and dK += dS^T Q, issued
   together."""
   from jax.experimental import pallas as pl
@@ -1080,9 +1106,8 @@ def _dkdv(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, t: int, band: _Band
 
   def body(q_ref, k_ref, v_ref, do_ref, stats_ref, extras, *refs):
     q_seg_ref, kv_seg_ref, spans_ref, q_len_ref, kv_len_ref = extras
-    out_refs = dict(zip(gradients, refs[:len(gradients)]))
-    (k_smem, v_smem, q_smem, do_smem, stats_smem, kv_seg_smem, q_seg_smem,
-     rows_loaded, loaded, consumed) = refs[len(gradients):]
+    (dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem, stats_smem, kv_seg_smem, q_seg_smem,
+     rows_loaded, loaded, consumed) = refs
     cta, wg = lax.axis_index("cta"), lax.axis_index("wg")
     my_items = count(cta)
 
@@ -1147,16 +1172,13 @@ def _dkdv(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, t: int, band: _Band
 
             stats = lambda: tuple(_load(plgpu, stats_smem.at[slot, r], col_layout)
                                   for r in (0, 1))
-            p, ds = _tile_gradients(
-                (my_k, q_smem.at[slot]),
-                (my_v, do_smem.at[slot]) if "dk" in gradients else None, stats, 1,
-                mask if masked else None, scale, cap)
-            products = {"dk": (ds, q_smem.at[slot]), "dv": (p, do_smem.at[slot])}
+            p, ds = _tile_gradients((my_k, q_smem.at[slot]), (my_v, do_smem.at[slot]), stats,
+                                    1, mask if masked else None, scale, cap)
 
             def accumulate(acc_refs):
-              for name in sorted(gradients, reverse=True):  # dV's product needs no dS
-                lhs, rhs = products[name]
-                plgpu.wgmma(acc_refs[gradients.index(name)], lhs.astype(dtype), rhs)
+              dk_acc, dv_acc = acc_refs
+              plgpu.wgmma(dv_acc, p.astype(dtype), do_smem.at[slot])  # needs no dS: first
+              plgpu.wgmma(dk_acc, ds.astype(dtype), q_smem.at[slot])
 
             carry = pl.run_state(accumulate)(tuple(plgpu.ACC.init(a) for a in carry))
             plgpu.barrier_arrive(consumed.at[slot])
@@ -1170,28 +1192,22 @@ def _dkdv(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, t: int, band: _Band
 
           return _walk(ranges, (cta_lo, cta_hi), step, skip, carry)
 
-        width = {"dk": h, "dv": hv}
-        carry = tuple(plgpu.layout_cast(jnp.zeros((block_kv, width[name]), jnp.float32),
-                                        plgpu.Layout.WGMMA) for name in gradients)
+        carry = tuple(plgpu.layout_cast(jnp.zeros((block_kv, width), jnp.float32),
+                                        plgpu.Layout.WGMMA) for width in (h, hv))
         carry = head_tiles(0, carry) if groups == 1 else lax.fori_loop(0, groups, head_tiles,
                                                                        carry)
         # K's and V's slots are free once the last products have been read.
-        grads = dict(zip(gradients, carry))
-        if "dk" in grads:
-          grads["dk"] = grads["dk"] * scale
-        if keys is not None:
-          grads = {name: jnp.where(_iota(grad.shape, 0) + first < keys, grad, 0.0)
-                   for name, grad in grads.items()}
-        slots = {"dk": my_k, "dv": my_v}
-        for name, grad in grads.items():
-          slots[name][...] = grad.astype(dtype)
+        outputs = ((carry[0] * scale, my_k, dk_ref), (carry[1], my_v, dv_ref))
+        for grad, my_rows, _ in outputs:
+          if keys is not None:
+            grad = jnp.where(_iota(grad.shape, 0) + first < keys, grad, 0.0)
+          my_rows[...] = grad.astype(dtype)
         plgpu.commit_smem()
 
         @pl.when(block < blocks)
         def _store():  # rows past S are dropped
-          for name in gradients:
-            plgpu.copy_smem_to_gmem(slots[name],
-                                    out_refs[name].at[batch, pl.ds(first, block_kv), kv_head])
+          for _, my_rows, out_ref in outputs:
+            plgpu.copy_smem_to_gmem(my_rows, out_ref.at[batch, pl.ds(first, block_kv), kv_head])
 
         return streamed + groups * cta_tiles
 
@@ -1204,21 +1220,10 @@ def _dkdv(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, t: int, band: _Band
 
       def stream_item(item, streamed):
         batch, kv_head, _, _, _, _, (cta_lo, cta_hi) = walked(item)
-        cta_tiles = cta_hi - cta_lo
-
-        def load(u, slot):
-          g = _div(u, cta_tiles) if groups > 1 else 0
-          head, i = kv_head * groups + g, cta_lo + u - g * cta_tiles
-          rows = (batch, pl.ds(i * block_q, block_q), head)
-          plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], loaded.at[slot])
-          plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], loaded.at[slot])
-          plgpu.copy_gmem_to_smem(stats_ref.at[batch, head, :, pl.ds(i * block_q, block_q)],
-                                  stats_smem.at[slot], loaded.at[slot])
-          if has_segments:
-            plgpu.copy_gmem_to_smem(q_seg_ref.at[batch, pl.ds(i * block_q, block_q)],
-                                    q_seg_smem.at[slot], loaded.at[slot])
-
-        return _ring(load, groups * cta_tiles, streamed, stages, (consumed,))
+        load = _query_tile_loader((q_ref, do_ref, stats_ref, q_seg_ref),
+                                  (q_smem, do_smem, stats_smem, q_seg_smem), loaded, batch,
+                                  kv_head, groups, cta_lo, cta_hi - cta_lo, block_q)
+        return _ring(load, groups * (cta_hi - cta_lo), streamed, stages, (consumed,))
 
       lax.fori_loop(0, my_items, stream_item, jnp.int32(0))
 
@@ -1236,11 +1241,184 @@ def _dkdv(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, t: int, band: _Band
       plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
       plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
   ]
-  shapes = {"dk": k.shape, "dv": v.shape}
-  out_types = tuple(jax.ShapeDtypeStruct(shapes[name], dtype) for name in gradients)
+  out_types = (jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype))
   return _launch(body, scratch, out_types, ctas, (q, k, v, do, stats),
                  (q_seg, kv_seg, spans, *lengths))
 
+
+
+def _dkdv_paired(q, k, v, do, stats, q_seg, kv_seg, spans, lengths, t: int, band: _Band,
+                 scale: float, cap, cfg: BackwardConfig):
+  """dK and dV by a CTA per block of key rows of one key/value head, its two consumer
+  warpgroups sharing the work of each streamed tile (keys by queries): the first holds K and
+  dK and forms S^T = K Q^T and P^T = exp2(S^T - lse), the second holds V and dV and forms
+  dP^T = V dO^T and dP^T - delta; each hands its result to the other through shared memory
+  (two buffers each way, so neither waits for the other to read the last), then the first
+  adds dK += dS^T Q, dS^T = P^T (dP^T - delta), and the second dV += P^T dO. Four products
+  per tile and one float32 gradient per warpgroup, for head dims where a warpgroup's registers
+  hold only one (256)."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  b, _, n, h = q.shape
+  kv_heads, hv = k.shape[2], v.shape[3]
+  groups = n // kv_heads
+  dtype = q.dtype
+  block_kv, block_q = band.block_rows, band.block_cols
+  blocks = -(-band.rows // block_kv)
+  stages = max(2, min(cfg.stages, groups * band.col_tiles))
+  has_segments = q_seg is not None
+  col_layout = plgpu.Layout.WGMMA.reduce(0)
+  tile = (block_kv, block_q)
+  # Under a causal mask earlier key blocks walk more query tiles: launched first.
+  ctas, _, work_item = _schedule(b, kv_heads, blocks, persistent=False)
+
+  def body(q_ref, k_ref, v_ref, do_ref, stats_ref, extras, dk_ref, dv_ref, k_smem, v_smem,
+           q_smem, do_smem, stats_smem, kv_seg_smem, q_seg_smem, p_smem, d_smem, k_loaded,
+           v_loaded, loaded, consumed, p_ready, p_free, d_ready, d_free):
+    q_seg_ref, kv_seg_ref, spans_ref, q_len_ref, kv_len_ref = extras
+    batch, kv_head, block = work_item(lax.axis_index("cta"), 0)
+    wg = lax.axis_index("wg")
+    # Queries past the lengths have lse = +inf (no probability): the band only stops there.
+    queries = t if q_len_ref is None else jnp.clip(q_len_ref[batch], 0, t)
+    # Keys past their length get no gradient (zeroed at the end): their walk stops there too.
+    keys = None if kv_len_ref is None else jnp.clip(kv_len_ref[batch], 0, band.rows)
+    first = block * block_kv
+    span = None if spans_ref is None else tuple(spans_ref[batch, block, j] for j in range(4))
+    ranges = band.tiles(first, first + block_kv - 1, queries, span, keys)
+    lo, hi = ranges[0], ranges[3]
+    walked = hi - lo
+    rows = (batch, pl.ds(first, block_kv), kv_head)
+
+    def walk(step, carry):
+      """``step(i, slot, buffer, carry, masked)`` over tile i of the band for each query head
+      of the group in turn, once it has loaded into ``slot`` of the ring; ``buffer``: the
+      tile's buffer of those the consumers trade."""
+      def head_tiles(g, carry):
+        def loaded_step(i, carry, masked):
+          u = g * walked + i - lo  # its number in the producer's stream
+          slot = lax.rem(u, stages)
+          plgpu.barrier_wait(loaded.at[slot])
+          return step(i, slot, lax.rem(u, 2), carry, masked)
+        return _walk(ranges, (lo, hi), loaded_step, None, carry)
+      return head_tiles(0, carry) if groups == 1 else lax.fori_loop(0, groups, head_tiles,
+                                                                    carry)
+
+    def product(a, b):
+      """``a b^T`` (keys by queries) of shared-memory operands, by wgmma."""
+      def run(acc_ref):
+        plgpu.wgmma(acc_ref, a, b.transpose((1, 0)))
+        return acc_ref[...]
+      return pl.run_scoped(run, plgpu.ACC(tile, jnp.float32))
+
+    def store(grad, my_rows, out_ref):
+      if keys is not None:
+        grad = jnp.where(_iota(grad.shape, 0) + first < keys, grad, 0.0)
+      my_rows[...] = grad.astype(dtype)  # the rows' last product has read them
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(my_rows, out_ref.at[rows])  # rows past S are dropped
+      plgpu.wait_smem_to_gmem(0)
+
+    zeros = lambda width: plgpu.layout_cast(jnp.zeros((block_kv, width), jnp.float32),
+                                            plgpu.Layout.WGMMA)
+
+    @pl.when(wg == 0)
+    def _keys():
+      plgpu.set_max_registers(232, action="increase")
+      plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem, k_loaded)
+      if has_segments:
+        plgpu.copy_gmem_to_smem(kv_seg_ref.at[batch, pl.ds(first, block_kv)], kv_seg_smem,
+                                k_loaded)
+      for buffer in range(2):  # the partner's first two differences may go in
+        plgpu.barrier_arrive(d_free.at[buffer])
+      plgpu.barrier_wait(k_loaded)
+      kv_ids = (_load(plgpu, kv_seg_smem, plgpu.Layout.WGMMA.reduce(1)) if has_segments
+                else None)
+
+      def step(i, slot, buffer, dk, masked):
+        z, cap_grad = _base2_scores(product(k_smem, q_smem.at[slot]), scale, cap)
+        if masked:
+          ids = None if not has_segments else lambda: (
+              kv_ids, _load(plgpu, q_seg_smem.at[slot], col_layout))
+          z = band.mask(z, first, i * block_q, queries, ids=ids, diagonal=cfg.diagonal_mask)
+        lse = _load(plgpu, stats_smem.at[slot, 0], col_layout)
+        p = jnp.exp2(z - lax.broadcast_in_dim(lse, tile, [1]))
+        plgpu.barrier_wait(p_free.at[buffer])
+        p_smem.at[buffer][...] = p.astype(dtype)
+        plgpu.commit_smem()  # the partner's product reads it
+        plgpu.barrier_arrive(p_ready.at[buffer])
+        plgpu.barrier_wait(d_ready.at[buffer])
+        ds = p * _load(plgpu, d_smem.at[buffer], plgpu.Layout.WGMMA)
+        plgpu.barrier_arrive(d_free.at[buffer])
+        if cap_grad is not None:
+          ds = ds * cap_grad
+
+        def gradient(acc_ref):
+          plgpu.wgmma(acc_ref, ds.astype(dtype), q_smem.at[slot])
+
+        dk = pl.run_state(gradient)(plgpu.ACC.init(dk))
+        plgpu.barrier_arrive(consumed.at[slot])
+        return dk
+
+      store(walk(step, zeros(h)) * scale, k_smem, dk_ref)
+
+    @pl.when(wg == 1)
+    def _values():
+      plgpu.set_max_registers(232, action="increase")
+      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem, v_loaded)
+      for buffer in range(2):  # the partner's first two probabilities may go in
+        plgpu.barrier_arrive(p_free.at[buffer])
+      plgpu.barrier_wait(v_loaded)
+
+      def step(i, slot, buffer, dv, masked):
+        del i, masked  # the probabilities come masked
+        dp = product(v_smem, do_smem.at[slot])
+        delta = _load(plgpu, stats_smem.at[slot, 1], col_layout)
+        plgpu.barrier_wait(d_free.at[buffer])
+        d_smem.at[buffer][...] = dp - lax.broadcast_in_dim(delta, tile, [1])
+        plgpu.barrier_arrive(d_ready.at[buffer])
+        plgpu.barrier_wait(p_ready.at[buffer])
+
+        def gradient(acc_ref):
+          plgpu.wgmma(acc_ref, p_smem.at[buffer], do_smem.at[slot])
+
+        dv = pl.run_state(gradient)(plgpu.ACC.init(dv))
+        plgpu.barrier_arrive(p_free.at[buffer])
+        plgpu.barrier_arrive(consumed.at[slot])
+        return dv
+
+      store(walk(step, zeros(hv)), v_smem, dv_ref)
+
+    @pl.when(wg == _CONSUMERS)
+    def _producer():
+      plgpu.set_max_registers(40, action="decrease")
+
+      load = _query_tile_loader((q_ref, do_ref, stats_ref, q_seg_ref),
+                                (q_smem, do_smem, stats_smem, q_seg_smem), loaded, batch,
+                                kv_head, groups, lo, walked, block_q)
+      _ring(load, groups * walked, 0, stages, (consumed,))
+
+  tiled = _swizzled(min(block_q, block_kv))  # a product's operands share their swizzle
+  float_tiled = dict(transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)))
+  scratch = [
+      plgpu.SMEM((block_kv, h), dtype, **tiled),
+      plgpu.SMEM((block_kv, hv), dtype, **tiled),
+      plgpu.SMEM((stages, block_q, h), dtype, **tiled),
+      plgpu.SMEM((stages, block_q, hv), dtype, **tiled),
+      plgpu.SMEM((stages, 2, block_q), jnp.float32),
+      plgpu.SMEM((block_kv,), jnp.int32) if has_segments else None,
+      plgpu.SMEM((stages, block_q), jnp.int32) if has_segments else None,
+      plgpu.SMEM((2, block_kv, block_q), dtype, **tiled),
+      plgpu.SMEM((2, block_kv, block_q), jnp.float32, **float_tiled),
+      plgpu.Barrier(num_arrivals=1 + has_segments),
+      plgpu.Barrier(),
+      plgpu.Barrier(num_arrivals=3 + has_segments, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
+      *(plgpu.Barrier(num_barriers=2) for _ in range(4)),
+  ]
+  out_types = (jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype))
+  return _launch(body, scratch, out_types, ctas, (q, k, v, do, stats),
+                 (q_seg, kv_seg, spans, *lengths))
 
 
 def _launch(body, scratch, out_type, ctas: int, operands, extras):
