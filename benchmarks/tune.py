@@ -482,11 +482,13 @@ def _attention_mosaic(sweep):
   same inputs (the variant named "cudnn") for the ratio within one run."""
   from jaxfuse.ops.attention import mosaic
   C = mosaic.Config
-  # Shared memory bounds them: (64, 128, 3) at head dim 128 needs 120 bytes more than the H100
-  # has, and at head dim 256 only (64, 64, 2) fits (wgmma needs 64-row key tiles).
+  # Shared memory bounds them: at head dim 128 a third stage or 192-key tiles fit only without
+  # the second query buffer, and at head dim 256 only (64, 64, 2) fits (wgmma needs 64-row key
+  # tiles).
   candidates = {64: [C(64, 128, 3), C(64, 128, 2), C(64, 128, 4), C(64, 64, 4), C(64, 256, 2),
                      C(64, 128, 3, prefetch_q=False)],
-                128: [C(64, 128, 2, prefetch_q=False), C(64, 64, 4), C(64, 64, 2)],
+                128: [C(64, 128, 2, prefetch_q=False), C(64, 64, 4), C(64, 64, 2),
+                      C(64, 128, 3, prefetch_q=False), C(64, 192, 2, prefetch_q=False)],
                 256: []}
   for dim, config in mosaic.CONFIGS.items():  # and each default's other mask form
     candidates[dim].append(dataclasses.replace(config, diagonal_mask=not config.diagonal_mask))

@@ -406,9 +406,9 @@ def test_cudnn_refusal_is_a_reason_not_a_crash(rng, monkeypatch):
 
 
 def test_default_takes_mosaic_before_cudnn_where_it_measured_faster(monkeypatch):
-  """On an H100, None takes 'mosaic' before cuDNN for causal calls of up to 4096 queries at
-  head dims up to 128 and calls without a causal mask of up to 2048 at head dim 64, where its
-  training step measured faster; cuDNN first elsewhere and on GPUs not measured."""
+  """On an H100, None takes 'mosaic' before cuDNN where it measured faster, apart for calls
+  only evaluated and calls differentiated (``_MOSAIC_BEFORE_CUDNN``); cuDNN first elsewhere
+  and on GPUs not measured; a named implementation runs both ways."""
   from jaxfuse._core import registry
   from jaxfuse.ops.attention import api
   monkeypatch.setattr(registry, "platform", lambda: "gpu")
@@ -417,24 +417,73 @@ def test_default_takes_mosaic_before_cudnn_where_it_measured_faster(monkeypatch)
   monkeypatch.setattr(api, "_cudnn_unsupported", lambda call, arrays: None)
   monkeypatch.setattr(api, "_mosaic_unsupported", lambda call, arrays: None)
 
-  def chosen(kind, causal, t, h, hv=None):
+  def chosen(kind, causal, t, h, hv=None, implementation=None):
     monkeypatch.setattr(registry, "device_kind", lambda: kind)
     q = jax.ShapeDtypeStruct((2, t, 4, h), jnp.bfloat16)
     v = jax.ShapeDtypeStruct((2, t, 4, hv or h), jnp.bfloat16)
     call = api._Call(api.MaskSpec(causal, 0, None, None), 0.1, None, False, False, False,
                      False, False, False, jnp.bfloat16)
-    return api._resolve(None, call, (q, q, v, None, None, None, None))
+    return api._resolve(implementation, call, (q, q, v, None, None, None, None))
 
   h100 = "NVIDIA H100 80GB HBM3"
-  assert chosen(h100, True, 4096, 128) == "mosaic"
-  assert chosen(h100, True, 2048, 64) == "mosaic"
-  assert chosen(h100, True, 4097, 128) == "cudnn"
-  assert chosen(h100, True, 2048, 128, hv=256) == "cudnn"
-  assert chosen(h100, False, 2048, 128) == "cudnn"
-  assert chosen(h100, False, 2048, 64) == "mosaic"
-  assert chosen(h100, False, 2049, 64) == "cudnn"
-  assert chosen("NVIDIA H200", True, 2048, 128) == "cudnn"
-  assert chosen("NVIDIA H200", False, 2048, 64) == "cudnn"
+  mosaic, cudnn = ("mosaic",) * 2, ("cudnn",) * 2
+  assert chosen(h100, True, 4096, 128) == mosaic
+  assert chosen(h100, True, 2048, 64) == mosaic
+  assert chosen(h100, True, 16384, 128) == ("mosaic", "cudnn")
+  assert chosen(h100, True, 16385, 128) == cudnn
+  assert chosen(h100, True, 8192, 256) == ("mosaic", "cudnn")
+  assert chosen(h100, True, 2048, 128, hv=256) == ("mosaic", "cudnn")
+  assert chosen(h100, False, 4096, 128) == ("mosaic", "cudnn")
+  assert chosen(h100, False, 4097, 128) == cudnn
+  assert chosen(h100, False, 8192, 256) == ("cudnn", "mosaic")
+  assert chosen(h100, False, 2048, 64) == mosaic
+  assert chosen(h100, False, 2049, 64) == cudnn
+  assert chosen(h100, False, 8192, 256, implementation="cudnn") == cudnn
+  assert chosen(h100, True, 16384, 128, implementation="mosaic") == mosaic
+  assert chosen("NVIDIA H200", True, 2048, 128) == cudnn
+  assert chosen("NVIDIA H200", False, 2048, 64) == cudnn
+
+
+def test_evaluated_and_differentiated_by_different_kernels(rng, monkeypatch):
+  """Where None's choices for evaluation and for differentiation differ, a call only
+  evaluated traces the first, and one differentiated (in jit, vmap) only the second, whose
+  output and gradients are the reference's."""
+  from jaxfuse.ops.attention import api
+  traced = []
+  original = api._implementation
+
+  def spy(impl, *args):
+    traced.append(impl)
+    return original(impl, *args)
+
+  monkeypatch.setattr(api, "_implementation", spy)
+  api._attention_jit.clear_cache()
+  q, k, v, do = inputs(rng, 2, 37, 37, 2, 1, 32)
+  lengths = jnp.array([37, 20], jnp.int32)
+  call = api._Call(api.MaskSpec(True, 0, None, None), 32 ** -0.5, None, False, False, False,
+                   True, True, False, q.dtype)
+  impls = ("xla", "triton")
+  attend = lambda q, k, v: api._attention_jit(q, k, v, None, None, None, None, lengths,
+                                              lengths, impls, call)[0]
+  ref_out, _, ref_grads = dense_reference(q, k, v, causal=True, q_len=lengths,
+                                          kv_len=lengths, do=do)
+  try:
+    out, lse = api._attention_jit(q, k, v, None, None, None, None, lengths, lengths, impls,
+                                  call)
+    assert traced == ["xla"] and lse is None
+    assert_close(out, ref_out, name="out")
+    traced.clear()
+    out, vjp = jax.vjp(attend, q, k, v)
+    assert traced == ["triton"]
+    assert_close(out, ref_out, name="out")
+    for name, g, r in zip(("dq", "dk", "dv"), vjp(do), ref_grads):
+      assert_close(g, r, factor=10, name=name)
+    step = jax.jit(jax.vmap(jax.grad(lambda q: jnp.sum(attend(q, k, v) * do))))
+    dq = step(jnp.stack([q, q]))
+    assert traced[-1] == "triton" and "xla" not in traced
+    assert_close(dq[1], ref_grads[0], factor=10, name="dq under vmap")
+  finally:
+    api._attention_jit.clear_cache()
 
 
 @pytest.mark.gpu
@@ -617,6 +666,34 @@ def test_gpu_default_packed_documents(rng):
   compare(run(None, q, k, v, do, is_causal=True, segment_ids=ids),
           dense_reference(q, k, v, do=do, **ref_kw), factor=4, dtype=jnp.bfloat16,
           floors=gradient_floors(q, k, v, do, **ref_kw))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal,h", [(False, 256), (True, 256)])
+def test_gpu_default_evaluates_and_differentiates_by_measurement(rng, causal, h):
+  """Calls where None's fastest forward and fastest step differ on an H100 (head dim 256):
+  evaluated and differentiated, both against float64, with odd lengths per batch row."""
+  _mosaic_or_skip()
+  from jaxfuse.ops.attention import api
+  q, k, v, do = inputs(rng, 2, 200, 200, 2, 2, h, dtype=jnp.bfloat16)
+  lengths = jnp.array([200, 131], jnp.int32)
+  kw = dict(is_causal=causal, query_seq_lengths=lengths, key_value_seq_lengths=lengths)
+  call = api._Call(api.MaskSpec(causal, 0, None, None), h ** -0.5, None, False, False, False,
+                   True, True, False, q.dtype)
+  impls = api._resolve(None, call, (q, k, v, None, None, lengths, lengths))
+  if jax.devices()[0].device_kind == "NVIDIA H100 80GB HBM3":
+    assert impls == (("mosaic", "cudnn") if causal else ("cudnn", "mosaic"))
+  ref_kw = dict(causal=causal, q_len=lengths, kv_len=lengths)
+  r_out, _, r_grads = dense_reference(q, k, v, do=do, **ref_kw)
+  valid = np.arange(200)[None, :, None, None] < np.asarray(lengths)[:, None, None, None]
+  evaluated = jax.jit(lambda q, k, v: jaxfuse.attention(q, k, v, **kw))(q, k, v)
+  assert_close(np.where(valid, evaluated, 0), np.where(valid, r_out, 0), jnp.bfloat16,
+               name="out")
+  out, vjp = jax.vjp(lambda q, k, v: jaxfuse.attention(q, k, v, **kw), q, k, v)
+  assert_close(np.where(valid, out, 0), np.where(valid, r_out, 0), jnp.bfloat16, name="out")
+  for name, g, r in zip(("dq", "dk", "dv"), vjp(do), r_grads):
+    assert_close(np.where(valid, g, 0), np.where(valid, r, 0), jnp.bfloat16, factor=4,
+                 name=name)
 
 
 @pytest.mark.gpu

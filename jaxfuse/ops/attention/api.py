@@ -62,7 +62,10 @@ def attention(query, key, value, bias=None, mask=None, *, scale: float | None = 
       above, GQA, float16/bfloat16, query and value head dims of 64, 128 or 256, forward
       and backward) or ``None`` for the fastest that supports the arguments here: cuDNN
       where it accepts the call, then 'mosaic' on Hopper, then 'triton' ('mosaic' before
-      cuDNN for the causal calls where it measured faster on this GPU).
+      cuDNN for the calls where it measured faster on this GPU). None chooses for
+      evaluation and for differentiation apart: a call only evaluated may run one kernel
+      and the same call under ``jax.grad`` another (forward and backward of one, so its
+      values agree with its gradients), each the faster there.
 
   Returns:
     ``(B, T, N, Hv)`` like ``query`` (and the lse if asked). A query row with no allowed key
@@ -102,8 +105,8 @@ def attention(query, key, value, bias=None, mask=None, *, scale: float | None = 
   spec = MaskSpec(bool(is_causal), causal_offset, window, logits_soft_cap)
   call = _Call(spec, scale, precision, bias is not None, mask is not None, q_seg is not None,
                q_len is not None, kv_len is not None, return_lse, q.dtype)
-  impl = _resolve(implementation, call, (q, k, v, bias, mask, q_len, kv_len))
-  out, lse = _attention_jit(q, k, v, bias, mask, q_seg, kv_seg, q_len, kv_len, impl, call)
+  impls = _resolve(implementation, call, (q, k, v, bias, mask, q_len, kv_len))
+  out, lse = _attention_jit(q, k, v, bias, mask, q_seg, kv_seg, q_len, kv_len, impls, call)
   if not batched:
     out, lse = out[0], None if lse is None else lse[0]
   return (out, lse) if return_lse else out
@@ -285,24 +288,31 @@ def _mosaic_unsupported(call, arrays):
                             has_kv_len=call.has_kv_len)
 
 
-# Per GPU, the calls (causal or not) for which None takes 'mosaic' before cuDNN: up to this
-# many queries and head dims up to this one. There the Mosaic training step ran at 1.05-1.23x
-# cuDNN's and its forward at 1.06-1.13x, causal, and 1.05x and 1.10x at head dim 64 without a
-# mask (benchmarks/results/2026-11-26-h100-attention-mosaic-delta-in-dq.json,
-# 2026-11-26-h100-attention-mosaic-masks.json); cuDNN's step is the faster at 16384 queries,
-# at head dim 256, and at head dim 128 without a mask.
-_MOSAIC_BEFORE_CUDNN = {"NVIDIA H100 80GB HBM3": {True: (4096, 128), False: (2048, 64)}}
+# Per GPU, the calls for which None takes 'mosaic' before cuDNN, for calls only evaluated
+# ("forward") and for those differentiated ("step"): per (causal, head dim) the most queries
+# at which Mosaic measured faster, in runs with both
+# (benchmarks/results/2026-11-26-h100-attention-default-by-use.json at 2048 to 4096 queries,
+# ...-default-by-use-long.json at 8192 and 16384). Forward: causal 1.06-1.12x cuDNN; without a
+# mask 1.11x at head dim 64, 1.00-1.09x at 128 up to 4096 queries (0.98x at 16384), 0.94x at
+# 256. Step: causal 1.06-1.24x up to 4096 queries at head dims 64 and 128 (0.98x at 16384,
+# 0.97x at 256); without a mask 1.06x at 64, 1.05x at 256, 0.90-1.00x at 128.
+_MOSAIC_BEFORE_CUDNN = {"NVIDIA H100 80GB HBM3": {
+    "forward": {(True, 64): 2048, (True, 128): 16384, (True, 256): 8192, (False, 64): 2048,
+                (False, 128): 4096},
+    "step": {(True, 64): 2048, (True, 128): 4096, (False, 64): 2048, (False, 256): 8192}}}
 
 
-def _mosaic_before_cudnn(call, arrays) -> bool:
-  limits = _MOSAIC_BEFORE_CUDNN.get(registry.device_kind(), {}).get(call.spec.is_causal)
-  if limits is None:
-    return False
+def _mosaic_before_cudnn(call, arrays, use: str) -> bool:
+  """Whether None tries 'mosaic' before cuDNN for this call, ``use`` "forward" or "step"."""
+  rules = _MOSAIC_BEFORE_CUDNN.get(registry.device_kind(), {}).get(use, {})
   q, _, v = arrays[:3]
-  return q.shape[1] <= limits[0] and max(q.shape[3], v.shape[3]) <= limits[1]
+  most = rules.get((call.spec.is_causal, max(q.shape[3], v.shape[3])))
+  return most is not None and q.shape[1] <= most
 
 
 def _resolve(implementation, call, arrays):
+  """``(evaluated, differentiated)``: the implementation a call runs when only evaluated and
+  when differentiated. A named one runs both ways; None may find different fastest ones."""
   checks = {"triton": _triton_unsupported,
             "cudnn": functools.partial(_cudnn_unsupported, arrays=arrays),
             "mosaic": functools.partial(_mosaic_unsupported, arrays=arrays)}
@@ -317,26 +327,58 @@ def _resolve(implementation, call, arrays):
   # cuDNN is the fastest where it applies (but for _MOSAIC_BEFORE_CUDNN's calls), then the
   # Mosaic kernels, then the Triton kernels
   # (benchmarks/results/2026-11-25-h100-attention-mosaic-backward.json).
-  if registry.platform() == "cpu":
-    preference = ("xla",)
-  elif _mosaic_before_cudnn(call, arrays):
-    preference = ("mosaic", "cudnn", "triton", "xla")
-  else:
-    preference = ("cudnn", "mosaic", "triton", "xla")
-  impl = registry.resolve(OP, implementation, backends, preference)
-  if impl == "triton":
+  def preference(use):
+    if registry.platform() == "cpu":
+      return ("xla",)
+    if _mosaic_before_cudnn(call, arrays, use):
+      return ("mosaic", "cudnn", "triton", "xla")
+    return ("cudnn", "mosaic", "triton", "xla")
+
+  impls = tuple(registry.resolve(OP, implementation, backends, preference(use))
+                for use in ("forward", "step"))
+  if "triton" in impls:
     registry.using_triton(named=implementation == "triton")
-  return impl
+  return impls
 
 
 @functools.partial(jax.jit, static_argnums=(9, 10))
-def _attention_jit(q, k, v, bias, mask, q_seg, kv_seg, q_len, kv_len, impl, call):
+def _attention_jit(q, k, v, bias, mask, q_seg, kv_seg, q_len, kv_len, impls, call):
+  evaluated, differentiated = impls
+  if evaluated == differentiated:
+    return _implementation(evaluated, q, k, v, bias, mask, q_seg, kv_seg, q_len, kv_len, call)
+  # They differ only as cuDNN and 'mosaic': no bias or mask (Mosaic takes none), no segments
+  # and no lse (cuDNN takes none).
+  return _by_use(q, k, v, q_len, kv_len, impls, call), None
+
+
+def _implementation(impl, q, k, v, bias, mask, q_seg, kv_seg, q_len, kv_len, call):
   if impl == "xla":
     return reference.attention(q, k, v, bias, mask, (q_seg, kv_seg), (q_len, kv_len),
                                scale=call.scale, spec=call.spec, precision=call.precision)
   if impl == "cudnn":
     return _cudnn_call(q, k, v, bias, mask, q_len, kv_len, call), None
   return _flash(q, k, v, (q_seg, kv_seg, q_len, kv_len), (impl, call))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _by_use(q, k, v, q_len, kv_len, impls, call):
+  """The output of ``impls[0]``, differentiated as ``impls[1]`` (its forward and backward):
+  the fastest for inference and for training where those differ."""
+  return _implementation(impls[0], q, k, v, None, None, None, None, q_len, kv_len, call)[0]
+
+
+def _by_use_fwd(q, k, v, q_len, kv_len, impls, call):
+  def differentiated(q, k, v):
+    return _implementation(impls[1], q, k, v, None, None, None, None, q_len, kv_len, call)[0]
+  return jax.vjp(differentiated, q, k, v)  # the vjp function holds the residuals
+
+
+def _by_use_bwd(impls, call, vjp, do):
+  del impls, call
+  return vjp(do) + (None, None)
+
+
+_by_use.defvjp(_by_use_fwd, _by_use_bwd)
 
 
 # ``kernel`` is (implementation, call): 'triton' or 'mosaic' and the static configuration.

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxfuse._core import registry
-from jaxfuse._core.bench import Case
+from jaxfuse._core.bench import DEFAULT, Case, implementation_arg
 from jaxfuse.ops.attention import reference
 from jaxfuse.ops.attention.api import attention
 
@@ -26,10 +26,13 @@ def _inputs(key, b, t, n, h, dtype):
 
 
 def _forward(kw, impl):
+  impl = implementation_arg(impl)
   return lambda q, k, v, do: attention(q, k, v, **kw, implementation=impl)
 
 
 def _train(kw, impl):
+  impl = implementation_arg(impl)
+
   def step(q, k, v, do):
     out, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, **kw, implementation=impl), q, k, v)
     return (out,) + vjp(do)
@@ -99,7 +102,7 @@ def cases(quick: bool = False) -> list[Case]:
 
   for b, t, n, h in shapes:
     for causal in (False, True):
-      impls = ("cudnn", "triton", "mosaic") if gpu else ("xla",)
+      impls = ("cudnn", "triton", "mosaic", DEFAULT) if gpu else ("xla", DEFAULT)
       if gpu and t <= 2048:
         impls = ("xla",) + impls
       add(f"{b}x{t}x{n}x{h} {'causal' if causal else 'full'}", b, t, n, h,
@@ -109,5 +112,5 @@ def cases(quick: bool = False) -> list[Case]:
     for name, t, kw, documents, ragged in MASKED:
       kw = masked_kwargs(b, t, kw, documents, ragged)
       add(f"{b}x{t}x{n}x{h} {name}", b, t, n, h, kw, 4 * _allowed_pairs(b, t, kw) * n * h,
-          ("cudnn", "triton", "mosaic"))
+          ("cudnn", "triton", "mosaic", DEFAULT))
   return out

@@ -1443,8 +1443,13 @@ def _launch(body, scratch, out_type, ctas: int, operands, extras):
 
     pl.run_scoped(with_scratch, *present, collective_axes="wg")
 
+  # Every reduction here runs along the rows of wgmma tiles, within warps: Mosaic's scratch for
+  # reductions across warps (2 KiB by default) would be shared memory reserved for nothing.
+  params = dict(approx_math=True)
+  if "reduction_scratch_bytes" in {f.name for f in dataclasses.fields(plgpu.CompilerParams)}:
+    params["reduction_scratch_bytes"] = 0
   kernel = plgpu.kernel(
       entry, out_type=out_type, grid=(ctas,), grid_names=("cta",),
       num_threads=_CONSUMERS + 1, thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True))
+      compiler_params=plgpu.CompilerParams(**params))
   return kernel(*operands, *inputs)
