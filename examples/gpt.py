@@ -35,6 +35,7 @@ import functools
 import json
 import math
 import pathlib
+import statistics
 import sys
 import sysconfig
 import time
@@ -406,7 +407,7 @@ def plot(path: str, curves: dict[str, list[float]], title: str = "GPT on the std
 # --- bench --------------------------------------------------------------------------------
 
 
-def bench(cfg: Config, variants, mesh, *, packed: bool, steps: int = 10,
+def bench(cfg: Config, variants, mesh, *, packed: bool, steps: int = 100,
           find_max_batch: bool = True):
   """tokens/s, step ms and temporary memory per variant, on random tokens."""
   rows = []
@@ -434,9 +435,11 @@ def _bench_variant(cfg, variant, mesh, packed, steps, find_max_batch) -> dict:
                                                    batches[i % 2])
     return loss
 
-  ms, loss = step_ms(run, steps)
+  windows, loss = step_ms(run, steps)
+  ms = statistics.median(windows)
   row = dict(variant=variant, batch=cfg.batch, seq_len=cfg.seq_len, packed=packed,
-             step_ms=ms, tokens_per_s=cfg.batch * cfg.seq_len / ms * 1e3,
+             step_ms=ms, step_ms_windows=windows,
+             tokens_per_s=cfg.batch * cfg.seq_len / ms * 1e3,
              temp_bytes=getattr(memory, "temp_size_in_bytes", None),
              argument_bytes=getattr(memory, "argument_size_in_bytes", None), loss=loss)
   del batches
@@ -445,17 +448,21 @@ def _bench_variant(cfg, variant, mesh, packed, steps, find_max_batch) -> dict:
   return row
 
 
-def step_ms(run, steps: int, warmup: int = 3) -> tuple[float, float]:
-  """Wall-clock milliseconds per ``run(i)`` (a training step returning its loss) over
-  ``steps`` calls after ``warmup``, waiting only at the ends; and the last loss."""
+def step_ms(run, steps: int, window: int = 10, warmup: int = 3) -> tuple[list[float], float]:
+  """Wall-clock milliseconds per ``run(i)`` (a training step returning its loss) in each
+  window of ``window`` steps over ``steps`` steps after ``warmup``, waiting only at each
+  window's ends (the spread across windows shows how steady a number is); and the last loss."""
   for i in range(warmup):
     loss = run(i)
   float(loss)
-  t0 = time.perf_counter()
-  for i in range(steps):
-    loss = run(i)
-  loss = float(loss)
-  return (time.perf_counter() - t0) / steps * 1e3, loss
+  windows = []
+  for start in range(0, max(steps, window), window):
+    t0 = time.perf_counter()
+    for i in range(start, start + window):
+      loss = run(i)
+    loss = float(loss)
+    windows.append((time.perf_counter() - t0) / window * 1e3)
+  return windows, loss
 
 
 def largest_batch(trainer: Trainer, packed: bool, limit: int | None = None) -> int | None:
@@ -504,15 +511,18 @@ def largest_batch(trainer: Trainer, packed: bool, limit: int | None = None) -> i
 def _bench_line(row) -> str:
   temp = "-" if row["temp_bytes"] is None else f"{row['temp_bytes'] / 2**30:6.2f} GiB"
   most = row.get("max_batch")
-  return (f"{row['variant']:>16}  {row['step_ms']:8.1f} ms/step  {row['tokens_per_s']:10,.0f} "
-          f"tokens/s  temp {temp}  max batch {'-' if most is None else most}")
+  windows = row["step_ms_windows"]
+  return (f"{row['variant']:>16}  {row['step_ms']:8.1f} ms/step (windows {min(windows):.1f}-"
+          f"{max(windows):.1f}, {len(windows)})  {row['tokens_per_s']:10,.0f} tokens/s  temp "
+          f"{temp}  max batch {'-' if most is None else most}")
 
 
 def _environment(argv):
   from jaxfuse._core.bench import environment
   env = environment("python examples/gpt.py")
   env["command"] = " ".join(["python examples/gpt.py"] + list(argv))
-  env["timing"] = "wall clock per step (step_ms), the device waited on only at the ends"
+  env["timing"] = ("wall clock per step: step_ms the median over windows of 10 steps "
+                   "(step_ms_windows), the device waited on only at each window's ends")
   return env
 
 
@@ -560,7 +570,7 @@ def main(argv=None):
     if jax.devices()[0].platform == "gpu":
       variants.append("unfused-cudnn")
     variants = args.variants.split(",") if args.variants else variants
-    record["rows"] = bench(cfg, variants, mesh, packed=args.packed,
+    record["rows"] = bench(cfg, variants, mesh, packed=args.packed, steps=args.steps,
                            find_max_batch=not args.no_max_batch)
   else:
     unfused = f"unfused-{args.attention}"

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import importlib
 import sys
 
@@ -18,7 +19,8 @@ FAMILIES = {
     "rnn": "jaxfuse.ops.rnn.bench",
 }
 # Families with CUDA kernels: each module declares its ``LIBRARY``.
-CUDA_LIBRARIES = ("jaxfuse.ops.norm.cuda", "jaxfuse.ops.softmax.cuda", "jaxfuse.ops.rnn.cuda")
+CUDA_LIBRARIES = ("jaxfuse.ops.norm.cuda", "jaxfuse.ops.softmax.cuda", "jaxfuse.ops.rnn.cuda",
+                  "jaxfuse._core.cuda.copies")
 
 
 def _cases(names, quick):
@@ -94,15 +96,18 @@ def _build(arch: str | None) -> int:
             f"a GPU", file=sys.stderr)
       return 1
     arch = build.gpu_arch()
-  for module in CUDA_LIBRARIES:
-    library = importlib.import_module(module).LIBRARY
+  libraries = [importlib.import_module(module).LIBRARY for module in CUDA_LIBRARIES]
+  # Each build is an nvcc process: they run side by side.
+  with concurrent.futures.ThreadPoolExecutor(len(libraries)) as pool:
+    builds = [(library, pool.submit(build.build, library.source, arch)) for library in libraries]
+  failed = False
+  for library, future in builds:
     try:
-      path = build.build(library.source, arch)
+      print(f"{library.source.name} for {arch}: {future.result()}")
     except RuntimeError as e:
       print(f"jaxfuse build: {e}", file=sys.stderr)
-      return 1
-    print(f"{library.source.name} for {arch}: {path}")
-  return 0
+      failed = True
+  return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -21,6 +21,18 @@ from jaxfuse.ops.attention import reference
 IMPLS = ["xla", "triton"]
 
 
+def positional_mask(t, s, causal=False, offset=0, window=None):
+  """``(T, S)``: whether query i may attend to key j under the causal mask and the window, as
+  ``jaxfuse.attention`` documents them."""
+  i, j = np.arange(t)[:, None], np.arange(s)[None, :]
+  keep = np.ones((t, s), bool)
+  if causal:
+    keep &= j <= i + offset
+  if window is not None:
+    keep &= (j >= i + offset - window[0]) & (j <= i + offset + window[1])
+  return keep
+
+
 def dense_reference(q, k, v, *, scale=None, causal=False, offset=0, window=None, q_seg=None,
                     kv_seg=None, q_len=None, kv_len=None, cap=None, bias=None, mask=None, do=None,
                     dlse=None):
@@ -30,12 +42,7 @@ def dense_reference(q, k, v, *, scale=None, causal=False, offset=0, window=None,
   b, t, n, h = q.shape
   s, kh = k.shape[1], k.shape[2]
   scale = 1 / np.sqrt(h) if scale is None else scale
-  i, j = np.arange(t)[:, None], np.arange(s)[None, :]
-  keep = np.ones((b, n, t, s), bool)
-  if causal:
-    keep &= j <= i + offset
-  if window is not None:
-    keep &= (j >= i + offset - window[0]) & (j <= i + offset + window[1])
+  keep = np.ones((b, n, t, s), bool) & positional_mask(t, s, causal, offset, window)
   if q_seg is not None:
     keep &= (np.asarray(q_seg)[:, :, None] == np.asarray(kv_seg)[:, None, :])[:, None]
   if q_len is not None:
@@ -190,6 +197,120 @@ def test_unmasked_interior_blocks(rng, monkeypatch, feature):
     ref_kw.update(window=feature["window"], offset=offset)
   if "cap" in feature:
     kw["logits_soft_cap"] = ref_kw["cap"] = feature["cap"]
+  compare(run("triton", q, k, v, do, **kw), dense_reference(q, k, v, do=do, **ref_kw))
+
+
+def _check_triton_band(walk, ok, block_rows, block_cols, padding_allowed, case):
+  """``walk(first_row)`` gives the ``(lo, full_lo, full_hi, hi)`` column blocks of the rows
+  from ``first_row`` of the rows-by-columns mask ``ok``: every allowed pair lies in a block of
+  [lo, hi), and the blocks of [full_lo, full_hi), which skip the mask, allow every pair of the
+  rows (columns past ``ok``'s taking ``padding_allowed``). Returns the bands."""
+  n_rows, n_cols = ok.shape
+  col_blocks = -(-n_cols // block_cols)
+  firsts = np.arange(0, n_rows, block_rows)
+  # A width shared by the cases, so that the mapped ops compile once.
+  starts = jnp.arange(128 * -(-len(firsts) // 128), dtype=jnp.int32) * block_rows
+  bands = np.stack([np.broadcast_to(np.asarray(x), starts.shape)
+                    for x in jax.vmap(walk)(starts)], 1)[:len(firsts)]
+  padded = np.pad(ok, ((0, 0), (0, col_blocks * block_cols - n_cols)),
+                  constant_values=padding_allowed)
+  for first, band in zip(firsts.tolist(), bands.tolist()):
+    lo, full_lo, full_hi, hi = band
+    where = (case, block_rows, block_cols, first, band)
+    assert 0 <= lo <= full_lo <= full_hi <= hi, where
+    assert lo == hi or hi <= col_blocks, where
+    needed = np.nonzero(ok[first:first + block_rows].any(0))[0] // block_cols
+    assert np.all((needed >= lo) & (needed < hi)), where
+    assert padded[first:first + block_rows, full_lo * block_cols:full_hi * block_cols].all(), where
+  return bands
+
+
+def _check_triton_walks(bands):
+  """``_banded_loop`` over each ``(lo, full_lo, full_hi, hi)`` visits every block of [lo, hi)
+  once: unmasked in [full_lo, full_hi), masked elsewhere."""
+  from jaxfuse.ops.attention import triton as kernels
+  width = int(bands[:, 3].max()) + 1
+
+  def visits(band):
+    body = lambda j, seen, masked: seen.at[int(not masked), j].add(1)
+    return kernels._banded_loop(tuple(band), body, jnp.zeros((2, width), jnp.int32))
+
+  blocks = np.arange(width)
+  for band, (masked, unmasked) in zip(bands, np.asarray(jax.vmap(visits)(jnp.asarray(bands)))):
+    lo, full_lo, full_hi, hi = band
+    inside = (blocks >= full_lo) & (blocks < full_hi)
+    np.testing.assert_array_equal(unmasked, inside, err_msg=str(band))
+    np.testing.assert_array_equal(masked, (blocks >= lo) & (blocks < hi) & ~inside,
+                                  err_msg=str(band))
+
+
+def test_triton_bands_cover_every_allowed_pair(rng):
+  """The 'triton' kernels' key-block bands (forward and dQ) and query-block bands (dK/dV), on
+  the host, against the mask over random lengths, tiles, causal offsets and windows (their
+  edges mostly off the tiles, where a band one key short drops a pair), lengths and segments
+  (which mask every block); and the loop that walks the bands."""
+  from jaxfuse.ops.attention import api
+  from jaxfuse.ops.attention import triton as kernels
+  from jaxfuse.ops.attention.reference import MaskSpec
+  tiles = [1, 2, 4, 8, 16, 32]
+  bands = []
+  for _ in range(300):
+    t, s = (int(x) for x in rng.integers(1, 70, 2))
+    causal = bool(rng.integers(2))
+    window = tuple(int(x) for x in rng.integers(0, 20, 2)) if rng.integers(2) else None
+    # Clamped as the API clamps what reaches the kernels.
+    offset, window = api._band(int(rng.integers(-t - 5, s + 5)), window, t, s)
+    q_len, kv_len = (int(rng.integers(0, n + 1)) if rng.integers(4) == 0 else None
+                     for n in (t, s))
+    segments = bool(rng.integers(4) == 0)
+    ok = positional_mask(t, s, causal, offset, window)
+    if segments:
+      q_ids, kv_ids = (np.sort(rng.integers(0, 3, n)) for n in (t, s))
+      ok &= q_ids[:, None] == kv_ids[None, :]
+    if q_len is not None:
+      ok[q_len:] = False
+    if kv_len is not None:
+      ok[:, kv_len:] = False
+    forward, dkdv, dq = (kernels.KernelBlocks(*(int(x) for x in rng.choice(tiles, 2)), 4, 1)
+                         for _ in range(3))
+    st = kernels._Static(spec=MaskSpec(causal, offset, window), scale=1.0, t=t, s=s, n=1,
+                         kv_heads=1, h=16, hv=16, has_segments=segments,
+                         has_q_len=q_len is not None, has_kv_len=kv_len is not None,
+                         allow_tf32=None, blocks=kernels.AttentionBlocks(forward, dkdv, dq))
+    case = (t, s, st.spec, q_len, kv_len, segments)
+    # Queries by key blocks: a key past S is a zero key, whose score would take probability.
+    for blocks in (forward, dq):
+      bands.append(_check_triton_band(
+          functools.partial(kernels._kv_blocks, st, block_q=blocks.block_q,
+                            block_k=blocks.block_k, kv_len=kv_len),
+          ok, blocks.block_q, blocks.block_k, False, case))
+    # Keys by query blocks: a query past T (the walk may leave its block unmasked) has dO = 0
+    # and delta = 0, so it adds nothing.
+    bands.append(_check_triton_band(
+        functools.partial(kernels._q_blocks, st, block_q=dkdv.block_q, block_k=dkdv.block_k),
+        ok.T, dkdv.block_k, dkdv.block_q, True, case))
+  _check_triton_walks(np.unique(np.concatenate(bands), axis=0))
+
+
+# (T, S, mask) whose band edges fall one key past the default tiles' boundaries (offset + right
+# is 1 and offset - left is -1 modulo them): a band one key short drops exactly those pairs.
+OFF_TILE_BANDS = [
+    (130, 131, dict(causal=True, offset=1)),
+    (70, 135, dict(causal=True, offset=65)),  # bottom-right: the last T of S keys
+    (135, 70, dict(causal=True, offset=-63)),  # the first 63 rows fully masked
+    (130, 131, dict(window=(4, 62), offset=3)),
+    (130, 131, dict(causal=True, window=(66, 0), offset=1)),
+    # Wide enough for unmasked blocks, whose edges fall one key inside a tile boundary: a range
+    # one key (or one block) wider would skip the mask where it bites.
+    (130, 131, dict(window=(129, 123), offset=3)),
+]
+
+
+@pytest.mark.parametrize("t,s,feature", OFF_TILE_BANDS, ids=str)
+def test_triton_band_edges_off_the_tiles(rng, t, s, feature):
+  """The default tiles' bands on the masks above: output and gradients against float64."""
+  q, k, v, do = inputs(rng, 1, t, s, 1, 1, 16)
+  kw, ref_kw = feature_kwargs(rng, feature, 1, t, s)
   compare(run("triton", q, k, v, do, **kw), dense_reference(q, k, v, do=do, **ref_kw))
 
 

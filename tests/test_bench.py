@@ -2,8 +2,13 @@
 jaxfuse implementation that is wrong or crashes fails the job."""
 
 import dataclasses
+import time
 
+import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import io_callback
 
 from jaxfuse import cli
 from jaxfuse._core import bench
@@ -69,3 +74,133 @@ def test_only_keeps_the_cases_whose_label_has_the_text(monkeypatch):
   monkeypatch.setattr(bench, "table", lambda rows, ceilings: "")
   assert cli.main(["bench", "--only", "window (256, 256)", "--only", "causal"]) == 0
   assert ran == ["4x4096 causal", "4x4096 window (256, 256)"]
+
+
+def test_calls_split_into_span_and_busy():
+  # Three calls of two activities each, the second call with a gap inside it.
+  intervals = [(0, 10), (10, 30), (40, 50), (70, 80), (90, 95), (95, 100)]
+  assert bench.split_calls(intervals, 3) == [(30, 30), (40, 20), (10, 10)]
+  # Activities of one call that overlap (two streams) count once in busy, fully in span.
+  assert bench.split_calls([(0, 10), (5, 20), (30, 40), (32, 38)], 2) == [(20, 20), (10, 10)]
+
+
+def test_calls_that_cannot_be_told_apart_are_an_error():
+  with pytest.raises(bench.TimingError, match="same number"):
+    bench.split_calls([(0, 1), (2, 3), (4, 5)], 2)
+  with pytest.raises(bench.TimingError, match="overlap"):
+    bench.split_calls([(0, 10), (1, 2), (5, 6), (20, 30)], 2)
+
+
+def test_groups_with_different_activity_counts_are_an_error():
+  per_call = iter([2, 3])
+  group = lambda calls: ([(1e-3, 1e-3)] * calls, next(per_call), calls * 2e-3)
+  with pytest.raises(bench.TimingError, match="per call"):
+    bench._timed(group, 1.0, min_seconds=0.0, groups=2)
+
+
+def test_a_span_past_the_wall_clock_is_an_error():
+  group = lambda calls: ([(1.0, 0.5)] * calls, 2, calls * 1e-3)
+  with pytest.raises(bench.TimingError, match="busy <= span <= wall"):
+    bench._timed(group, 1.0, min_seconds=0.0, groups=1)
+
+
+def test_large_outputs_are_checked_over_the_whole_tensor():
+  rows = bench.checked_rows((1 << 21, 4096))
+  assert rows[0] == 0 and rows[-1] == (1 << 21) - 1
+  assert (1 << 31) // 4096 in rows and (1 << 32) // 4096 in rows
+  assert np.all(np.diff(rows) > 0)
+  # Random rows reach every part of the tensor, not only its head.
+  assert np.histogram(rows, bins=8, range=(0, 1 << 21))[0].min() > 20
+  assert bench.checked_rows((4096, 4096)) is None and bench.checked_rows(()) is None
+
+
+def test_a_wrong_row_past_the_leading_ones_fails():
+  a = jnp.ones((1 << 13, 4096), jnp.float32) * jnp.arange(1, 4097, dtype=jnp.float32)
+  wrong_row = int(bench.checked_rows(a.shape)[-3])
+  case = dataclasses.replace(_case(_forward()), tolerance=None)
+  expected = np.asarray(bench._sample(a), np.float64)
+  (error, _), = bench._errors(a, [expected], case)
+  assert error == 0.0
+  (error, bound), = bench._errors(a.at[wrong_row, 7].add(1.0), [expected], case)
+  assert error > bound
+
+
+def test_error_bounds_follow_rounding_and_reduction_length():
+  bf16 = bench.error_bound(jnp.bfloat16)
+  assert 2 ** -8 < bf16 < 2 * 2 ** -8 + 1e-6
+  assert bench.error_bound(jnp.float16) < bf16 / 4
+  assert bench.error_bound(jnp.float32, 1) < 1e-6
+  assert bench.error_bound(jnp.float32, 1 << 16) > 10 * bench.error_bound(jnp.float32, 1)
+
+
+def test_the_timed_program_is_the_checked_program():
+  traces = []
+
+  def forward(impl):
+    if impl == "xla":
+      return lambda x: x
+    def fn(x):
+      traces.append(impl)
+      # A program traced a second time would compute the wrong values.
+      return x * (1.0 if len(traces) == 1 else 1.5)
+    return fn
+
+  rows, _ = bench.run([_case(forward)], implementations=("xla", "triton"), time_it=True)
+  assert [r.note for r in rows] == ["", ""]
+  assert all(r.forward_ms > 0 for r in rows)
+  assert traces.count("triton") == 1
+
+
+def test_a_wrong_timed_program_fails_its_row():
+  rows, _ = bench.run([_case(_forward(wrong=("triton",)))], time_it=True)
+  notes = _notes(rows)
+  assert notes["triton"].startswith("FAILED: relative error")
+  assert [r.forward_ms for r in rows if r.implementation == "triton"] == [None]
+
+
+def test_a_reference_that_raises_fails_the_row():
+  def forward(impl):
+    if impl == "xla":
+      return lambda x: (_ for _ in ()).throw(FloatingPointError("reference broke"))
+    return lambda x: x
+  rows, _ = bench.run([_case(forward)], implementations=("triton",), time_it=True)
+  assert _notes(rows)["triton"].startswith("FAILED: no float64 reference: FloatingPointError")
+
+
+@pytest.mark.gpu
+def test_gpu_timer_reads_span_and_busy_of_a_call_with_a_host_wait():
+  sleep_s = 0.005
+  n = 1 << 26
+
+  def kernels(x):
+    return jnp.sin(x) * 2.0
+
+  def with_wait(x):
+    y = kernels(x)
+    # The host holds the call between its two kernels: span counts the wait, busy does not.
+    token = io_callback(lambda a: (time.sleep(sleep_s), a)[1],
+                        jax.ShapeDtypeStruct((1,), jnp.float32), y[:1], ordered=True)
+    return jnp.cos(y) + token
+
+  sets = [(jax.random.normal(jax.random.key(i), (n,), jnp.float32),) for i in range(2)]
+  alone, _ = bench.measure(jax.jit(lambda x: jnp.cos(kernels(x))), sets)
+  timing, _ = bench.measure(jax.jit(with_wait), sets, min_seconds=0.2, groups=3)
+  assert timing.kernels >= 2
+  assert timing.busy_ms <= timing.span_ms <= timing.wall_ms
+  assert timing.span_ms - timing.busy_ms >= 0.9 * sleep_s * 1e3
+  assert timing.span_ms < timing.busy_ms + sleep_s * 1e3 + 2.0
+  # The busy time is the two kernels' (the transfers of one element add next to nothing).
+  assert abs(timing.busy_ms - alone.busy_ms) < 0.1 * alone.busy_ms + 0.05
+
+
+@pytest.mark.gpu
+def test_gpu_copy_ceilings_copy():
+  from jaxfuse._core.cuda import copies
+  if copies.LIBRARY.unavailable():
+    pytest.skip(copies.LIBRARY.unavailable())
+  x = jax.random.normal(jax.random.key(0), ((1 << 20) + 7,), jnp.bfloat16)
+  assert bool(jnp.array_equal(copies.memcpy(x), x))
+  for unroll, ctas, streaming in copies.KERNEL_SHAPES:
+    assert bool(jnp.array_equal(copies.copy(x, unroll, ctas, streaming), x))
+  rates = bench.copy_ceilings()
+  assert "cudaMemcpyAsync" in rates and len(rates) == 2 + len(copies.KERNEL_SHAPES)

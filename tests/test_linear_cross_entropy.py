@@ -1,4 +1,5 @@
-"""linear_cross_entropy against softmax cross-entropy of float64 logits computed in full."""
+"""linear_cross_entropy against the cross-entropy of float64 logits computed in full, by a
+formula written out here and by optax."""
 
 import re
 
@@ -21,21 +22,41 @@ def make(rng, batch, width, vocab, dtype, *, bias=True):
   return x, weight, b, jnp.asarray(labels, jnp.int32)
 
 
-def expected(x, weight, bias, labels, argnums=(0, 1, 2), **options):
-  """Loss and gradients from the (tokens, vocabulary) logits in float64."""
-  with x64():
-    wide = [None if a is None else jnp.asarray(np.asarray(a, np.float64))
-            for a in (x, weight, bias)]
-
-    def loss(x, weight, bias):
-      logits = x @ weight + (0.0 if bias is None else bias)
-      return jaxfuse.softmax_cross_entropy(logits, labels, implementation="xla", **options)
-
-    argnums = tuple(i for i in argnums if wide[i] is not None)
-    value = loss(*wide)
-    if options.get("reduction") == "none":
-      return np.asarray(value), None
-    return np.asarray(value), [np.asarray(g) for g in jax.grad(loss, argnums)(*wide)]
+def expected(x, weight, bias, labels, *, cotangent=1.0, ignore_index=None,
+             label_smoothing=0.0, z_loss=0.0, reduction="mean"):
+  """The loss and the gradients ``(dx, dweight, dbias)`` of ``cotangent * loss`` (summed over
+  the rows for 'none'; dbias None without a bias), from the (tokens, vocabulary) logits
+  ``x @ weight + bias`` in float64 and softmax_cross_entropy's documented formula, written out
+  here rather than taken from code that the op shares."""
+  rows = np.asarray(x, np.float64).reshape(-1, x.shape[-1])
+  weight = np.asarray(weight, np.float64)
+  vocab = weight.shape[1]
+  logits = rows @ weight + (0.0 if bias is None else np.asarray(bias, np.float64))
+  labels = np.asarray(labels).reshape(-1)
+  counted = (labels >= 0) & (labels < vocab)
+  if ignore_index is not None:
+    counted &= labels != ignore_index
+  top = np.max(logits, axis=1)
+  lse = np.log(np.sum(np.exp(logits - top[:, None]), axis=1)) + top
+  label_column = (np.arange(len(labels)), np.where(counted, labels, 0))
+  losses = (lse - (1 - label_smoothing) * logits[label_column]
+            - label_smoothing * np.mean(logits, axis=1) + z_loss * lse ** 2)
+  losses = np.where(counted, losses, 0.0)
+  if reduction == "none":
+    value = losses.reshape(np.shape(x)[:-1])
+    row_grad = np.broadcast_to(np.asarray(cotangent, np.float64), value.shape).reshape(-1)
+  else:
+    # 'mean' divides by the counted rows alone (0 when none count).
+    per_row = 1.0 / max(counted.sum(), 1) if reduction == "mean" else 1.0
+    value = np.sum(losses) * per_row
+    row_grad = np.full(len(labels), float(cotangent) * per_row)
+  row_grad = np.where(counted, row_grad, 0.0)
+  dlogits = (np.exp(logits - lse[:, None]) * ((1 + 2 * z_loss * lse) * row_grad)[:, None]
+             - label_smoothing / vocab * row_grad[:, None])
+  dlogits[label_column] -= (1 - label_smoothing) * row_grad
+  grads = ((dlogits @ weight.T).reshape(np.shape(x)), rows.T @ dlogits,
+           None if bias is None else np.sum(dlogits, axis=0))
+  return value, grads
 
 
 @pytest.fixture(params=["xla", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -72,21 +93,57 @@ def test_matches_full_logits(rng, impl, chunk, batch, width, vocab, dtype):
     assert_close(g, e, dtype, factor=4, name=name, axis=0 if name == "dbias" else -1)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("options", [
-    dict(label_smoothing=0.1), dict(z_loss=1e-2), dict(ignore_index=3, reduction="sum"),
-    dict(reduction="none"), dict(label_smoothing=0.2, z_loss=1e-3, reduction="sum"),
-])
-def test_options(rng, impl, chunk, options):
+    dict(), dict(label_smoothing=0.1), dict(z_loss=1e-2), dict(ignore_index=3),
+    dict(label_smoothing=0.2, z_loss=1e-3, ignore_index=3),
+], ids=lambda options: "-".join(options) or "defaults")
+def test_options(rng, impl, chunk, options, reduction):
+  """Every value out of the op: each row's loss or the reduced one, dx, dweight and dbias, for
+  a random cotangent, with rows that are not counted."""
   x, weight, bias, labels = make(rng, (29,), 12, 300, jnp.float32)
   labels = labels.at[:4].set(jnp.asarray([3, -1, 300, 7]))  # ignored and out-of-range rows
+  cotangent = random(rng, labels.shape if reduction == "none" else (), jnp.float32)
   loss = lambda x, w, b: jaxfuse.linear_cross_entropy(x, w, labels, bias=b, implementation=impl,
-                                                      **options)
-  want, want_grads = expected(x, weight, bias, labels, **options)
-  assert_close(loss(x, weight, bias), want, jnp.float32, factor=4, name="loss", axis=0)
-  if want_grads is not None:
-    grads = jax.grad(loss, (0, 1, 2))(x, weight, bias)
-    for g, e, name in zip(grads, want_grads, ("dx", "dweight", "dbias")):
-      assert_close(g, e, jnp.float32, factor=4, name=name, axis=0 if name == "dbias" else -1)
+                                                      reduction=reduction, **options)
+  value, vjp = jax.vjp(loss, x, weight, bias)
+  want, want_grads = expected(x, weight, bias, labels, cotangent=cotangent, reduction=reduction,
+                              **options)
+  assert value.dtype == jnp.float32 and value.shape == np.shape(want)
+  # Each row's loss a row of its own, so that one wrong loss cannot hide among the others.
+  assert_close(value.reshape(-1, 1), np.reshape(want, (-1, 1)), factor=4, name="loss")
+  for g, e, name in zip(vjp(cotangent), want_grads, ("dx", "dweight", "dbias")):
+    assert_close(g, e, jnp.float32, factor=4, name=name, axis=0 if name == "dbias" else -1)
+
+
+def test_equals_optax(rng, impl):
+  """optax's integer-label cross-entropy of the float64 logits, and its autodiff gradients, as
+  a second reference; the rows not counted are left out of optax's batch, so that its mean
+  counts only the others."""
+  optax = pytest.importorskip("optax")
+  x, weight, bias, labels = make(rng, (23,), 10, 130, jnp.float32)
+  labels = np.array(labels)
+  labels[[2, 9, 17]] = -100, 130, -5
+  counted = (labels >= 0) & (labels < 130)
+  with x64():
+    wide = [jnp.asarray(np.asarray(a, np.float64)) for a in (x, weight, bias)]
+
+    def mean(x, w, b):
+      rows = optax.softmax_cross_entropy_with_integer_labels(x[counted] @ w + b, labels[counted])
+      return jnp.mean(rows), rows
+
+    (want, rows), want_grads = jax.jit(jax.value_and_grad(mean, (0, 1, 2), has_aux=True))(*wide)
+  losses = np.zeros(labels.shape)
+  losses[counted] = rows
+  run = lambda x, w, b, reduction: jaxfuse.linear_cross_entropy(
+      x, w, jnp.asarray(labels), bias=b, ignore_index=-100, reduction=reduction,
+      implementation=impl)
+  assert_close(run(x, weight, bias, "none")[:, None], losses[:, None], factor=4, name="losses")
+  value, grads = jax.value_and_grad(run, (0, 1, 2))(x, weight, bias, "mean")
+  assert_close(value, float(want), factor=4, name="mean")
+  for g, e, name in zip(grads, want_grads, ("dx", "dweight", "dbias")):
+    assert_close(g, np.asarray(e), jnp.float32, factor=4, name=name,
+                 axis=0 if name == "dbias" else -1)
 
 
 def test_rows_of_the_last_chunk_overlap(rng, impl, monkeypatch):
@@ -98,12 +155,12 @@ def test_rows_of_the_last_chunk_overlap(rng, impl, monkeypatch):
   for reduction in ("none", "sum"):
     loss = lambda x, w, b: jaxfuse.linear_cross_entropy(x, w, labels, bias=b, label_smoothing=0.1,
                                                         reduction=reduction, implementation=impl)
-    want, _ = expected(x, weight, bias, labels, reduction="none", label_smoothing=0.1)
+    want, want_grads = expected(x, weight, bias, labels, reduction=reduction,
+                                label_smoothing=0.1)
     got = loss(x, weight, bias)
-    assert_close(got if reduction == "none" else got[None], want if reduction == "none" else
-                 want.sum()[None], jnp.float32, factor=4, name="loss", axis=0)
+    assert_close(got.reshape(-1, 1), np.reshape(want, (-1, 1)), jnp.float32, factor=4,
+                 name="loss")
     grads = jax.grad(lambda *a: jnp.sum(loss(*a)), (0, 1, 2))(x, weight, bias)
-    _, want_grads = expected(x, weight, bias, labels, reduction="sum", label_smoothing=0.1)
     for g, e, name in zip(grads, want_grads, ("dx", "dweight", "dbias")):
       assert_close(g, e, jnp.float32, factor=4, name=name, axis=0 if name == "dbias" else -1)
 
@@ -135,7 +192,7 @@ def test_without_bias_and_with_a_tied_embedding(rng, impl, chunk):
   embedding = random(rng, (77, 10), jnp.float32, scale=0.3)
   loss = lambda x, e: jaxfuse.linear_cross_entropy(x, e.T, labels, implementation=impl)
   grads = jax.grad(loss, (0, 1))(x, embedding)
-  want, want_grads = expected(x, embedding.T, None, labels, argnums=(0, 1))
+  want, want_grads = expected(x, embedding.T, None, labels)
   assert_close(loss(x, embedding), want, jnp.float32, factor=4, name="loss")
   assert_close(grads[0], want_grads[0], jnp.float32, factor=4, name="dx")
   assert_close(grads[1], want_grads[1].T, jnp.float32, factor=4, name="dembedding")
@@ -288,7 +345,7 @@ def test_gpt2_vocabulary_on_the_gpu(rng, impl, reduction):
     assert_close(value[:, None], want[:, None], jnp.float32, factor=4, name="losses")
     return
   value, (dx, dembedding) = jax.value_and_grad(loss, (0, 1))(x, embedding)
-  want, (want_dx, want_dweight) = expected(x, embedding.T, None, labels, argnums=(0, 1))
+  want, (want_dx, want_dweight, _) = expected(x, embedding.T, None, labels)
   assert_close(value, want, jnp.float32, factor=4, name="loss")
   assert_close(dx, want_dx, jnp.bfloat16, factor=4, name="dx")
   assert_close(dembedding, want_dweight.T, jnp.bfloat16, factor=4, name="dembedding")

@@ -1,7 +1,9 @@
-"""lstm and gru against a float64 NumPy reference written here, step by step in Python loops."""
+"""lstm and gru against a float64 NumPy reference written here, step by step in Python loops,
+reading the flat weights by cuDNN's layout as written out here too."""
 
 import dataclasses
 import itertools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -14,20 +16,58 @@ from jaxfuse._core.testing import assert_close, random, x64
 
 CELLS = ["lstm", "gru"]
 INPUT, HIDDEN, TIME = 5, 6, 7
+WEIGHT_KINDS = ("W_ih", "W_hh", "b_ih", "b_hh")
 
 
 def _sigmoid(v):
   return 1 / (1 + np.exp(-v))
 
 
+def cudnn_layout(cell, input_size, hidden_size, num_layers, bidirectional):
+  """``[(kind, pseudo_layer, shape)]`` in the order of cuDNN's flat weights, written out from
+  the documentation so that the references never read weights through the code under test:
+  every pseudo-layer's ``W_ih`` then ``W_hh``, then every pseudo-layer's ``b_ih`` then
+  ``b_hh``, each with its gate blocks stacked on the rows (LSTM i, f, g, o; GRU r, z, n)."""
+  rows = {"lstm": 4, "gru": 3}[cell] * hidden_size
+  directions = 2 if bidirectional else 1
+  pseudo_layers = range(num_layers * directions)
+  width = lambda p: input_size if p < directions else directions * hidden_size
+  matrices = [(kind, p, (rows, width(p) if kind == "W_ih" else hidden_size))
+              for p in pseudo_layers for kind in ("W_ih", "W_hh")]
+  biases = [(kind, p, (rows,)) for p in pseudo_layers for kind in ("b_ih", "b_hh")]
+  return matrices + biases
+
+
+def weight_count(cell, input_size, hidden_size, num_layers, bidirectional=False):
+  return sum(math.prod(shape) for _, _, shape in
+             cudnn_layout(cell, input_size, hidden_size, num_layers, bidirectional))
+
+
+def split_flat(flat, layout):
+  """``(W_ih, W_hh, b_ih, b_hh)`` cut from ``flat`` by ``layout``, each a dict from
+  pseudo-layer to a float64 array."""
+  flat = np.asarray(flat, np.float64)
+  assert flat.shape == (sum(math.prod(shape) for _, _, shape in layout),)
+  parts = {kind: {} for kind in WEIGHT_KINDS}
+  offset = 0
+  for kind, p, shape in layout:
+    parts[kind][p] = flat[offset:offset + math.prod(shape)].reshape(shape)
+    offset += math.prod(shape)
+  return tuple(parts[kind] for kind in WEIGHT_KINDS)
+
+
+def join_flat(parts, layout):
+  """Inverse of :func:`split_flat`."""
+  by_kind = dict(zip(WEIGHT_KINDS, parts))
+  return np.concatenate([np.ravel(by_kind[kind][p]) for kind, p, _ in layout])
+
+
 def numpy_rnn(cell, x, h_0, c_0, weights, lengths, num_layers, bidirectional):
   """float64 ``(y, h_n, c_n)`` (``c_n`` None for the GRU), one sequence and step at a time."""
   x, h_0, weights = (np.asarray(a, np.float64) for a in (x, h_0, weights))
   c_0 = np.asarray(c_0, np.float64) if cell == "lstm" else None
-  unpack = jaxfuse.unpack_lstm_weights if cell == "lstm" else jaxfuse.unpack_gru_weights
-  W_ih, W_hh, b_ih, b_hh = (
-      {p: np.asarray(a, np.float64) for p, a in d.items()}
-      for d in unpack(jnp.asarray(weights), x.shape[2], h_0.shape[2], num_layers, bidirectional))
+  W_ih, W_hh, b_ih, b_hh = split_flat(
+      weights, cudnn_layout(cell, x.shape[2], h_0.shape[2], num_layers, bidirectional))
   directions = 2 if bidirectional else 1
   batch, time = x.shape[:2]
   hidden = h_0.shape[2]
@@ -231,15 +271,176 @@ def test_dropout(rng):
     call("lstm", *args, 3, True, dropout=0.5)
 
 
-def test_matches_jax_experimental_rnn(rng):
-  """jax.experimental.rnn has an LSTM only."""
+def probe_layer(cell, hidden_size, gain):
+  """``(W_ih, W_hh, b_ih, b_hh)`` of a layer that reads each input element alone, without
+  recurrence: its forget (LSTM) or update (GRU) gate shut, the others open, the candidate
+  ``gain`` times the input. Its output is :func:`probe_output` of its input, zero exactly where
+  the input is zero."""
+  identity, zero = gain * np.eye(hidden_size), np.zeros((hidden_size, hidden_size))
+  shut, opened = np.full(hidden_size, -200.0), np.full(hidden_size, 200.0)
+  unbiased = np.zeros(hidden_size)
+  if cell == "lstm":  # gates i, f, g, o
+    W_ih, b_ih = [zero, zero, identity, zero], [opened, shut, unbiased, opened]
+  else:  # gates r, z, n
+    W_ih, b_ih = [zero, zero, identity], [unbiased, shut, unbiased]
+  gates = len(W_ih)
+  return (np.concatenate(W_ih), np.zeros((gates * hidden_size, hidden_size)),
+          np.concatenate(b_ih), np.zeros(gates * hidden_size))
+
+
+def probe_output(cell, inputs, gain):
+  candidate = np.tanh(gain * inputs)
+  return np.tanh(candidate) if cell == "lstm" else candidate  # LSTM: c = tanh(g), h = tanh(c)
+
+
+@pytest.mark.parametrize("cell", CELLS)
+def test_dropout_rate_and_scale(rng, cell):
+  """Dropout between layers zeroes a fraction ``rate`` of the first layer's outputs and scales
+  the others by exactly 1 / (1 - rate): the second layer is a probe whose outputs show each of
+  its inputs, compared with the first layer's outputs from a run of that layer alone."""
+  batch, time, hidden, rate, gain = 16, 32, 64, 0.3, 0.5
+  first = split_flat(random(rng, (weight_count(cell, INPUT, hidden, 1),), jnp.float32,
+                            scale=hidden ** -0.5), cudnn_layout(cell, INPUT, hidden, 1, False))
+  probe = probe_layer(cell, hidden, gain)
+  both = [{0: blocks[0], 1: probe_block} for blocks, probe_block in zip(first, probe)]
+  x = random(rng, (batch, time, INPUT), jnp.float32)
+  # The probe's gates make its own initial state irrelevant.
+  states = [random(rng, (2, batch, hidden), jnp.float32, scale=0.5) for _ in range(2)]
+  lengths = jnp.full((batch,), time, jnp.int32)
+
+  def run(parts, num_layers, **kwargs):
+    weights = jnp.asarray(join_flat(parts, cudnn_layout(cell, INPUT, hidden, num_layers, False)),
+                          jnp.float32)
+    initial = [s[:num_layers] for s in states]
+    sizes = dict(input_size=INPUT, hidden_size=hidden, num_layers=num_layers,
+                 implementation="xla", **kwargs)
+    if cell == "lstm":
+      return np.asarray(jaxfuse.lstm(x, *initial, weights, lengths, **sizes)[0], np.float64)
+    return np.asarray(jaxfuse.gru(x, initial[0], weights, lengths, **sizes)[0], np.float64)
+
+  layer_output = run(first, 1)
+  assert np.all(layer_output != 0)  # so that a zero out of the probe is a dropped element
+  out = run(both, 2, dropout=rate, dropout_key=jax.random.key(0))
+  dropped = out == 0
+  # Six standard deviations of the binomial fraction: no plausible key fails a correct rate.
+  assert abs(dropped.mean() - rate) < 6 * np.sqrt(rate * (1 - rate) / dropped.size), (
+      f"dropped {dropped.mean():.4f} of the elements at rate {rate}")
+  expected = probe_output(cell, layer_output / (1 - rate), gain)
+  # A few float32 roundings per element: any other scale is far outside.
+  np.testing.assert_allclose(out[~dropped], expected[~dropped], rtol=4e-6)
+
+
+# (input_size, hidden_size, num_layers, bidirectional): inputs wider and narrower than the
+# hidden state, so that a matrix read with the other's width shows.
+LAYOUT_SIZES = [(INPUT, HIDDEN, 1, False), (INPUT, HIDDEN, 2, True), (7, 3, 3, True),
+                (2, 5, 3, False)]
+
+
+@pytest.mark.parametrize("sizes", LAYOUT_SIZES, ids=str)
+def test_lstm_layout_is_jax_experimental_rnns(sizes):
+  """Weight count, unpacking and packing agree with jax.experimental.rnn, which reads the flat
+  vector as cuDNN does, and with the layout written out here."""
   rnn = pytest.importorskip("jax.experimental.rnn")
-  x, h_0, c_0, weights, lengths = make(rng, "lstm", 2, True, lengths=[TIME, 4, 1])
-  unpacked = jaxfuse.unpack_lstm_weights(weights, INPUT, HIDDEN, 2, True)
-  expected = rnn.lstm_ref(x, h_0, c_0, *unpacked, lengths, INPUT, HIDDEN, 2, 0.0, True)
-  actual = call("lstm", x, h_0, c_0, weights, lengths, 2, True)
+  count = rnn.get_num_params_in_lstm(*sizes)
+  assert jaxfuse.lstm_weight_count(*sizes) == count
+  flat = jnp.arange(count, dtype=jnp.float32)  # distinct values: a misplaced block shows
+  theirs = rnn.unpack_lstm_weights(flat, *sizes)
+  ours = jaxfuse.unpack_lstm_weights(flat, *sizes)
+  written_here = split_flat(flat, cudnn_layout("lstm", *sizes))
+  pseudo_layers = list(range(sizes[2] * (2 if sizes[3] else 1)))
+  for kind, mine, reference, documented in zip(WEIGHT_KINDS, ours, theirs, written_here):
+    assert sorted(mine) == sorted(reference) == sorted(documented) == pseudo_layers, kind
+    for p in pseudo_layers:
+      np.testing.assert_array_equal(mine[p], reference[p], err_msg=f"{kind}[{p}]")
+      np.testing.assert_array_equal(documented[p], reference[p], err_msg=f"{kind}[{p}]")
+  np.testing.assert_array_equal(jaxfuse.pack_lstm_weights(*theirs), flat)
+
+
+@pytest.mark.parametrize("num_layers,bidirectional", [(1, False), (2, True)])
+def test_matches_jax_experimental_rnn(rng, num_layers, bidirectional):
+  """On weights that jax.experimental.rnn draws and unpacks, the LSTM is its scan reference's
+  (jax.experimental.rnn has an LSTM only)."""
+  rnn = pytest.importorskip("jax.experimental.rnn")
+  x, h_0, c_0, _, lengths = make(rng, "lstm", num_layers, bidirectional, lengths=[TIME, 4, 1])
+  weights = rnn.init_lstm_weight(jax.random.key(2), INPUT, HIDDEN, num_layers, bidirectional)
+  unpacked = rnn.unpack_lstm_weights(weights, INPUT, HIDDEN, num_layers, bidirectional)
+  expected = rnn.lstm_ref(x, h_0, c_0, *unpacked, lengths, INPUT, HIDDEN, num_layers, 0.0,
+                          bidirectional)
+  actual = call("lstm", x, h_0, c_0, weights, lengths, num_layers, bidirectional,
+                implementation="xla")
   for a, e, name in zip(actual, expected, ("y", "h_n", "c_n")):
-    np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5, err_msg=name)
+    assert_close(a, np.asarray(e), jnp.float32, name=name)
+
+
+def named_gru_gates(rng, input_size, hidden_size, num_layers, bidirectional):
+  """Per pseudo-layer, each gate's own random blocks: ``W_ir, W_iz, W_in`` (input),
+  ``W_hr, W_hz, W_hn`` (hidden) and their biases ``b_ir`` ... ``b_hn``."""
+  directions = 2 if bidirectional else 1
+  gates = []
+  for p in range(num_layers * directions):
+    width = {"i": input_size if p < directions else directions * hidden_size, "h": hidden_size}
+    gates.append({f"{w}_{side}{gate}": rng.standard_normal(
+        (hidden_size, width[side]) if w == "W" else hidden_size) * 0.4
+        for w in "Wb" for side in "ih" for gate in "rzn"})
+  return gates
+
+
+def stacked_gates(gates, kind):
+  """``kind``'s (``'W_ih'``, ... ``'b_hh'``) gate blocks stacked r, z, n on the rows."""
+  return np.concatenate([gates[kind[:3] + gate] for gate in "rzn"])
+
+
+def hand_built_gru_flat(gates):
+  """cuDNN's flat GRU vector of named gate blocks, by hand: each pseudo-layer's W_ih then W_hh,
+  then each pseudo-layer's b_ih then b_hh."""
+  matrices = [stacked_gates(g, kind).ravel() for g in gates for kind in ("W_ih", "W_hh")]
+  biases = [stacked_gates(g, kind) for g in gates for kind in ("b_ih", "b_hh")]
+  return np.concatenate(matrices + biases).astype(np.float32)
+
+
+@pytest.mark.parametrize("sizes", LAYOUT_SIZES, ids=str)
+def test_gru_layout_is_documented(rng, sizes):
+  """jax.experimental.rnn has no GRU: unpacking a flat vector built by hand puts each known
+  block where cuDNN's layout has it, and packing the blocks builds the same vector."""
+  gates = named_gru_gates(rng, *sizes)
+  flat = hand_built_gru_flat(gates)
+  assert jaxfuse.gru_weight_count(*sizes) == flat.size
+  unpacked = jaxfuse.unpack_gru_weights(jnp.asarray(flat), *sizes)
+  blocks = [{p: stacked_gates(g, kind).astype(np.float32) for p, g in enumerate(gates)}
+            for kind in WEIGHT_KINDS]
+  for kind, mine, expected in zip(WEIGHT_KINDS, unpacked, blocks):
+    assert sorted(mine) == sorted(expected), kind
+    for p in expected:
+      np.testing.assert_array_equal(mine[p], expected[p], err_msg=f"{kind}[{p}]")
+  np.testing.assert_array_equal(jaxfuse.pack_gru_weights(*blocks), flat)
+
+
+def numpy_gru_cell(x, h, g):
+  """One float64 GRU step of a batch from named gate blocks, cuDNN's (and PyTorch's)
+  equations: the reset gate scales ``W_hn h + b_hn``."""
+  r = _sigmoid(x @ g["W_ir"].T + g["b_ir"] + h @ g["W_hr"].T + g["b_hr"])
+  z = _sigmoid(x @ g["W_iz"].T + g["b_iz"] + h @ g["W_hz"].T + g["b_hz"])
+  n = np.tanh(x @ g["W_in"].T + g["b_in"] + r * (h @ g["W_hn"].T + g["b_hn"]))
+  return (1 - z) * n + z * h
+
+
+def test_gru_step_matches_numpy_cell(rng):
+  """One step of a 2-layer bidirectional GRU, on a flat vector built by hand, against the cell
+  above gate by gate."""
+  gates = named_gru_gates(rng, INPUT, HIDDEN, 2, True)
+  x = rng.standard_normal((3, INPUT))
+  h_0 = rng.standard_normal((4, 3, HIDDEN)) * 0.5
+  inputs, h_n = x, []
+  for layer in range(2):
+    outputs = [numpy_gru_cell(inputs, h_0[p], gates[p]) for p in (2 * layer, 2 * layer + 1)]
+    h_n += outputs
+    inputs = np.concatenate(outputs, axis=-1)
+  y, h = jaxfuse.gru(jnp.asarray(x[:, None], jnp.float32), jnp.asarray(h_0, jnp.float32),
+                     jnp.asarray(hand_built_gru_flat(gates)), jnp.ones(3, jnp.int32),
+                     input_size=INPUT, hidden_size=HIDDEN, num_layers=2, bidirectional=True,
+                     implementation="xla")
+  assert_close(y[:, 0], inputs, jnp.float32, name="y")
+  assert_close(h, np.stack(h_n), jnp.float32, name="h_n")
 
 
 def test_implementations(rng):

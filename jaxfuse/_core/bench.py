@@ -1,13 +1,15 @@
 """The bench harness behind ``jaxfuse bench``: timing, ceilings, errors, tables, JSON and plots.
 
 Each op family supplies :class:`Case` objects. For each case and implementation the harness
-checks the forward output and the training step (output and every gradient) against float64
-references, then times both. Timing runs ``copies`` independent calls inside one jitted
-function on freshly drawn inputs, so repeated runs do not read from a warm L2, and takes the
-median over repetitions; on a GPU it reads the device's busy time from a profiler trace, so
-host launch costs never stand in for kernel time (see :func:`time_ms`). Rates are quoted
-against the ceilings measured in the same run: a device-to-device copy for memory-bound ops and
-a bf16 matrix product for compute-bound ones.
+compiles the forward and the training step (output and every gradient) once, checks those
+programs' outputs against float64 references (sampled rows of large outputs, bounds from the
+dtype's rounding and the reduction's length), then times the same programs. Calls run one at a
+time, back to back, cycling through input sets so that none reads what the last left in L2;
+on a GPU each call's time is its span in a profiler trace, from its first kernel's start to
+its last kernel's end, for JAX's rows and PyTorch's alike (see :func:`measure`), with its busy
+time beside it. Rates are quoted against ceilings measured in the same run: the best of
+several device-to-device copies for memory-bound ops (only for problems past 4x the L2) and a
+bf16 matrix product for compute-bound ones.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfuse._core import registry
-from jaxfuse._core.testing import TOLERANCE, relative_error, x64
+from jaxfuse._core import device, registry
+from jaxfuse._core.cuda import copies
+from jaxfuse._core.testing import relative_error, x64
 
 
 @dataclasses.dataclass
@@ -54,13 +57,21 @@ class Case:
   unit: str = "GB/s"
   # Implementations checked for correctness but not timed (the Pallas interpreter on the CPU).
   check_only: Sequence[str] = ()
-  # Comparators outside JAX (PyTorch), each timing itself on the inputs: ``fn(inputs) ->
-  # (forward_ms, train_ms)``. Their outputs are not checked.
+  # Comparators outside JAX (PyTorch), each timing itself on the inputs with
+  # :func:`time_torch`: ``fn(inputs) -> (forward Timing, train Timing)``. Their outputs are
+  # not checked.
   external: Mapping[str, Callable[[tuple], tuple[float, float]]] = dataclasses.field(
       default_factory=dict)
+  # What a row of an implementation should say beside its numbers (how a comparator computes).
+  notes: Mapping[str, str] = dataclasses.field(default_factory=dict)
   # Time steps a call walks (recurrent ops): the table adds microseconds per step.
   steps: int | None = None
-  # The tests' relative error bound for every output, where the dtype's does not apply
+  # Terms a reduction of the op sums (row length, keys, classes): float32 accumulation error
+  # grows with it (see :func:`error_bound`).
+  reduction_length: int = 1
+  # Roundings to the output's dtype on the way to it (intermediates held in it count).
+  roundings: int = 2
+  # A relative error bound for every output, where the dtype's rounding does not bound it
   # (float32 computed through TF32).
   tolerance: float | None = None
   # ``train_floors(*inputs)`` on the float64 inputs: per output of ``train``, the
@@ -85,16 +96,25 @@ class Row:
   size: int
   implementation: str
   unit: str
+  # Times are spans (see :class:`Timing`); busy and wall times and activities per call beside.
   forward_ms: float | None = None
   forward_rate: float | None = None
   train_ms: float | None = None
   train_rate: float | None = None
+  forward_busy_ms: float | None = None
+  train_busy_ms: float | None = None
+  forward_wall_ms: float | None = None
+  train_wall_ms: float | None = None
+  forward_kernels: int | None = None
+  train_kernels: int | None = None
   train_temp_mib: float | None = None
   forward_error: float | None = None
   train_error: float | None = None
   ceiling_name: str = ""
-  # Copy of the case's first input, same bytes as the forward: the ceiling at this size.
+  # XLA's copy of the case's first input, one call at a time: the copy rate at this size.
   size_copy_rate: float | None = None
+  # The forward's bytes fit within 4x the L2: its rates are not quoted against the copy.
+  cache_resident: bool = False
   forward_pct: float | None = None
   train_pct: float | None = None
   steps: int | None = None
@@ -112,86 +132,247 @@ def _block(tree):
     leaf.block_until_ready()
 
 
-def time_ms(fn: Callable, input_sets: Sequence[tuple], *, min_seconds: float = 0.3,
-            groups: int = 7) -> float:
-  """Median milliseconds of one ``fn`` call, from calls on ``len(input_sets)`` input sets.
+@dataclasses.dataclass(frozen=True)
+class Timing:
+  """Milliseconds of one call, each the median over groups of back-to-back calls.
 
-  On a GPU a group's time is the device's busy time read from a profiler trace (the union of
-  its kernels' intervals): at small sizes the host needs longer to launch a call than the GPU
-  needs to run it, and a host clock would time the launches. Elsewhere calls are dispatched
-  back to back and waited for once per group, so the host clock reads the device's work.
+  ``span_ms``: from the call's first kernel's start to its last kernel's end on the GPU, gaps
+  inside the call included (what a user waits for); ``busy_ms``: the union of its kernels'
+  intervals (``None`` where no trace is read); ``wall_ms``: the host clock over a group, per
+  call. ``kernels``: GPU activities (kernels, copies) per call, the same in every group; 0
+  where no trace is read.
   """
-  batched = jax.jit(lambda sets: [fn(*s) for s in sets])
-  _block(batched(input_sets))
-  t0 = time.perf_counter()
-  _block(batched(input_sets))
-  single = time.perf_counter() - t0
-  calls = int(max(3, min(200, math.ceil(min_seconds / groups / max(single, 1e-6)))))
-  group_seconds = _profiled_seconds if timing_method() == PROFILER else _clock_seconds
-  times = [group_seconds(batched, input_sets, calls) / calls for _ in range(groups)]
-  return statistics.median(times) * 1e3 / len(input_sets)
+  span_ms: float
+  busy_ms: float | None
+  wall_ms: float
+  kernels: int
 
 
-PROFILER = "GPU busy time from a profiler trace"
-FORWARD_ONLY = "forward only"
+class TimingError(RuntimeError):
+  """A trace that cannot be split into calls, or whose times contradict each other."""
+
+
+PROFILER = ("GPU span per call from a profiler trace (first kernel's start to last kernel's "
+            "end), busy time beside it")
 HOST_CLOCK = "host clock around back-to-back calls"
+FORWARD_ONLY = "forward only"
 
 
 @functools.cache
 def timing_method() -> str:
-  """How :func:`time_ms` reads time here: the profiler on a GPU whose trace shows kernels."""
+  """How calls are timed here: from a profiler trace on a GPU whose trace shows kernels."""
   if registry.platform() != "gpu":
     return HOST_CLOCK
   probe = jax.jit(lambda a: -a)
   a = jnp.ones((1 << 20,), jnp.float32)
   _block(probe(a))
   try:
-    return PROFILER if _profiled_seconds(probe, a, 1) > 0 else HOST_CLOCK
+    with tempfile.TemporaryDirectory() as log_dir:
+      with jax.profiler.trace(log_dir):
+        _block(probe(a))
+      return PROFILER if _jax_trace_intervals(log_dir) else HOST_CLOCK
   except Exception:  # noqa: BLE001  (no CUPTI or no trace: the host clock still works)
     return HOST_CLOCK
 
 
-def _clock_seconds(batched, input_sets, calls) -> float:
-  t0 = time.perf_counter()
-  for _ in range(calls):
-    out = batched(input_sets)
-  _block(out)
-  return time.perf_counter() - t0
+def split_calls(intervals, calls: int) -> list[tuple[float, float]]:
+  """(span, busy) of each of ``calls`` back-to-back calls from their GPU activities'
+  ``(start, end)`` intervals, in any unit.
+
+  One stream runs the calls in order, so the sorted activities fall into ``calls`` runs of
+  equal length that do not overlap; anything else means the trace cannot be split by call.
+  """
+  intervals = sorted(set(intervals))
+  if not intervals or len(intervals) % calls:
+    raise TimingError(f"{len(intervals)} GPU activities in a trace of {calls} calls: the calls "
+                      f"did not each run the same number")
+  per_call = len(intervals) // calls
+  out, reached = [], -math.inf
+  for c in range(calls):
+    chunk = intervals[c * per_call:(c + 1) * per_call]
+    if chunk[0][0] < reached:
+      raise TimingError(f"call {c} starts before call {c - 1} ends: the calls overlap "
+                        f"(several streams), so their activities cannot be told apart")
+    end = max(e for _, e in chunk)
+    out.append((end - chunk[0][0], _union(chunk)))
+    reached = end
+  return out
 
 
-def _profiled_seconds(batched, input_sets, calls) -> float:
+def _union(intervals) -> float:
+  total, reached = 0.0, -math.inf
+  for start, end in sorted(intervals):
+    total += max(0.0, end - max(start, reached))
+    reached = max(reached, end)
+  return total
+
+
+def _jax_trace_intervals(log_dir) -> list[tuple[int, int]]:
+  intervals = []
+  for path in glob.glob(f"{log_dir}/**/*.xplane.pb", recursive=True):
+    for plane in jax.profiler.ProfileData.from_file(path).planes:
+      if plane.name.startswith("/device:GPU"):
+        intervals += [(e.start_ns, e.start_ns + e.duration_ns)
+                      for line in plane.lines if line.name.startswith("Stream")
+                      for e in line.events]
+  return intervals
+
+
+def _jax_group(call, calls):
+  """Per call (span, busy) seconds from JAX's profiler trace of ``calls`` back-to-back calls,
+  the GPU activities per call, and the host's seconds for the group."""
   with tempfile.TemporaryDirectory() as log_dir:
     with jax.profiler.trace(log_dir):
-      for _ in range(calls):
-        out = batched(input_sets)
+      t0 = time.perf_counter()
+      for i in range(calls):
+        out = call(i)
       _block(out)
-    intervals = []
-    for path in glob.glob(f"{log_dir}/**/*.xplane.pb", recursive=True):
-      for plane in jax.profiler.ProfileData.from_file(path).planes:
-        if plane.name.startswith("/device:GPU"):
-          intervals += [(e.start_ns, e.start_ns + e.duration_ns)
-                        for line in plane.lines if line.name.startswith("Stream")
-                        for e in line.events]
-  busy_ns, reached = 0.0, -math.inf
-  for start, end in sorted(intervals):
-    busy_ns += max(0.0, end - max(start, reached))
-    reached = max(reached, end)
-  return busy_ns * 1e-9
+      wall = time.perf_counter() - t0
+    intervals = _jax_trace_intervals(log_dir)
+  per_call = [(span * 1e-9, busy * 1e-9) for span, busy in split_calls(intervals, calls)]
+  return per_call, len(set(intervals)) // calls, wall
+
+
+def _torch_group(call, calls):
+  """The same for PyTorch calls. JAX's profiler sees every kernel of the process, PyTorch's
+  too, so both are read on one clock; where its trace shows none, each call's span is read
+  from CUDA events around it (from the GPU reaching the call to its last kernel's end) and
+  busy time is not read."""
+  import torch
+  marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+           for _ in range(calls)]
+  with tempfile.TemporaryDirectory() as log_dir:
+    with jax.profiler.trace(log_dir):
+      t0 = time.perf_counter()
+      for i, (start, end) in enumerate(marks):
+        start.record()
+        call(i)
+        end.record()
+      torch.cuda.synchronize()
+      wall = time.perf_counter() - t0
+    intervals = _jax_trace_intervals(log_dir)
+  if intervals:
+    per_call = [(span * 1e-9, busy * 1e-9) for span, busy in split_calls(intervals, calls)]
+    return per_call, len(set(intervals)) // calls, wall
+  return [(start.elapsed_time(end) * 1e-3, None) for start, end in marks], None, wall
+
+
+def _host_group(call, calls, wait):
+  t0 = time.perf_counter()
+  for i in range(calls):
+    out = call(i)
+  wait(out)
+  wall = time.perf_counter() - t0
+  return [(wall / calls, wall / calls)] * calls, None, wall
+
+
+def _timed(group, single_seconds: float, *, min_seconds: float, groups: int) -> Timing:
+  """Runs ``groups`` groups of back-to-back calls, enough for ``min_seconds`` in all, and
+  returns the median per-call times; checks busy <= span <= wall and the same activity count
+  in every group."""
+  calls = int(max(3, min(200, math.ceil(min_seconds / groups / max(single_seconds, 1e-6)))))
+  spans, busys, walls, counts = [], [], [], set()
+  for _ in range(groups):
+    per_call, activities, wall = group(calls)
+    wall /= calls
+    span = statistics.fmean(s for s, _ in per_call)
+    busy = None if per_call[0][1] is None else statistics.fmean(b for _, b in per_call)
+    # Host and GPU clocks tick apart by parts per million; a span past the host's wall by
+    # more than that is a misread trace.
+    if not (busy is None or busy <= span) or not span <= wall * 1.01 + 2e-6:
+      raise TimingError(f"per call busy {busy and busy * 1e3:.4f} ms, span {span * 1e3:.4f} "
+                        f"ms, wall {wall * 1e3:.4f} ms: expected busy <= span <= wall")
+    spans.append(span), busys.append(busy), walls.append(wall), counts.add(activities)
+  if len(counts) != 1:
+    raise TimingError(f"the groups ran {sorted(counts)} GPU activities per call: the timed "
+                      f"program changed between groups")
+  ms = lambda values: None if None in values else statistics.median(values) * 1e3
+  return Timing(ms(spans), ms(busys), ms(walls), counts.pop() or 0)
+
+
+def measure(compiled: Callable, input_sets: Sequence[tuple], *, time_it: bool = True,
+            min_seconds: float = 0.3, groups: int = 5) -> tuple[Timing | None, object]:
+  """Times ``compiled`` (a jitted function, or one compiled ahead) on calls that cycle through
+  ``input_sets``, so that a call does not read what the last one left in L2, and returns the
+  timing and the outputs of its first call (on the first set), which are what a caller
+  checks: the program timed is the program checked.
+  """
+  first = compiled(*input_sets[0])
+  _block(first)
+  if not time_it:
+    return None, first
+  call = lambda i: compiled(*input_sets[i % len(input_sets)])
+  t0 = time.perf_counter()
+  for i in range(len(input_sets)):
+    out = call(i)
+  _block(out)
+  single = (time.perf_counter() - t0) / len(input_sets)
+  group = (functools.partial(_jax_group, call) if timing_method() == PROFILER
+           else lambda calls: _host_group(call, calls, _block))
+  return _timed(group, single, min_seconds=min_seconds, groups=groups), first
+
+
+def time_torch(call: Callable[[int], object], *, min_seconds: float = 0.3,
+               groups: int = 5) -> Timing:
+  """Times PyTorch calls as :func:`measure` times JAX's, back to back, from JAX's profiler
+  trace (else CUDA events, and ``busy_ms`` is ``None``); ``call(i)`` is a group's i-th."""
+  import torch
+  call(0)
+  torch.cuda.synchronize()
+  t0 = time.perf_counter()
+  for i in range(3):
+    call(i)
+  torch.cuda.synchronize()
+  single = (time.perf_counter() - t0) / 3
+  return _timed(functools.partial(_torch_group, call), single, min_seconds=min_seconds,
+                groups=groups)
+
+
+def time_ms(fn: Callable, input_sets: Sequence[tuple], *, min_seconds: float = 0.3,
+            groups: int = 5) -> float:
+  """Median span in milliseconds of one ``fn`` call (see :func:`measure`)."""
+  timing, _ = measure(jax.jit(fn), input_sets, min_seconds=min_seconds, groups=groups)
+  return timing.span_ms
 
 
 def copies_for(bytes_per_call: float) -> int:
-  """Independent calls per timing: enough that a call never reads what an earlier call left
-  in L2 (50 MB on an H100), within memory."""
-  return int(max(2, min(32, math.ceil(200e6 / max(bytes_per_call, 1.0)))))
+  """Input sets to cycle through: enough that a call never reads what an earlier call left
+  in L2, within memory."""
+  l2 = device.describe().l2_bytes if device.describe() else 64 << 20
+  return int(max(2, min(32, math.ceil(4 * l2 / max(bytes_per_call, 1.0)))))
+
+
+# Bytes a copy ceiling reads (and writes): far past any L2.
+_CEILING_BYTES = 1 << 29
+
+
+def copy_ceilings() -> dict[str, float]:
+  """GB/s (bytes read plus bytes written) of each device-to-device copy this machine has:
+  XLA's (a negation, one fused kernel), and on a GPU that builds jaxfuse's CUDA kernels, the
+  driver's ``cudaMemcpyAsync`` and each shape of jaxfuse's copy kernel."""
+  n = _CEILING_BYTES // 2 if registry.platform() == "gpu" else 1 << 22
+  keys = jax.random.split(jax.random.key(1), 2)
+  sets = [(jax.random.normal(k, (n,), jnp.bfloat16),) for k in keys]
+  candidates = {"XLA copy (negation)": lambda a: -a}
+  if copies.LIBRARY.unavailable() is None:
+    candidates["cudaMemcpyAsync"] = copies.memcpy
+    for unroll, ctas, streaming in copies.KERNEL_SHAPES:
+      stores = ", evict-first" if streaming else ""
+      name = f"copy kernel ({unroll} vectors x {ctas} CTAs/SM{stores})"
+      candidates[name] = functools.partial(copies.copy, unroll=unroll, ctas_per_sm=ctas,
+                                           streaming=streaming)
+  rates = {}
+  for name, fn in candidates.items():
+    timing, out = measure(jax.jit(fn), sets, min_seconds=0.1, groups=3)
+    if name != "XLA copy (negation)" and not bool(jnp.array_equal(out, sets[0][0])):
+      raise AssertionError(f"{name} did not copy its input")
+    rates[name] = 2 * n * 2 / (timing.span_ms * 1e-3) / 1e9
+  return rates
 
 
 def copy_bandwidth() -> float:
-  """GB/s of a large device-to-device copy (bytes read plus bytes written)."""
-  n = (1 << 28) if registry.platform() == "gpu" else (1 << 22)
-  keys = jax.random.split(jax.random.key(1), 4)
-  sets = [(jax.random.normal(k, (n,), jnp.bfloat16),) for k in keys]
-  ms = time_ms(lambda a: -a, sets)
-  return 2 * n * 2 / (ms * 1e-3) / 1e9
+  """GB/s of the best device-to-device copy here (see :func:`copy_ceilings`)."""
+  return max(copy_ceilings().values())
 
 
 def matmul_rate() -> float:
@@ -209,32 +390,71 @@ def _upcast(tree):
                       if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
 
 
-# Outputs larger than this are checked on their leading rows: enough elements to see any error
-# of a row kernel, without copying gigabytes of float64 to the host.
+# Outputs of more elements than this are checked at sampled rows: enough to see any error of a
+# row kernel, without copying gigabytes of float64 to the host.
 _CHECKED_ELEMENTS = 1 << 24
+_SAMPLED_ROWS = 512
 
 
-def _leading_rows(a):
-  if a.ndim == 0 or a.size <= _CHECKED_ELEMENTS:
+def checked_rows(shape) -> np.ndarray | None:
+  """Indices of the rows (last-axis slices, leading axes flattened) checked in an output of
+  ``shape``: every row (``None``) up to :data:`_CHECKED_ELEMENTS`; else the first and last
+  rows, those around elements 2^31 and 2^32 (where 32-bit offsets overflow), and random rows
+  spread over the whole tensor."""
+  size = math.prod(shape)
+  if len(shape) == 0 or size <= _CHECKED_ELEMENTS:
+    return None
+  n_rows = size // shape[-1]
+  picks = {0, 1, n_rows - 2, n_rows - 1}
+  for boundary in (2 ** 31, 2 ** 32):
+    row = boundary // shape[-1]
+    picks.update(r for r in (row - 1, row, row + 1) if 0 <= r < n_rows)
+  rng = np.random.default_rng(n_rows)
+  picks.update(rng.choice(n_rows, size=min(n_rows, _SAMPLED_ROWS), replace=False).tolist())
+  return np.array(sorted(picks))
+
+
+def _sample(a):
+  """``a``'s checked rows (all of ``a`` when few), as a 2-D array of rows."""
+  a = jnp.asarray(a)
+  rows = checked_rows(a.shape)
+  if rows is None:
     return a
-  return a[:max(1, _CHECKED_ELEMENTS * a.shape[0] // a.size)]
+  return a.reshape(-1, a.shape[-1])[rows]
+
+
+def _floor_rows(floor, expected_shape):
+  """A floor (scalar, or one per row of an output) cut to the output's checked rows."""
+  floor = np.asarray(floor)
+  rows = checked_rows(expected_shape)
+  if floor.ndim == 0 or rows is None:
+    return floor
+  return floor.reshape(-1, 1)[rows]
+
+
+def error_bound(dtype, reduction_length: int = 1, roundings: int = 2) -> float:
+  """The relative error a correct kernel stays within, by the worst row: ``roundings``
+  roundings to ``dtype`` on the way to the output (each at most its unit roundoff, relative),
+  and float32 accumulation (float64 for float64) over ``reduction_length`` terms, which
+  grows as its square root for tree and blocked sums."""
+  dtype = jnp.dtype(dtype)
+  unit = float(jnp.finfo(dtype).eps) / 2
+  accumulate = float(jnp.finfo(jnp.float64 if dtype == jnp.float64 else jnp.float32).eps) / 2
+  return roundings * unit + 4 * math.sqrt(reduction_length) * accumulate
 
 
 def _errors(actual, expected, case, floors=None) -> list[tuple[float, float]]:
-  """(relative error of the worst row, the bound for that output) of every output: the
-  case's ``tolerance`` or the output dtype's. ``floors``: one per output, cut to the checked
-  leading rows like the output."""
-  expected = jax.tree.leaves(expected)
-  floors = [0.0] * len(expected) if floors is None else [
-      np.asarray(f)[:e.shape[0]] if np.ndim(f) else f for f, e in zip(floors, expected)]
-  return [(relative_error(a, e, f),
-           _ERROR_SLACK * (case.tolerance or TOLERANCE.get(jnp.dtype(a.dtype), 1e-2)))
-          for a, e, f in zip(jax.tree.leaves(actual), expected, floors)]
-
-
-# A jaxfuse output whose worst row's error passes the tests' bound for its dtype by more than
-# this is wrong, and fails the job (the bench's inputs are larger than the tests').
-_ERROR_SLACK = 2.0
+  """(relative error of the worst checked row, its bound) of every output. ``expected`` holds
+  the reference's checked rows (:func:`_sample`), ``floors`` one floor per output, cut alike."""
+  actual, expected = jax.tree.leaves(actual), jax.tree.leaves(expected)
+  if len(actual) != len(expected):
+    raise AssertionError(f"{len(actual)} outputs where the reference has {len(expected)}")
+  floors = [0.0] * len(expected) if floors is None else floors
+  out = []
+  for a, e, f in zip(actual, expected, floors):
+    bound = case.tolerance or error_bound(a.dtype, case.reduction_length, case.roundings)
+    out.append((relative_error(_sample(a), e, f), bound))
+  return out
 
 
 def is_comparator(implementation: str) -> bool:
@@ -269,7 +489,9 @@ def run(cases: Sequence[Case], *, implementations: Sequence[str] | None = None,
   ceilings = {}
   units = {c.unit for c in cases}
   if time_it and "GB/s" in units:
-    ceilings["copy GB/s"] = copy_bandwidth()
+    copies = copy_ceilings()
+    best = max(copies, key=copies.get)
+    ceilings.update({"copy GB/s": copies[best], "copy": best, "copies GB/s": copies})
   if time_it and "TFLOP/s" in units:
     ceilings["matmul TFLOP/s"] = matmul_rate()
   todo = [(c, impl) for c in cases
@@ -287,88 +509,118 @@ def run(cases: Sequence[Case], *, implementations: Sequence[str] | None = None,
   return rows, ceilings
 
 
+def _references(case, inputs):
+  """The float64 references' checked rows (forward, training step) and the step's floors."""
+  with x64():
+    wide = _upcast(inputs)
+    ref_fwd = jax.tree.map(lambda a: np.asarray(_sample(a)), case.forward("xla")(*wide))
+    ref_train = floors = None
+    if case.train:
+      full = jax.tree.leaves(case.train("xla")(*wide))
+      ref_train = [np.asarray(_sample(a)) for a in full]
+      if case.train_floors is not None:
+        floors = [_floor_rows(f, a.shape)
+                  for f, a in zip(jax.tree.leaves(case.train_floors(*wide)), full)]
+      del full
+    del wide
+  return ref_fwd, ref_train, floors
+
+
+def _cache_resident(case) -> bool:
+  gpu = device.describe()
+  return case.unit == "GB/s" and gpu is not None and case.forward_work < 4 * gpu.l2_bytes
+
+
 def _run_case(case, impls, ceilings, time_it, progress):
   key = jax.random.key(zlib.crc32(f"{case.op} {case.label}".encode()))
   inputs = case.make_inputs(key)
-  reference_note = ""
-  # Only the checked leading rows of each output are kept, of the references and of every
-  # implementation's outputs, so that float64 copies of gigabyte arrays do not pile up.
-  checked = lambda tree: jax.tree.map(_leading_rows, tree)
   try:
-    with x64():
-      wide = _upcast(inputs)
-      ref_fwd = checked(case.forward("xla")(*wide))
-      ref_train = checked(case.train("xla")(*wide)) if case.train else None
-      floors = (None if case.train_floors is None else
-                [np.asarray(f) for f in jax.tree.leaves(case.train_floors(*wide))])
-      del wide
-  except Exception as e:  # noqa: BLE001  (no reference: time the case, say why errors are empty)
-    ref_fwd = ref_train = floors = None
-    reference_note = f"no float64 reference: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
-  rows, forward_only = [], set()
+    references, reference_failure = _references(case, inputs), None
+  except Exception as e:  # noqa: BLE001  (a case without a reference fails, it is not timed)
+    references = None
+    reference_failure = (f"no float64 reference: {type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:160]}")
+  sets = [inputs]
+  size_copy = None
+  if time_it and not reference_failure:
+    in_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(inputs))
+    n_sets = copies_for(case.forward_work if case.unit == "GB/s" else 2 * in_bytes)
+    sets += [case.make_inputs(jax.random.fold_in(key, i)) for i in range(1, n_sets)]
+    if case.unit == "GB/s":
+      timing, _ = measure(jax.jit(lambda a, *_: -a), sets)
+      size_copy = 2 * inputs[0].size * inputs[0].dtype.itemsize / (timing.span_ms * 1e-3) / 1e9
+  rows = []
   for impl in impls:
     if impl in case.external:
       continue
     progress.step(f"{case.op} {case.label} {impl}")
-    row = Row(case.op, case.label, case.size, impl, case.unit, steps=case.steps)
-    try:
-      forward = checked(jax.jit(case.forward(impl))(*inputs))
-      row.note = reference_note
-      errors = []
-      if ref_fwd is not None:
-        errors += _errors(forward, ref_fwd, case)
-        row.forward_error = max(e for e, _ in errors)
-      if case.train:
-        try:
-          train = jax.jit(case.train(impl)).lower(*inputs).compile()
-        except NotImplementedError as e:  # a forward-only kernel: its forward is still timed
-          forward_only.add(impl)
-          row.note = f"{FORWARD_ONLY}: {e}"
-        else:
-          trained = checked(train(*inputs))
-          if ref_train is not None:
-            train_errors = _errors(trained, ref_train, case, floors)
-            row.train_error = max(e for e, _ in train_errors)
-            errors += train_errors
-          mem = train.memory_analysis()
-          row.train_temp_mib = getattr(mem, "temp_size_in_bytes", 0) / 2 ** 20 if mem else None
-      wrong = [(e, bound) for e, bound in errors if not e <= bound]
-      if wrong and not is_comparator(impl):
-        row.note = "FAILED: relative error {:.2e} above {:.0e}".format(*wrong[0])
-        forward_only.discard(impl)
-    except NotImplementedError as e:
-      row.note = str(e)
-    except ImportError as e:
-      row.note = (f"not installed: {e.name or e}" if is_comparator(impl)
-                  else f"FAILED: {type(e).__name__}: {e}")
-    except Exception as e:  # noqa: BLE001  (a broken kernel is reported, the sweep goes on)
-      what = "comparator failed" if is_comparator(impl) else "FAILED"
-      row.note = f"{what}: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    row = Row(case.op, case.label, case.size, impl, case.unit, steps=case.steps,
+              size_copy_rate=size_copy, cache_resident=_cache_resident(case),
+              note=case.notes.get(impl, ""))
     rows.append(row)
-  del ref_fwd, ref_train
-  if not time_it:
-    return rows
-  in_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(inputs))
-  n_sets = copies_for(case.forward_work if case.unit == "GB/s" else 2 * in_bytes)
-  sets = [inputs] + [case.make_inputs(jax.random.fold_in(key, i)) for i in range(1, n_sets)]
-  ceiling_name = "copy GB/s" if case.unit == "GB/s" else "matmul TFLOP/s"
-  size_copy = None
-  if case.unit == "GB/s":
-    first = inputs[0]
-    size_copy = 2 * first.size * first.dtype.itemsize / (time_ms(lambda a, *_: -a, sets) * 1e-3) / 1e9
-  for row in rows:
-    impl = row.implementation
-    if ((row.note and row.note != reference_note and impl not in forward_only)
-        or impl in case.check_only):
+    if reference_failure:
+      row.note = reference_failure if is_comparator(impl) else f"FAILED: {reference_failure}"
       continue
-    row.ceiling_name = ceiling_name
-    row.size_copy_rate = size_copy
-    row.forward_ms = time_ms(case.forward(impl), sets)
-    if case.train and impl not in forward_only:
-      row.train_ms = time_ms(case.train(impl), sets)
+    _check_and_time(case, impl, row, references, sets,
+                    time_it and impl not in case.check_only, ceilings)
+  if time_it and not reference_failure:
+    rows += _run_external(case, [i for i in impls if i in case.external], inputs, ceilings,
+                          progress)
+  return rows
+
+
+def _check_and_time(case, impl, row, references, sets, time_it, ceilings):
+  """Compiles the forward and the training step once each, checks the outputs of those very
+  programs against the references, and times them if they pass."""
+  ref_fwd, ref_train, floors = references
+  try:
+    forward = jax.jit(case.forward(impl)).lower(*sets[0]).compile()
+    train = None
+    if case.train:
+      try:
+        train = jax.jit(case.train(impl)).lower(*sets[0]).compile()
+      except NotImplementedError as e:  # a forward-only kernel: its forward is still timed
+        row.note = f"{FORWARD_ONLY}: {e}"
+    _, out = measure(forward, sets, time_it=False)
+    errors = _errors(out, ref_fwd, case)
+    row.forward_error = max(e for e, _ in errors)
+    del out
+    if train is not None:
+      _, out = measure(train, sets, time_it=False)
+      train_errors = _errors(out, ref_train, case, floors)
+      row.train_error = max(e for e, _ in train_errors)
+      errors += train_errors
+      del out
+      mem = train.memory_analysis()
+      row.train_temp_mib = getattr(mem, "temp_size_in_bytes", 0) / 2 ** 20 if mem else None
+    wrong = [(e, bound) for e, bound in errors if not e <= bound]
+    if wrong and not is_comparator(impl):
+      row.note = "FAILED: relative error {:.2e} above {:.1e}".format(*wrong[0])
+      return
+    if not time_it:
+      return
+    row.ceiling_name = "copy GB/s" if case.unit == "GB/s" else "matmul TFLOP/s"
+    _set_timing(row, "forward", measure(forward, sets)[0])
+    if train is not None:
+      _set_timing(row, "train", measure(train, sets)[0])
     _set_rates(row, case, ceilings)
-  return rows + _run_external(case, [i for i in impls if i in case.external], inputs,
-                              ceilings, progress)
+  except NotImplementedError as e:
+    row.note = str(e)
+  except ImportError as e:
+    row.note = (f"not installed: {e.name or e}" if is_comparator(impl)
+                else f"FAILED: {type(e).__name__}: {e}")
+  except Exception as e:  # noqa: BLE001  (a broken kernel is reported, the sweep goes on)
+    what = "comparator failed" if is_comparator(impl) else "FAILED"
+    row.note = f"{what}: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+
+
+def _set_timing(row, which: str, timing: Timing | None):
+  if timing is None:
+    return
+  setattr(row, f"{which}_ms", timing.span_ms)
+  setattr(row, f"{which}_busy_ms", timing.busy_ms)
+  setattr(row, f"{which}_wall_ms", timing.wall_ms)
+  setattr(row, f"{which}_kernels", timing.kernels)
 
 
 def _run_external(case, impls, inputs, ceilings, progress):
@@ -376,9 +628,12 @@ def _run_external(case, impls, inputs, ceilings, progress):
   for impl in impls:
     progress.step(f"{case.op} {case.label} {impl}")
     row = Row(case.op, case.label, case.size, impl, case.unit, steps=case.steps,
-              ceiling_name="matmul TFLOP/s" if case.unit == "TFLOP/s" else "copy GB/s")
+              ceiling_name="matmul TFLOP/s" if case.unit == "TFLOP/s" else "copy GB/s",
+              cache_resident=_cache_resident(case))
     try:
-      row.forward_ms, row.train_ms = case.external[impl](inputs)
+      forward, train = case.external[impl](inputs)
+      _set_timing(row, "forward", forward)
+      _set_timing(row, "train", train)
       _set_rates(row, case, ceilings)
     except ImportError as e:
       row.note = f"not installed: {e.name or e}"
@@ -389,11 +644,12 @@ def _run_external(case, impls, inputs, ceilings, progress):
 
 
 def _set_rates(row, case, ceilings):
-  """The row's rates from its times, and their percent of its ceiling measured in this run."""
+  """The row's rates from its times, and their percent of its ceiling measured in this run
+  (none for a cache-resident problem, which a copy past the L2 does not bound)."""
   row.forward_rate = _rate(case.forward_work, row.forward_ms, case.unit)
   row.train_rate = _rate(case.train_work, row.train_ms, case.unit)
   ceiling = ceilings.get(row.ceiling_name)
-  if ceiling:
+  if ceiling and not row.cache_resident:
     row.forward_pct = 100 * row.forward_rate / ceiling
     if row.train_rate is not None:
       row.train_pct = 100 * row.train_rate / ceiling
@@ -403,24 +659,38 @@ def _fmt(v, spec):
   return "" if v is None else format(v, spec)
 
 
+def _pct(row, value):
+  timed = row.forward_ms is not None
+  return "cache" if timed and row.cache_resident else _fmt(value, "6.1f")
+
+
 def table(rows: Sequence[Row], ceilings: dict) -> str:
   """Plain-text tables, one per op."""
   out = []
-  if ceilings:
-    out.append("ceilings measured in this run: " +
-               ", ".join(f"{k} {v:.0f}" for k, v in ceilings.items()))
+  if "copy GB/s" in ceilings:
+    out.append(f"copy ceiling: {ceilings['copy GB/s']:.0f} GB/s by {ceilings['copy']}, the best "
+               f"of: " + ", ".join(f"{k} {v:.0f}" for k, v in ceilings["copies GB/s"].items()))
+  if "matmul TFLOP/s" in ceilings:
+    out.append(f"matmul ceiling: {ceilings['matmul TFLOP/s']:.0f} TFLOP/s (bf16 8192^3)")
+  gpu = device.describe()
+  if gpu is not None:
+    out.append(f"'cache' in %ceil: the forward moves under 4x the L2 ({gpu.l2_bytes / 2**20:.0f} "
+               f"MiB), so its rate is not quoted against the copy")
+  out.append(f"ms: {timing_method()}; busy: the kernels' union")
   for op in dict.fromkeys(r.op for r in rows):
     op_rows = [r for r in rows if r.op == op]
     unit = op_rows[0].unit
-    header = (f"{'shape':<28} {'impl':<8} {'fwd ms':>8} {'fwd ' + unit:>12} {'%ceil':>6} "
-              f"{'step ms':>8} {'step ' + unit:>13} {'%ceil':>6} {'temp MiB':>9} "
-              f"{'err fwd':>9} {'err step':>9} {'size copy':>10}")
+    header = (f"{'shape':<28} {'impl':<8} {'fwd ms':>8} {'busy':>8} {'fwd ' + unit:>12} "
+              f"{'%ceil':>6} {'step ms':>8} {'busy':>8} {'step ' + unit:>13} {'%ceil':>6} "
+              f"{'temp MiB':>9} {'err fwd':>9} {'err step':>9} {'size copy':>10}")
     out += ["", f"## {op}", header, "-" * len(header)]
     for r in op_rows:
       line = (f"{r.label:<28} {r.implementation:<8} {_fmt(r.forward_ms, '8.3f'):>8} "
-              f"{_fmt(r.forward_rate, '12.1f'):>12} {_fmt(r.forward_pct, '6.1f'):>6} "
-              f"{_fmt(r.train_ms, '8.3f'):>8} {_fmt(r.train_rate, '13.1f'):>13} "
-              f"{_fmt(r.train_pct, '6.1f'):>6} {_fmt(r.train_temp_mib, '9.1f'):>9} "
+              f"{_fmt(r.forward_busy_ms, '8.3f'):>8} "
+              f"{_fmt(r.forward_rate, '12.1f'):>12} {_pct(r, r.forward_pct):>6} "
+              f"{_fmt(r.train_ms, '8.3f'):>8} {_fmt(r.train_busy_ms, '8.3f'):>8} "
+              f"{_fmt(r.train_rate, '13.1f'):>13} "
+              f"{_pct(r, r.train_pct):>6} {_fmt(r.train_temp_mib, '9.1f'):>9} "
               f"{_fmt(r.forward_error, '9.1e'):>9} {_fmt(r.train_error, '9.1e'):>9} "
               f"{_fmt(r.size_copy_rate, '10.0f'):>10}")
       if r.steps and r.forward_ms is not None:
@@ -431,9 +701,9 @@ def table(rows: Sequence[Row], ceilings: dict) -> str:
 
 
 def environment(program: str = "jaxfuse") -> dict:
-  device = jax.devices()[0]
+  first = jax.devices()[0]
   return {
-      "device": f"{device.platform}: {device.device_kind}",
+      "device": f"{first.platform}: {first.device_kind}",
       "device_count": jax.device_count(),
       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
       "jax_version": jax.__version__,
@@ -441,6 +711,7 @@ def environment(program: str = "jaxfuse") -> dict:
       "python": host_platform.python_version(),
       "command": " ".join([program] + sys.argv[1:]),
       "timing": timing_method(),
+      "gpu": dataclasses.asdict(gpu) if (gpu := device.describe()) else None,
   }
 
 

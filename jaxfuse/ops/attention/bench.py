@@ -97,7 +97,7 @@ def cases(quick: bool = False) -> list[Case]:
         make_inputs=functools.partial(_inputs, b=b, t=t, n=n, h=h, dtype=jnp.bfloat16),
         forward=functools.partial(_forward, kw), train=functools.partial(_train, kw),
         forward_work=flops, train_work=3.5 * flops, implementations=impls,
-        unit="TFLOP/s", check_only=check_only,
+        unit="TFLOP/s", check_only=check_only, reduction_length=max(b * t, t * h),
         train_floors=functools.partial(_train_floors, kw)))
 
   for b, t, n, h in shapes:

@@ -57,5 +57,7 @@ def cases(quick: bool = False) -> list[Case]:
         make_inputs=functools.partial(_inputs, tokens=tokens, width=width, vocab=vocab,
                                       dtype=dtype),
         forward=_forward, train=_train, forward_work=flops, train_work=3 * flops,
+        reduction_length=max(tokens, width, vocab),
+        notes={"optax": "logits x @ weight in float32 (N x V in memory), then optax's loss"},
         implementations=("optax", "xla", "cuda", DEFAULT), unit="TFLOP/s"))
   return out

@@ -81,7 +81,7 @@ def cases(quick: bool = False) -> list[Case]:
                                           param_dtype=param_dtype, with_bias=with_bias),
             forward=functools.partial(_forward, fn), train=functools.partial(_train, fn),
             forward_work=(1 + y_passes) * pass_bytes,
-            train_work=(3 + 2 * y_passes) * pass_bytes,
+            train_work=(3 + 2 * y_passes) * pass_bytes, reduction_length=max(rows, n),
             implementations=[i for i in impls
                              if i != "cuda" or _cuda_takes(n, dtype, param_dtype)],
             check_only=check_only))

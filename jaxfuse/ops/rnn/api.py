@@ -117,7 +117,7 @@ def _run(cell, x, initial_state, weights, seq_lengths, input_size, hidden_size, 
   weights = check_array(op, "weights", weights)
   count = weight_count(cell, input_size, hidden_size, num_layers, bidirectional)
   if weights.shape != (count,):
-    raise ValueError(f"{op}: weights must be flat with {cell}weight_count(input_size="
+    raise ValueError(f"{op}: weights must be flat with {cell}_weight_count(input_size="
                      f"{input_size}, hidden_size={hidden_size}, num_layers={num_layers}, "
                      f"bidirectional={bidirectional}) = {count} elements, got "
                      f"{describe(weights)}")

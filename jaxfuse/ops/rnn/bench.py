@@ -1,6 +1,6 @@
 """Bench cases for ``lstm`` and ``gru``: the forward and a training step (a loss over y, the
 gradients for x and the weights), with jax.experimental.rnn (the ``'cudnn'`` row) and PyTorch's
-cuDNN RNNs (``torch``, timed with CUDA events in the same process) side by side.
+cuDNN RNNs (``torch``, timed from its profiler's trace as JAX's rows are) side by side.
 
 FLOPs count the matrix products: per layer and direction ``2 * B * T * G * H * (I_layer + H)``;
 the training step counts three times the forward. float32 allows TF32, as both comparators do
@@ -10,13 +10,12 @@ by default.
 from __future__ import annotations
 
 import functools
-import statistics
 
 import jax
 import jax.numpy as jnp
 
 from jaxfuse._core import registry
-from jaxfuse._core.bench import DEFAULT, Case, implementation_arg
+from jaxfuse._core.bench import DEFAULT, Case, implementation_arg, time_torch
 from jaxfuse.ops.rnn import api
 from jaxfuse.ops.rnn.weights import GATES, weight_count
 
@@ -64,7 +63,7 @@ def _train(spec, impl):
 
 
 def _torch_timer(cell, i, h, layers, bidirectional, dtype, inputs):
-  """(forward ms, training step ms) of torch.nn.LSTM/GRU on these inputs' sizes."""
+  """Timings of torch.nn.LSTM/GRU's forward and training step on these inputs' sizes."""
   import torch
   torch.backends.cuda.matmul.allow_tf32 = True
   torch.backends.cudnn.allow_tf32 = True
@@ -73,33 +72,24 @@ def _torch_timer(cell, i, h, layers, bidirectional, dtype, inputs):
   module = (torch.nn.LSTM if cell == "lstm" else torch.nn.GRU)(
       i, h, layers, batch_first=True, bidirectional=bidirectional)
   module = module.to("cuda", torch_dtype)
+  # One contiguous weight buffer, as cuDNN wants; else each call compacts the weights first.
+  module.flatten_parameters()
   b, t = inputs[0].shape[:2]
   x = torch.randn(b, t, i, device="cuda", dtype=torch_dtype, requires_grad=True)
   dy = torch.randn(b, t, (2 if bidirectional else 1) * h, device="cuda", dtype=torch_dtype)
 
-  def forward():
+  def forward(_):
     with torch.no_grad():
       module(x)
 
-  def train():
+  def train(_):
+    # A training step starts from no gradients (torch's optimizers set them to None).
+    module.zero_grad(set_to_none=True)
+    x.grad = None
     y, _ = module(x)
     y.backward(dy)
 
-  def median_ms(fn, calls=10, groups=5):
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(groups):
-      start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-      start.record()
-      for _ in range(calls):
-        fn()
-      end.record()
-      end.synchronize()
-      times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
-
-  return median_ms(forward), median_ms(train)
+  return time_torch(forward), time_torch(train)
 
 
 def _flops(cell, b, t, i, h, layers, bidirectional) -> float:
@@ -131,6 +121,6 @@ def cases(quick: bool = False) -> list[Case]:
                                         bidirectional=bidirectional, dtype=dtype),
           forward=functools.partial(_forward, spec), train=functools.partial(_train, spec),
           forward_work=flops, train_work=3 * flops, implementations=impls, unit="TFLOP/s",
-          external=external, steps=t,
+          external=external, steps=t, reduction_length=max(b * t, i + h),
           tolerance=TF32_TOLERANCE if on_gpu and dtype == jnp.float32 else None))
   return out

@@ -86,7 +86,7 @@ def cases(quick: bool = False) -> list[Case]:
         op="softmax", label=f"{rows}x{n} {jnp.dtype(dtype).name}", size=n,
         make_inputs=functools.partial(_softmax_inputs, rows=rows, n=n, dtype=dtype),
         forward=_softmax_forward, train=_softmax_train,
-        forward_work=2 * pass_bytes, train_work=5 * pass_bytes,
+        forward_work=2 * pass_bytes, train_work=5 * pass_bytes, reduction_length=n,
         implementations=impls, check_only=check_only))
   ce_impls = tuple("optax" if i == "jax.nn" else i for i in impls)
   for rows, vocab in ce_shapes:
@@ -95,6 +95,6 @@ def cases(quick: bool = False) -> list[Case]:
         op="cross_entropy", label=f"{rows}x{vocab} {jnp.dtype(dtype).name}", size=vocab,
         make_inputs=functools.partial(_ce_inputs, rows=rows, vocab=vocab, dtype=dtype),
         forward=_ce_forward, train=_ce_train,
-        forward_work=pass_bytes, train_work=2 * pass_bytes,
+        forward_work=pass_bytes, train_work=2 * pass_bytes, reduction_length=max(rows, vocab),
         implementations=ce_impls, check_only=check_only))
   return out

@@ -1,0 +1,764 @@
+"""Which implementation each op runs, with the GPU faked on the CPU: the rules by which
+``implementation=None`` chooses, and by which a named GPU implementation refuses a call, at
+their thresholds.
+
+The fake is what the rules consult: the platform, compute capability and device name
+(``registry``), whether nvcc is found and each CUDA library loads (``jaxfuse._core.cuda.build``),
+whether Pallas has its Triton backend, and for the RNN kernels the SMs and shared memory. The
+ops are called on abstract arrays, their jitted entries replaced by spies that keep the
+implementations chosen: no kernel is built, traced or run.
+"""
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jaxfuse
+from jaxfuse._core import registry
+from jaxfuse._core.cuda import build
+from jaxfuse._core.testing import x64
+from jaxfuse.ops.attention import api as attention_api
+from jaxfuse.ops.linear_cross_entropy import api as linear_cross_entropy_api
+from jaxfuse.ops.norm import api as norm_api
+from jaxfuse.ops.norm import cuda as norm_cuda
+from jaxfuse.ops.rnn import api as rnn_api
+from jaxfuse.ops.rnn import cuda as rnn_cuda
+from jaxfuse.ops.softmax import api as softmax_api
+from jaxfuse.ops.softmax import cuda as softmax_cuda
+
+H100 = "NVIDIA H100 80GB HBM3"
+H100_SMS, H100_SHARED_MEMORY = 132, 227 * 1024  # the opt-in shared memory of a CTA
+# The longest dimension the Triton kernels index in int32, leaving room for the blocks that
+# reach past its end.
+MAX_EXTENT = 2**31 - 2**20
+# Queries of attention() whose query holds 2^31 elements (batch 2, 4 heads, head dim 128).
+QUERIES_OF_2_TO_THE_31 = 2**31 // (2 * 4 * 128)
+Array = jax.ShapeDtypeStruct
+
+
+class Machine:
+  """The machine as the rules see it: an H100 with nvcc, whose CUDA libraries load, and
+  Pallas's Triton backend, until a method takes a part away."""
+
+  def __init__(self, monkeypatch):
+    self._monkeypatch = monkeypatch
+    monkeypatch.setattr(registry, "platform", lambda: "gpu")
+    monkeypatch.setattr(registry, "device_kind", lambda: H100)
+    self.capability((9, 0))
+    monkeypatch.setattr(build, "_toolchain", lambda: build.Toolchain("/fake/bin/nvcc"))
+    for module in (norm_cuda, softmax_cuda, rnn_cuda):
+      library = build.Library(module.LIBRARY.source, module.LIBRARY.handlers)
+      # The rules only ask whether a library loads; loading would run nvcc.
+      monkeypatch.setattr(library, "_load", lambda: None)
+      monkeypatch.setattr(module, "LIBRARY", library)
+    monkeypatch.setattr(rnn_cuda, "_device", lambda: (H100_SMS, H100_SHARED_MEMORY))
+    # jax.nn's own cuDNN checks trace its cuDNN path, which needs cuDNN: they accept here.
+    monkeypatch.setattr(attention_api, "_cudnn_rejects", lambda call, shapes: None)
+
+  def capability(self, capability):
+    self._monkeypatch.setattr(registry, "cuda_compute_capability", lambda: capability)
+
+  def platform(self, name):
+    self._monkeypatch.setattr(registry, "platform", lambda: name)
+    self.capability(None)
+
+  def without_triton(self):
+    self._monkeypatch.setattr(registry, "pallas_triton", None)
+
+  def without_nvcc(self):
+    self._monkeypatch.setattr(build, "_toolchain", lambda: None)
+
+  def failing_builds(self, message):
+    def fail():
+      raise RuntimeError(message)
+    for module in (norm_cuda, softmax_cuda, rnn_cuda):
+      self._monkeypatch.setattr(module.LIBRARY, "_load", fail)
+
+  def cudnn_rejecting(self, reason):
+    self._monkeypatch.setattr(attention_api, "_cudnn_rejects", lambda call, shapes: reason)
+
+
+@pytest.fixture(autouse=True)
+def x64_enabled():
+  """float64 arrays keep their dtype (without x64 JAX takes them as float32)."""
+  with x64():
+    yield
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+  rnn_cuda.plan.cache_clear()
+  yield Machine(monkeypatch)
+  rnn_cuda.plan.cache_clear()  # its plans were made for the fake GPU
+
+
+@pytest.fixture
+def cpu(gpu):
+  """The CPU as the rules see it, whatever runs the tests."""
+  gpu.platform("cpu")
+  return gpu
+
+
+@pytest.fixture
+def chosen(monkeypatch):
+  """The ops' jitted entries replaced by spies; ``chosen()`` pops what the last call chose:
+  (forward, backward) for the norms and softmaxes, (with its gradient, the loss alone) for the
+  cross-entropy, (evaluated, differentiated) for attention, one name for the others."""
+  choices = []
+
+  def spy(module, name, choice, result=None):
+    def record(*args, **kwargs):
+      choices.append(choice(*args))
+      return result(*args) if result else None
+    monkeypatch.setattr(module, name, record)
+
+  directions = lambda *args: (args[-1].forward_impl, args[-1].backward_impl)
+  spy(norm_api, "_norm_jit", directions)
+  spy(softmax_api, "_softmax_jit", directions)
+  spy(softmax_api, "_cross_entropy_jit",
+      lambda *args: (args[-1].implementation, args[-1].loss_implementation))
+  spy(linear_cross_entropy_api, "_linear_cross_entropy_jit", lambda *args: args[-1].implementation)
+  spy(attention_api, "_attention_jit", lambda *args: args[-2], lambda *args: (None, None))
+  # The RNN picks among three calls, which return its output and final state; the weights
+  # are abstract, so they are not unpacked.
+  monkeypatch.setattr(rnn_api, "unpack", lambda *args: None)
+  final_state = lambda x, initial_state, *rest: (None, initial_state)
+  spy(rnn_api, "_fused_forward", lambda *args: "cuda", lambda cell, *args: final_state(*args))
+  spy(rnn_api.reference, "forward", lambda *args: "xla", lambda cell, *args: final_state(*args))
+  spy(rnn_api, "_cudnn", lambda *args: "cudnn", final_state)
+  return choices.pop
+
+
+# ---------------------------------------------------------------------------------- calls
+
+
+def normalize(op, n, dtype="bfloat16", *, rows=64, param_dtype=None, out_dtype=None,
+              implementation=None):
+  x = Array((rows, n), jnp.dtype(dtype))
+  weight = Array((n,), jnp.dtype(param_dtype or dtype))
+  return getattr(jaxfuse, op)(x, weight, out_dtype=out_dtype, implementation=implementation)
+
+
+def softmax(n, dtype="bfloat16", *, rows=64, op="softmax", implementation=None, **kwargs):
+  return getattr(jaxfuse, op)(Array((rows, n), jnp.dtype(dtype)), implementation=implementation,
+                              **kwargs)
+
+
+def cross_entropy(vocab, dtype="bfloat16", *, rows=64, implementation=None):
+  return jaxfuse.softmax_cross_entropy(Array((rows, vocab), jnp.dtype(dtype)),
+                                       Array((rows,), jnp.int32), implementation=implementation)
+
+
+def linear_cross_entropy(vocab, dtype="bfloat16", *, implementation=None):
+  x, weight = Array((64, 128), jnp.dtype(dtype)), Array((128, vocab), jnp.dtype(dtype))
+  return jaxfuse.linear_cross_entropy(x, weight, Array((64,), jnp.int32),
+                                      implementation=implementation)
+
+
+def recurrent(cell, hidden, dtype="bfloat16", *, batch=64, layers=1, implementation=None,
+              **kwargs):
+  sizes = dict(input_size=8, hidden_size=hidden, num_layers=layers)
+  count = (jaxfuse.lstm_weight_count if cell == "lstm" else jaxfuse.gru_weight_count)(**sizes)
+  dtype = jnp.dtype(dtype)
+  state = Array((layers, batch, hidden), dtype)
+  states = (state, state) if cell == "lstm" else (state,)
+  return getattr(jaxfuse, cell)(Array((batch, 4, 8), dtype), *states, Array((count,), dtype),
+                                jnp.full((batch,), 4, jnp.int32), implementation=implementation,
+                                **sizes, **kwargs)
+
+
+def attention(t=2048, h=128, hv=None, dtype="bfloat16", *, batch=2, heads=4,
+              segments=False, bias=False, implementation=None, **kwargs):
+  q = Array((batch, t, heads, h), jnp.dtype(dtype))
+  v = Array((batch, t, heads, hv or h), jnp.dtype(dtype))
+  if segments:
+    kwargs["segment_ids"] = jnp.zeros((batch, t), jnp.int32)
+  if bias:
+    kwargs["bias"] = jnp.zeros((1, 1, 1, 1), jnp.float32)
+  return jaxfuse.attention(q, q, v, implementation=implementation, **kwargs)
+
+
+# A call each 'cuda' implementation takes on a Hopper GPU.
+CUDA_CALLS = {
+    "rms_norm": lambda: normalize("rms_norm", 1024, implementation="cuda"),
+    "layer_norm": lambda: normalize("layer_norm", 1024, implementation="cuda"),
+    "softmax": lambda: softmax(1024, implementation="cuda"),
+    "log_softmax": lambda: softmax(1024, op="log_softmax", implementation="cuda"),
+    "softmax_cross_entropy": lambda: cross_entropy(1024, implementation="cuda"),
+    "linear_cross_entropy": lambda: linear_cross_entropy(1024, implementation="cuda"),
+    "lstm": lambda: recurrent("lstm", 64, implementation="cuda"),
+    "gru": lambda: recurrent("gru", 64, implementation="cuda"),
+}
+# A call each 'triton' implementation takes.
+TRITON_CALLS = {
+    "rms_norm": lambda: normalize("rms_norm", 1024, implementation="triton"),
+    "softmax": lambda: softmax(1024, implementation="triton"),
+    "softmax_cross_entropy": lambda: cross_entropy(1024, implementation="triton"),
+    "attention": lambda: attention(implementation="triton"),
+}
+# Every op, under None.
+DEFAULT_CALLS = {
+    "rms_norm": lambda: normalize("rms_norm", 32768),
+    "layer_norm": lambda: normalize("layer_norm", 32768),
+    "softmax": lambda: softmax(32768),
+    "log_softmax": lambda: softmax(32768, op="log_softmax"),
+    "softmax_cross_entropy": lambda: cross_entropy(32768),
+    "linear_cross_entropy": lambda: linear_cross_entropy(1024),
+    "lstm": lambda: recurrent("lstm", 64),
+    "gru": lambda: recurrent("gru", 64),
+    "attention": lambda: attention(),
+}
+
+
+def _each_direction(impl):
+  return (impl, impl)
+
+
+# ------------------------------------------------------------------- the machine as a whole
+
+
+def test_cpu_takes_xla_under_none(cpu, chosen):
+  for op, call in DEFAULT_CALLS.items():
+    call()
+    assert chosen() in ("xla", ("xla", "xla")), op
+
+
+@pytest.mark.parametrize("op", CUDA_CALLS)
+def test_cuda_runs_on_a_hopper_gpu_with_nvcc(gpu, chosen, op):
+  CUDA_CALLS[op]()
+  assert chosen() in ("cuda", ("cuda", "cuda"))
+
+
+@pytest.mark.parametrize("capability", [(9, 0), (10, 0)])
+def test_cuda_runs_from_compute_capability_9(gpu, chosen, capability):
+  gpu.capability(capability)
+  normalize("rms_norm", 1024, implementation="cuda")
+  assert chosen() == ("cuda", "cuda")
+
+
+# Each part of the machine the CUDA kernels need, taken away, and the reason they give.
+CUDA_MISSING = {
+    "cpu": (lambda gpu: gpu.platform("cpu"),
+            "needs an NVIDIA GPU; the default backend here is 'cpu'"),
+    "ada": (lambda gpu: gpu.capability((8, 9)),
+            r"compute capability 9.0 \(Hopper\) or newer; found compute capability \(8, 9\)"),
+    "no device": (lambda gpu: gpu.capability(None), "found no CUDA device"),
+    "no nvcc": (lambda gpu: gpu.without_nvcc(), "built on first use and nvcc was not found"),
+    "failed build": (lambda gpu: gpu.failing_builds("nvcc: unsupported gpu architecture"),
+                     "RuntimeError: nvcc: unsupported gpu architecture"),
+}
+
+
+@pytest.mark.parametrize("missing", CUDA_MISSING)
+@pytest.mark.parametrize("op", CUDA_CALLS)
+def test_cuda_refuses_without_what_it_needs(gpu, chosen, op, missing):
+  take_away, reason = CUDA_MISSING[missing]
+  take_away(gpu)
+  with pytest.raises(NotImplementedError,
+                     match=rf"{op}\(implementation='cuda'\) cannot run here: .*{reason}"):
+    CUDA_CALLS[op]()
+
+
+TRITON_MISSING = {
+    "turing": (lambda gpu: gpu.capability((7, 5)),
+               "needs compute capability 8.0 or newer; this GPU has 7.5"),
+    "tpu": (lambda gpu: gpu.platform("tpu"),
+            r"needs an NVIDIA GPU \(or the CPU.*the default backend here is 'tpu'"),
+    "no pallas triton": (lambda gpu: gpu.without_triton(),
+                         r"jax.experimental.pallas.triton cannot be imported"),
+}
+
+
+@pytest.mark.parametrize("missing", TRITON_MISSING)
+@pytest.mark.parametrize("op", TRITON_CALLS)
+def test_triton_refuses_without_what_it_needs(gpu, chosen, op, missing):
+  take_away, reason = TRITON_MISSING[missing]
+  take_away(gpu)
+  with pytest.raises(NotImplementedError,
+                     match=rf"{op}\(implementation='triton'\) cannot run here: .*{reason}"):
+    TRITON_CALLS[op]()
+
+
+@pytest.mark.parametrize("capability,expected", [((8, 0), "triton"), ((7, 5), "xla")])
+def test_none_takes_triton_from_compute_capability_8(gpu, chosen, capability, expected):
+  gpu.capability(capability)
+  softmax(1024)
+  assert chosen() == _each_direction(expected)
+
+
+# --------------------------------------------------------------------------------- norms
+
+# (op, features, x dtype, out_dtype, param dtype) -> (forward, backward) on the H100.
+NORM_ON_HOPPER = [
+    # Up to 16384 features Triton, above CUDA, where CUDA takes the rows.
+    ("rms_norm", 16384, "bfloat16", None, None, ("triton", "triton")),
+    ("rms_norm", 16392, "bfloat16", None, None, ("cuda", "cuda")),
+    ("layer_norm", 16384, "bfloat16", None, None, ("triton", "triton")),
+    ("layer_norm", 16392, "bfloat16", None, None, ("cuda", "cuda")),
+    ("rms_norm", 16392, "float32", None, None, ("cuda", "cuda")),
+    ("rms_norm", 32768, "bfloat16", None, "float32", ("cuda", "cuda")),
+    ("rms_norm", 131072, "bfloat16", None, None, ("cuda", "cuda")),
+    ("rms_norm", 65536, "float32", None, None, ("cuda", "cuda")),
+    # Where CUDA refuses the rows: Triton's two-walk forward, XLA's backward.
+    ("rms_norm", 16385, "bfloat16", None, None, ("triton", "xla")),
+    ("rms_norm", 131080, "bfloat16", None, None, ("triton", "xla")),
+    ("layer_norm", 131080, "float16", None, None, ("triton", "xla")),
+    ("rms_norm", 65544, "float32", None, None, ("triton", "xla")),
+    ("rms_norm", 32768, "float64", None, None, ("triton", "xla")),
+    ("rms_norm", 32768, "bfloat16", None, "float64", ("triton", "xla")),
+    ("layer_norm", 32768, "bfloat16", "float16", None, ("triton", "xla")),
+    # LayerNorm's backward of short 16-bit rows, y of x's dtype: the CUDA short-row kernel.
+    ("layer_norm", 8, "bfloat16", None, None, ("triton", "cuda")),
+    ("layer_norm", 512, "bfloat16", None, None, ("triton", "cuda")),
+    ("layer_norm", 512, "float16", None, None, ("triton", "cuda")),
+    ("layer_norm", 520, "bfloat16", None, None, ("triton", "triton")),
+    ("layer_norm", 500, "bfloat16", None, None, ("triton", "triton")),
+    ("layer_norm", 512, "bfloat16", "float32", None, ("triton", "triton")),
+    ("layer_norm", 512, "bfloat16", None, "float32", ("triton", "triton")),
+    ("layer_norm", 256, "float32", None, None, ("triton", "triton")),
+    ("rms_norm", 512, "bfloat16", None, None, ("triton", "triton")),
+]
+
+
+@pytest.mark.parametrize("op,n,dtype,out_dtype,param_dtype,expected", NORM_ON_HOPPER)
+def test_norm_none_on_hopper(gpu, chosen, op, n, dtype, out_dtype, param_dtype, expected):
+  normalize(op, n, dtype, out_dtype=out_dtype, param_dtype=param_dtype)
+  assert chosen() == expected
+
+
+@pytest.mark.parametrize("op,n,dtype,expected", [
+    ("rms_norm", 8, "bfloat16", "cuda"),
+    ("layer_norm", 1024, "bfloat16", "cuda"),
+    ("rms_norm", 1020, "bfloat16", "xla"),
+    ("rms_norm", 131072, "float16", "cuda"),
+    ("rms_norm", 131080, "bfloat16", "xla"),
+    ("layer_norm", 65536, "float32", "cuda"),
+    ("layer_norm", 65544, "float32", "xla"),
+    ("rms_norm", 1024, "float64", "xla"),
+])
+def test_norm_none_without_triton_takes_cuda_where_it_takes_the_rows(gpu, chosen, op, n, dtype,
+                                                                     expected):
+  gpu.without_triton()
+  normalize(op, n, dtype)
+  assert chosen() == _each_direction(expected)
+
+
+@pytest.mark.parametrize("rows,dtype,expected", [
+    (MAX_EXTENT, "bfloat16", "triton"),
+    (MAX_EXTENT + 1, "bfloat16", "cuda"),
+    (MAX_EXTENT + 1, "float64", "xla"),
+])
+def test_norm_none_passes_over_triton_for_rows_past_int32(gpu, chosen, rows, dtype, expected):
+  normalize("rms_norm", 8, dtype, rows=rows)
+  assert chosen() == _each_direction(expected)
+
+
+@pytest.mark.parametrize("take_away", [Machine.without_nvcc, lambda gpu: gpu.capability((8, 0))],
+                         ids=["no nvcc", "ampere"])
+def test_norm_none_without_cuda(gpu, chosen, take_away):
+  take_away(gpu)
+  normalize("rms_norm", 32768)
+  assert chosen() == ("triton", "xla")
+  normalize("layer_norm", 512)
+  assert chosen() == ("triton", "triton")
+  gpu.without_triton()
+  normalize("layer_norm", 512)
+  assert chosen() == ("xla", "xla")
+
+
+@pytest.mark.parametrize("op,n,dtype,out_dtype,param_dtype,reason", [
+    ("rms_norm", 1020, "bfloat16", None, None,
+     r"x bfloat16\[64,1020\]: .*vectors; the normalized size 1020 is not a multiple of 8"),
+    ("layer_norm", 131080, "bfloat16", None, None,
+     "at most 131072 bfloat16 elements; the normalized size is 131080"),
+    ("rms_norm", 131080, "float16", None, None,
+     "at most 131072 float16 elements; the normalized size is 131080"),
+    ("rms_norm", 65544, "float32", None, None,
+     "at most 65536 float32 elements; the normalized size is 65544"),
+    ("rms_norm", 1024, "float64", None, None, "take float16, bfloat16 and float32, not float64"),
+    ("layer_norm", 1024, "bfloat16", None, "float64",
+     "take float16, bfloat16 and float32, not float64"),
+    ("layer_norm", 1024, "bfloat16", "float16", None,
+     "write x's dtype or float32, not float16 for x of bfloat16"),
+])
+def test_norm_cuda_refuses_rows_it_cannot_hold(gpu, chosen, op, n, dtype, out_dtype,
+                                               param_dtype, reason):
+  with pytest.raises(NotImplementedError,
+                     match=rf"{op}\(implementation='cuda'\) cannot take .*{reason}"):
+    normalize(op, n, dtype, out_dtype=out_dtype, param_dtype=param_dtype,
+              implementation="cuda")
+
+
+@pytest.mark.parametrize("n,dtype,out_dtype", [
+    (8, "bfloat16", None), (131072, "bfloat16", None), (131072, "float16", "float32"),
+    (65536, "float32", None),
+])
+def test_norm_cuda_takes_rows_up_to_its_limits(gpu, chosen, n, dtype, out_dtype):
+  normalize("layer_norm", n, dtype, out_dtype=out_dtype, implementation="cuda")
+  assert chosen() == ("cuda", "cuda")
+
+
+# ------------------------------------------------------------------------------- softmax
+
+# (row length, dtype) -> (forward, backward) on the H100: CUDA's forward from 32768, its
+# backward above 16384, each where the kernels of that direction hold the row.
+SOFTMAX_ON_HOPPER = [
+    (16384, "bfloat16", ("triton", "triton")),
+    (16392, "bfloat16", ("triton", "cuda")),
+    (32760, "bfloat16", ("triton", "cuda")),
+    (32768, "bfloat16", ("cuda", "cuda")),
+    (32769, "bfloat16", ("triton", "triton")),
+    (262144, "bfloat16", ("cuda", "cuda")),
+    (262152, "bfloat16", ("cuda", "triton")),
+    (524288, "bfloat16", ("cuda", "triton")),
+    (524296, "bfloat16", ("triton", "triton")),
+    (32768, "float32", ("cuda", "cuda")),
+    (131072, "float32", ("cuda", "cuda")),
+    (131080, "float32", ("cuda", "triton")),
+    (262144, "float32", ("cuda", "triton")),
+    (262152, "float32", ("triton", "triton")),
+    (65536, "float64", ("triton", "triton")),
+]
+
+
+@pytest.mark.parametrize("op", ["softmax", "log_softmax"])
+@pytest.mark.parametrize("n,dtype,expected", SOFTMAX_ON_HOPPER)
+def test_softmax_none_on_hopper(gpu, chosen, op, n, dtype, expected):
+  softmax(n, dtype, op=op)
+  assert chosen() == expected
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(axis=0), dict(mask=jnp.ones((1, 65536), bool)), dict(is_causal=True),
+], ids=["axis", "mask", "causal"])
+def test_softmax_none_takes_triton_where_cuda_cannot(gpu, chosen, kwargs):
+  shape = (65536, 64) if kwargs.get("axis") == 0 else (64, 65536)
+  jaxfuse.softmax(Array(shape, jnp.bfloat16), **kwargs)
+  assert chosen() == ("triton", "triton")
+
+
+@pytest.mark.parametrize("n,dtype,kwargs,expected", [
+    (16376, "bfloat16", {}, ("xla", "xla")),
+    (16384, "bfloat16", {}, ("cuda", "cuda")),
+    (16384, "bfloat16", dict(mask=jnp.ones((1, 16384), bool)), ("xla", "xla")),
+    (262152, "bfloat16", {}, ("cuda", "xla")),
+    (16384, "float64", {}, ("xla", "xla")),
+])
+def test_softmax_none_without_triton_takes_cuda_from_16384(gpu, chosen, n, dtype, kwargs,
+                                                           expected):
+  gpu.without_triton()
+  softmax(n, dtype, **kwargs)
+  assert chosen() == expected
+
+
+@pytest.mark.parametrize("rows,n,expected", [
+    (MAX_EXTENT, 16384, ("triton", "triton")),
+    (MAX_EXTENT + 1, 16384, ("cuda", "cuda")),
+    (MAX_EXTENT + 1, 16376, ("xla", "xla")),
+])
+def test_softmax_none_passes_over_triton_for_rows_past_int32(gpu, chosen, rows, n, expected):
+  softmax(n, rows=rows)
+  assert chosen() == expected
+
+
+def test_softmax_none_without_cuda(gpu, chosen):
+  gpu.without_nvcc()
+  softmax(65536)
+  assert chosen() == ("triton", "triton")
+  gpu.without_triton()
+  softmax(65536)
+  assert chosen() == ("xla", "xla")
+
+
+@pytest.mark.parametrize("n,dtype,kwargs,reason", [
+    (1024, "bfloat16", dict(axis=0),
+     r"x bfloat16\[64,1024\] over axis 0: the 'cuda' kernels take the softmax over the last "
+     r"axis, without a mask"),
+    (1024, "bfloat16", dict(mask=jnp.ones((1, 1024), bool)),
+     r"over axis 1 with a mask: the 'cuda' kernels take the softmax over the last axis"),
+    (1024, "bfloat16", dict(is_causal=True), "over axis 1: .*without a mask"),
+    (1020, "bfloat16", {}, "the row length 1020 is not a multiple of 8"),
+    (262152, "bfloat16", {}, "at most 262144 bfloat16 elements; the row length is 262152"),
+    (262152, "float16", {}, "at most 262144 float16 elements"),
+    (131080, "float32", {}, "at most 131072 float32 elements; the row length is 131080"),
+    (1024, "float64", {}, "take float16, bfloat16 and float32, not float64"),
+])
+def test_softmax_cuda_refuses(gpu, chosen, n, dtype, kwargs, reason):
+  with pytest.raises(NotImplementedError,
+                     match=rf"softmax\(implementation='cuda'\) cannot take .*{reason}"):
+    softmax(n, dtype, implementation="cuda", **kwargs)
+
+
+@pytest.mark.parametrize("n,dtype", [(8, "bfloat16"), (262144, "bfloat16"),
+                                     (131072, "float32")])
+def test_softmax_cuda_takes_rows_up_to_its_limits(gpu, chosen, n, dtype):
+  softmax(n, dtype, implementation="cuda")
+  assert chosen() == ("cuda", "cuda")
+
+
+# ------------------------------------------------------------------------- cross-entropy
+
+# (classes, dtype) -> (with its gradient, the loss alone) on the H100: CUDA above 16384
+# classes; the loss alone stays on it only where a row fits a cluster of up to 4 CTAs.
+CROSS_ENTROPY_ON_HOPPER = [
+    (16384, "bfloat16", ("triton", "triton")),
+    (16385, "bfloat16", ("triton", "triton")),
+    (16392, "bfloat16", ("cuda", "cuda")),
+    (131072, "bfloat16", ("cuda", "cuda")),
+    (131080, "bfloat16", ("cuda", "triton")),
+    (262144, "bfloat16", ("cuda", "triton")),
+    (262152, "bfloat16", ("triton", "triton")),
+    (65536, "float32", ("cuda", "cuda")),
+    (65544, "float32", ("cuda", "triton")),
+    (131072, "float32", ("cuda", "triton")),
+    (131080, "float32", ("triton", "triton")),
+    (32768, "float64", ("triton", "triton")),
+]
+
+
+@pytest.mark.parametrize("vocab,dtype,expected", CROSS_ENTROPY_ON_HOPPER)
+def test_cross_entropy_none_on_hopper(gpu, chosen, vocab, dtype, expected):
+  cross_entropy(vocab, dtype)
+  assert chosen() == expected
+
+
+@pytest.mark.parametrize("vocab,expected", [
+    (16376, ("xla", "xla")), (16384, ("cuda", "cuda")), (131080, ("cuda", "cuda")),
+    (262152, ("xla", "xla")),
+])
+def test_cross_entropy_none_without_triton_takes_cuda_from_16384(gpu, chosen, vocab, expected):
+  gpu.without_triton()
+  cross_entropy(vocab)
+  assert chosen() == expected
+
+
+@pytest.mark.parametrize("rows,expected", [(MAX_EXTENT, ("cuda", "triton")),
+                                           (MAX_EXTENT + 1, ("cuda", "cuda"))])
+def test_cross_entropy_loss_stays_on_cuda_where_triton_cannot_index(gpu, chosen, rows,
+                                                                    expected):
+  cross_entropy(131080, rows=rows)
+  assert chosen() == expected
+
+
+def test_cross_entropy_none_without_cuda(gpu, chosen):
+  gpu.without_nvcc()
+  cross_entropy(65536)
+  assert chosen() == ("triton", "triton")
+
+
+@pytest.mark.parametrize("vocab,dtype,reason", [
+    (1020, "bfloat16", r"logits bfloat16\[64,1020\]: .*the row length 1020 is not a multiple"),
+    (262152, "bfloat16", "at most 262144 bfloat16 elements; the row length is 262152"),
+    (131080, "float32", "at most 131072 float32 elements"),
+    (1024, "float64", "not float64"),
+])
+def test_cross_entropy_cuda_refuses(gpu, chosen, vocab, dtype, reason):
+  with pytest.raises(NotImplementedError,
+                     match=rf"softmax_cross_entropy\(implementation='cuda'\) cannot take "
+                           rf".*{reason}"):
+    cross_entropy(vocab, dtype, implementation="cuda")
+
+
+# ------------------------------------------------------------------ linear cross-entropy
+
+
+@pytest.mark.parametrize("vocab,dtype,expected", [
+    (262144, "bfloat16", "cuda"),
+    (262100, "bfloat16", "cuda"),  # padded to 262144 columns
+    (262145, "bfloat16", "xla"),  # padded to 262272
+    (262144, "float32", "cuda"),
+    (1024, "float64", "xla"),
+])
+def test_linear_cross_entropy_none_on_hopper(gpu, chosen, vocab, dtype, expected):
+  linear_cross_entropy(vocab, dtype)
+  assert chosen() == expected
+
+
+@pytest.mark.parametrize("take_away", [Machine.without_nvcc, lambda gpu: gpu.capability((8, 0)),
+                                       lambda gpu: gpu.platform("cpu")],
+                         ids=["no nvcc", "ampere", "cpu"])
+def test_linear_cross_entropy_none_without_cuda(gpu, chosen, take_away):
+  take_away(gpu)
+  linear_cross_entropy(1024)
+  assert chosen() == "xla"
+
+
+@pytest.mark.parametrize("vocab,dtype,reason", [
+    (262145, "bfloat16", "262272 columns are more than it holds"),
+    (1024, "float64", "float16, bfloat16 and float32 operands, not float64"),
+])
+def test_linear_cross_entropy_cuda_refuses(gpu, chosen, vocab, dtype, reason):
+  with pytest.raises(NotImplementedError,
+                     match=rf"linear_cross_entropy\(implementation='cuda'\) cannot take x .*"
+                           rf"{reason}"):
+    linear_cross_entropy(vocab, dtype, implementation="cuda")
+
+
+# ------------------------------------------------------------------------------------ RNN
+
+# The largest hidden sizes the H100 holds, as the docs quote them (batch 64).
+RNN_LARGEST = [("lstm", "bfloat16", 1644), ("lstm", "float16", 1644),
+               ("lstm", "float32", 1056), ("gru", "bfloat16", 2112), ("gru", "float32", 1096)]
+
+
+@pytest.mark.parametrize("cell,dtype,largest", RNN_LARGEST)
+def test_rnn_none_takes_cuda_up_to_the_largest_hidden_size(gpu, chosen, cell, dtype, largest):
+  recurrent(cell, largest, dtype)
+  assert chosen() == "cuda"
+  recurrent(cell, largest + 1, dtype)
+  assert chosen() == "xla"
+
+
+@pytest.mark.parametrize("cell,dtype,largest", RNN_LARGEST)
+def test_rnn_cuda_refuses_a_hidden_size_that_does_not_fit(gpu, chosen, cell, dtype, largest):
+  recurrent(cell, largest, dtype, implementation="cuda")
+  assert chosen() == "cuda"
+  with pytest.raises(NotImplementedError,
+                     match=rf"{cell}\(implementation='cuda'\) cannot run here: the 'cuda' "
+                           rf"{cell.upper()} keeps W_hh \(. \* {largest + 1} x {largest + 1}, "
+                           r".* MiB a direction.*does not fit on this GPU"):
+    recurrent(cell, largest + 1, dtype, implementation="cuda")
+
+
+def test_rnn_cuda_refuses_float64(gpu, chosen):
+  recurrent("lstm", 64, "float64")
+  assert chosen() == "xla"
+  with pytest.raises(NotImplementedError,
+                     match="take float16, bfloat16 and float32, not float64"):
+    recurrent("lstm", 64, "float64", implementation="cuda")
+
+
+def test_rnn_cuda_takes_an_empty_batch_of_any_hidden_size(gpu, chosen):
+  # No step to run: nothing is held, and XLA returns the initial state.
+  recurrent("lstm", 4096, batch=0, implementation="cuda")
+  assert chosen() == "xla"
+
+
+@pytest.mark.parametrize("take_away", [Machine.without_nvcc, lambda gpu: gpu.capability((8, 0))],
+                         ids=["no nvcc", "ampere"])
+def test_rnn_none_never_takes_cudnn(gpu, chosen, take_away):
+  # The float32 LSTM that cuDNN takes.
+  take_away(gpu)
+  recurrent("lstm", 64, "float32")
+  assert chosen() == "xla"
+  recurrent("lstm", 64, "float32", implementation="cudnn")
+  assert chosen() == "cudnn"
+
+
+@pytest.mark.parametrize("cell,dtype,kwargs,reason", [
+    ("gru", "float32", {}, "jax.experimental.rnn has only the LSTM"),
+    ("lstm", "bfloat16", {}, r"cuDNN LSTM takes float32 only \(here bfloat16\)"),
+    ("lstm", "float32", dict(layers=2, dropout=0.1, dropout_key=jax.random.key(0)),
+     "draws its dropout from a fixed seed"),
+])
+def test_rnn_cudnn_refuses(gpu, chosen, cell, dtype, kwargs, reason):
+  with pytest.raises(NotImplementedError,
+                     match=rf"{cell}\(implementation='cudnn'\) cannot run here: .*{reason}"):
+    recurrent(cell, 64, dtype, implementation="cudnn", **kwargs)
+
+
+def test_rnn_cudnn_refuses_off_the_gpu(cpu, chosen):
+  with pytest.raises(NotImplementedError, match="runs cuDNN's RNN on an NVIDIA GPU only"):
+    recurrent("lstm", 64, "float32", implementation="cudnn")
+
+
+# ----------------------------------------------------------------------------- attention
+
+# (machine, call) -> (evaluated, differentiated): cuDNN where it takes the call, then
+# 'mosaic' on Hopper, then 'triton', then 'xla'.
+ATTENTION_FALLS_THROUGH = [
+    ("h100", dict(t=8192), "cudnn"),
+    ("h100", dict(segments=True), "mosaic"),
+    ("h100", dict(segments=True, h=32), "triton"),
+    ("h100", dict(segments=True, hv=96), "triton"),
+    ("h100", dict(segments=True, dtype="float32"), "triton"),
+    # Past the queries for which the H100 tries 'mosaic' first.
+    ("h100", dict(t=32768, causal_offset=1, is_causal=True), "mosaic"),
+    ("h100", dict(t=8192, return_lse=True), "mosaic"),
+    ("h100", dict(bias=True), "cudnn"),
+    ("h100", dict(bias=True, dtype="float32"), "xla"),
+    ("ampere", dict(t=8192), "cudnn"),
+    ("ampere", dict(segments=True), "triton"),
+    ("blackwell", dict(segments=True), "triton"),
+    ("ampere without triton", dict(segments=True), "xla"),
+]
+MACHINES = {
+    "h100": lambda gpu: None,
+    "ampere": lambda gpu: gpu.capability((8, 0)),
+    "blackwell": lambda gpu: gpu.capability((10, 0)),
+    "ampere without triton": lambda gpu: (gpu.capability((8, 0)), gpu.without_triton()),
+}
+
+
+@pytest.mark.parametrize("machine,kwargs,expected", ATTENTION_FALLS_THROUGH)
+def test_attention_none_falls_through_in_order(gpu, chosen, machine, kwargs, expected):
+  MACHINES[machine](gpu)
+  attention(**kwargs)
+  assert chosen() == _each_direction(expected)
+
+
+def test_attention_none_moves_on_where_cudnn_rejects_the_shapes(gpu, chosen):
+  gpu.cudnn_rejecting("jax.nn.dot_product_attention(implementation='cudnn') refuses these "
+                      "shapes: ValueError: head dim")
+  attention(t=8192)
+  assert chosen() == ("mosaic", "mosaic")
+  with pytest.raises(NotImplementedError, match="cannot run here: .*refuses these shapes"):
+    attention(t=8192, implementation="cudnn")
+
+
+@pytest.mark.parametrize("t,expected", [(QUERIES_OF_2_TO_THE_31 - 1, "cudnn"),
+                                        (QUERIES_OF_2_TO_THE_31, "mosaic")])
+def test_attention_none_passes_over_cudnn_from_2_to_the_31_elements(gpu, chosen, t, expected):
+  attention(t=t)
+  assert chosen() == _each_direction(expected)
+
+
+@pytest.mark.parametrize("implementation,machine,kwargs,reason", [
+    ("cudnn", "h100", dict(is_causal=True, causal_offset=1), "has no causal_offset"),
+    ("cudnn", "h100", dict(segments=True), "has no segment_ids"),
+    ("cudnn", "h100", dict(logits_soft_cap=30.0), "has no logits_soft_cap"),
+    ("cudnn", "h100", dict(return_lse=True), "has no return_lse"),
+    ("cudnn", "h100", dict(precision=jax.lax.Precision.HIGHEST), "has no precision"),
+    ("cudnn", "h100", dict(dtype="float32"), "needs float16 or bfloat16, got float32"),
+    ("cudnn", "h100", dict(t=QUERIES_OF_2_TO_THE_31),
+     "2\\^31 elements or more .*the largest has 2147483648"),
+    ("mosaic", "ampere", {}, r"written for Hopper \(sm_90\) wgmma; this device is gpu \(8, 0\)"),
+    ("mosaic", "blackwell", {}, r"for Hopper \(sm_90\) wgmma; this device is gpu \(10, 0\)"),
+    ("mosaic", "h100", dict(dtype="float32"), "takes float16 and bfloat16, not float32"),
+    ("mosaic", "h100", dict(h=96), r"a query/key head dim in \(64, 128, 256\), not 96"),
+    ("mosaic", "h100", dict(hv=32), r"a value head dim in \(64, 128, 256\), not 32"),
+    ("mosaic", "h100", dict(bias=True), "bias and mask arrays are not supported"),
+    ("mosaic", "h100", dict(precision=jax.lax.DotAlgorithmPreset.BF16_BF16_F32),
+     "precision .* is not supported"),
+    ("triton", "h100", dict(bias=True), "bias and mask arrays are not supported"),
+    ("triton", "h100", dict(dtype="float64"), "dtype float64 is not supported"),
+    ("triton", "h100", dict(precision=jax.lax.DotAlgorithmPreset.BF16_BF16_F32),
+     "precision .* is not supported"),
+])
+def test_attention_named_implementation_refuses(gpu, chosen, implementation, machine, kwargs,
+                                                reason):
+  MACHINES[machine](gpu)
+  with pytest.raises(NotImplementedError,
+                     match=rf"attention\(implementation='{implementation}'\) cannot run here: "
+                           rf".*{reason}"):
+    attention(implementation=implementation, **kwargs)
+
+
+def test_attention_mosaic_refuses_without_pallas_mosaic_gpu(gpu, chosen, monkeypatch):
+  monkeypatch.setitem(sys.modules, "jax.experimental.pallas.mosaic_gpu", None)
+  monkeypatch.delattr(jax.experimental.pallas, "mosaic_gpu", raising=False)
+  with pytest.raises(NotImplementedError, match="has no Pallas Mosaic GPU"):
+    attention(implementation="mosaic")
+  attention(segments=True)
+  assert chosen() == ("triton", "triton")
+
+
+@pytest.mark.parametrize("implementation,reason", [
+    ("cudnn", "the 'cudnn' implementation needs an NVIDIA GPU"),
+    ("mosaic", r"written for Hopper \(sm_90\) wgmma; this device is cpu None"),
+])
+def test_attention_refuses_off_the_gpu(cpu, chosen, implementation, reason):
+  with pytest.raises(NotImplementedError, match=reason):
+    attention(implementation=implementation)
