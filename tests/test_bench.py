@@ -98,8 +98,9 @@ def test_groups_with_different_activity_counts_are_an_error():
     bench._timed(group, 1.0, min_seconds=0.0, groups=2)
 
 
-def test_a_span_past_the_wall_clock_is_an_error():
-  group = lambda calls: ([(1.0, 0.5)] * calls, 2, calls * 1e-3)
+@pytest.mark.parametrize("busy", [0.5, None])
+def test_a_span_past_the_wall_clock_is_an_error(busy):
+  group = lambda calls: ([(1.0, busy)] * calls, 2, calls * 1e-3)
   with pytest.raises(bench.TimingError, match="busy <= span <= wall"):
     bench._timed(group, 1.0, min_seconds=0.0, groups=1)
 

@@ -280,8 +280,9 @@ def _timed(group, single_seconds: float, *, min_seconds: float, groups: int) -> 
     # Host and GPU clocks tick apart by parts per million; a span past the host's wall by
     # more than that is a misread trace.
     if not (busy is None or busy <= span) or not span <= wall * 1.01 + 2e-6:
-      raise TimingError(f"per call busy {busy and busy * 1e3:.4f} ms, span {span * 1e3:.4f} "
-                        f"ms, wall {wall * 1e3:.4f} ms: expected busy <= span <= wall")
+      busy_ms = "unread" if busy is None else f"{busy * 1e3:.4f} ms"
+      raise TimingError(f"per call busy {busy_ms}, span {span * 1e3:.4f} ms, wall "
+                        f"{wall * 1e3:.4f} ms: expected busy <= span <= wall")
     spans.append(span), busys.append(busy), walls.append(wall), counts.add(activities)
   if len(counts) != 1:
     raise TimingError(f"the groups ran {sorted(counts)} GPU activities per call: the timed "
