@@ -205,3 +205,17 @@ def test_gpu_copy_ceilings_copy():
     assert bool(jnp.array_equal(copies.copy(x, unroll, ctas, streaming), x))
   rates = bench.copy_ceilings()
   assert "cudaMemcpyAsync" in rates and len(rates) == 2 + len(copies.KERNEL_SHAPES)
+
+
+def test_a_group_is_read_from_its_trace(monkeypatch):
+  ran = []
+  call = lambda i: ran.append(i) or jnp.zeros(())
+  monkeypatch.setattr(bench, "_jax_trace_intervals",
+                      lambda log_dir: [(10 * c + j, 10 * c + j + 2) for c in range(3)
+                                       for j in (0, 4)])
+  per_call, activities, wall = bench._jax_group(call, 3)
+  assert ran == [0, 1, 2] and activities == 2 and wall > 0
+  assert np.allclose(per_call, [(6e-9, 4e-9)] * 3, rtol=1e-12, atol=0)
+  monkeypatch.setattr(bench, "_jax_trace_intervals", lambda log_dir: [])
+  with pytest.raises(bench.TimingError, match="no GPU activity"):
+    bench._jax_group(call, 3)

@@ -8,7 +8,7 @@ time, back to back, cycling through input sets so that none reads what the last 
 on a GPU each call's time is its span in a profiler trace, from its first kernel's start to
 its last kernel's end, for JAX's rows and PyTorch's alike (see :func:`measure`), with its busy
 time beside it. Rates are quoted against ceilings measured in the same run: the best of
-several device-to-device copies for memory-bound ops (only for problems past 4x the L2) and a
+several device-to-device copies for memory-bound ops (only for problems past the L2) and a
 bf16 matrix product for compute-bound ones.
 """
 
@@ -113,7 +113,7 @@ class Row:
   ceiling_name: str = ""
   # XLA's copy of the case's first input, one call at a time: the copy rate at this size.
   size_copy_rate: float | None = None
-  # The forward's bytes fit within 4x the L2: its rates are not quoted against the copy.
+  # The forward fits the cache (see L2_MULTIPLE): its rates are not quoted against the copy.
   cache_resident: bool = False
   forward_pct: float | None = None
   train_pct: float | None = None
@@ -218,43 +218,49 @@ def _jax_trace_intervals(log_dir) -> list[tuple[int, int]]:
   return intervals
 
 
-def _jax_group(call, calls):
-  """Per call (span, busy) seconds from JAX's profiler trace of ``calls`` back-to-back calls,
-  the GPU activities per call, and the host's seconds for the group."""
+def _traced_group(run, calls):
+  """Runs ``run()`` (``calls`` back-to-back calls and a wait for them) under JAX's profiler,
+  which sees every kernel of the process, PyTorch's too: per call (span, busy) seconds and
+  GPU activities per call, or ``(None, None)`` where the trace shows none; and the host's
+  seconds for the group."""
   with tempfile.TemporaryDirectory() as log_dir:
     with jax.profiler.trace(log_dir):
       t0 = time.perf_counter()
-      for i in range(calls):
-        out = call(i)
-      _block(out)
+      run()
       wall = time.perf_counter() - t0
     intervals = _jax_trace_intervals(log_dir)
+  if not intervals:
+    return None, None, wall
   per_call = [(span * 1e-9, busy * 1e-9) for span, busy in split_calls(intervals, calls)]
   return per_call, len(set(intervals)) // calls, wall
 
 
+def _jax_group(call, calls):
+  per_call, activities, wall = _traced_group(lambda: _host_group(call, calls, _block), calls)
+  if per_call is None:
+    raise TimingError(f"the trace of {calls} calls shows no GPU activity")
+  return per_call, activities, wall
+
+
 def _torch_group(call, calls):
-  """The same for PyTorch calls. JAX's profiler sees every kernel of the process, PyTorch's
-  too, so both are read on one clock; where its trace shows none, each call's span is read
-  from CUDA events around it (from the GPU reaching the call to its last kernel's end) and
-  busy time is not read."""
+  """PyTorch's calls on JAX's trace; where it shows none, each call's span is read from CUDA
+  events around it (from the GPU reaching the call to its last kernel's end) and busy time is
+  not read. (PyTorch's own profiler would hold CUPTI, leaving JAX's traces empty after it.)"""
   import torch
   marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
            for _ in range(calls)]
-  with tempfile.TemporaryDirectory() as log_dir:
-    with jax.profiler.trace(log_dir):
-      t0 = time.perf_counter()
-      for i, (start, end) in enumerate(marks):
-        start.record()
-        call(i)
-        end.record()
-      torch.cuda.synchronize()
-      wall = time.perf_counter() - t0
-    intervals = _jax_trace_intervals(log_dir)
-  if intervals:
-    per_call = [(span * 1e-9, busy * 1e-9) for span, busy in split_calls(intervals, calls)]
-    return per_call, len(set(intervals)) // calls, wall
-  return [(start.elapsed_time(end) * 1e-3, None) for start, end in marks], None, wall
+
+  def run():
+    for i, (start, end) in enumerate(marks):
+      start.record()
+      call(i)
+      end.record()
+    torch.cuda.synchronize()
+
+  per_call, activities, wall = _traced_group(run, calls)
+  if per_call is None:
+    per_call = [(start.elapsed_time(end) * 1e-3, None) for start, end in marks]
+  return per_call, activities, wall
 
 
 def _host_group(call, calls, wait):
@@ -336,11 +342,16 @@ def time_ms(fn: Callable, input_sets: Sequence[tuple], *, min_seconds: float = 0
   return timing.span_ms
 
 
+# A problem is past the cache when the bytes its forward moves reach this many L2s: the dirty
+# lines one call leaves are then a small part of what the next one moves.
+L2_MULTIPLE = 4
+
+
 def copies_for(bytes_per_call: float) -> int:
   """Input sets to cycle through: enough that a call never reads what an earlier call left
   in L2, within memory."""
   l2 = device.describe().l2_bytes if device.describe() else 64 << 20
-  return int(max(2, min(32, math.ceil(4 * l2 / max(bytes_per_call, 1.0)))))
+  return int(max(2, min(32, math.ceil(L2_MULTIPLE * l2 / max(bytes_per_call, 1.0)))))
 
 
 # Bytes a copy ceiling reads (and writes): far past any L2.
@@ -529,7 +540,8 @@ def _references(case, inputs):
 
 def _cache_resident(case) -> bool:
   gpu = device.describe()
-  return case.unit == "GB/s" and gpu is not None and case.forward_work < 4 * gpu.l2_bytes
+  return (case.unit == "GB/s" and gpu is not None
+          and case.forward_work < L2_MULTIPLE * gpu.l2_bytes)
 
 
 def _run_case(case, impls, ceilings, time_it, progress):
@@ -675,8 +687,8 @@ def table(rows: Sequence[Row], ceilings: dict) -> str:
     out.append(f"matmul ceiling: {ceilings['matmul TFLOP/s']:.0f} TFLOP/s (bf16 8192^3)")
   gpu = device.describe()
   if gpu is not None:
-    out.append(f"'cache' in %ceil: the forward moves under 4x the L2 ({gpu.l2_bytes / 2**20:.0f} "
-               f"MiB), so its rate is not quoted against the copy")
+    out.append(f"'cache' in %ceil: the forward moves under {L2_MULTIPLE}x the L2 "
+               f"({gpu.l2_bytes / 2**20:.0f} MiB), so its rate is not quoted against the copy")
   out.append(f"ms: {timing_method()}; busy: the kernels' union")
   for op in dict.fromkeys(r.op for r in rows):
     op_rows = [r for r in rows if r.op == op]
