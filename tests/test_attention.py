@@ -734,9 +734,9 @@ def few_ctas(monkeypatch):
   from jaxfuse.ops.attention import mosaic
   monkeypatch.setattr(registry, "num_multiprocessors", lambda: 3)
   for name in ("BACKWARD_CONFIGS", "BACKWARD_UNMASKED_CONFIGS"):
-    monkeypatch.setattr(mosaic, name, {
+    monkeypatch.setattr(mosaic.config, name, {
         dim: cfg if cfg.paired_dk_dv else dataclasses.replace(cfg, persistent=True)
-        for dim, cfg in getattr(mosaic, name).items()})
+        for dim, cfg in getattr(mosaic.config, name).items()})
   jax.clear_caches()
   yield
   jax.clear_caches()
@@ -1031,7 +1031,7 @@ def test_mosaic_bands_cover_every_allowed_pair(rng, monkeypatch):
   at its rows' length."""
   from jaxfuse.ops.attention import mosaic
   # The kernels' loops (lax.fori_loop) as Python loops, which may carry a record of the walk.
-  monkeypatch.setattr(mosaic, "_loop", lambda lower, upper, fn, carry: functools.reduce(
+  monkeypatch.setattr(mosaic.pipeline, "_loop", lambda lower, upper, fn, carry: functools.reduce(
       lambda carry, j: fn(j, carry), range(lower, upper), carry))
   from jaxfuse.ops.attention.reference import MaskSpec, allowed
   block_q, block_kv = 4, 8
@@ -1074,7 +1074,7 @@ def test_mosaic_tile_masks_match_the_reference(rng, monkeypatch):
   the key length are zeroed later, not masked). Lane-layout iotas stand in for the kernel's."""
   from jaxfuse.ops.attention import mosaic
   from jaxfuse.ops.attention.reference import MaskSpec, allowed
-  monkeypatch.setattr(mosaic, "_iota",
+  monkeypatch.setattr(mosaic.band, "_iota",
                       lambda shape, axis: jax.lax.broadcasted_iota(jnp.int32, shape, axis))
   block_q, block_kv = 4, 8
   for _ in range(40):

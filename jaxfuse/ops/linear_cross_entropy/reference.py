@@ -148,9 +148,8 @@ def xla_rows(logits, bias, labels, row_scale, lse, *, classes, label_smoothing, 
 
 def _logsumexp_rows(logits):
   """Each row's log-sum-exp in one pass over the logits (a running maximum and the sum of
-  exponentials under it, as in online softmax) where ``jax.nn.logsumexp`` reads them twice
-  (H100, GPT-2 shape: forward 3.8 against 4.6 ms,
-  benchmarks/results/2026-11-24-h100-linear-cross-entropy.json)."""
+  exponentials under it, as in online softmax) where ``jax.nn.logsumexp`` reads them twice,
+  and a chunk's float32 logits are the largest array it moves (measured: benchmarks/results/)."""
 
   def combine(a, b):
     (max_a, sum_a), (max_b, sum_b) = a, b

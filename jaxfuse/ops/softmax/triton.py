@@ -96,8 +96,8 @@ def default_blocks(layout: Layout, direction: str = "forward") -> Blocks:
     return Blocks(16, 512, 16, sms)
   block_cols = min(pl.next_power_of_2(layout.n), _MAX_COLS)
   if direction == "forward" and layout.post == 1 and 1024 <= block_cols <= 8192:
-    # A row per program, 8 to 16 elements per thread, no persistent grid: 3-6% over the
-    # persistent tiles below (benchmarks/results/2026-11-22-h100-tune-softmax-short.json).
+    # A row per program, 8 to 16 elements per thread, no persistent grid: faster than the
+    # persistent tiles below at these lengths (measured: benchmarks/results/).
     return Blocks(1, block_cols, min(16, max(4, block_cols // 512)))
   tile = 1024 if block_cols < 1024 else 8192
   block_rows = max(1, min(tile // block_cols, pl.next_power_of_2(rows), 64))

@@ -36,11 +36,9 @@ STAGED_UNITS = {2: 8, 4: 4}
 STAGED_THREADS = 256
 STAGED_FROM_BYTES = 64 * 1024
 # Short rows (norm.cu), units per thread in order of preference, up to what fits beside the next
-# row. Measured on the H100 (benchmarks/tune.py norm_cuda, bf16, 16384 x 256): two units on 16
-# lanes 1-4 points of the copy ahead of one on 32 lanes, both directions, and level with four on
-# 8 lanes forward. Against the Triton kernels there (2026-11-23-h100-norm-short-rows.json): the
-# forward some 12 points behind (70% of the copy against 82%), RMSNorm's backward level,
-# LayerNorm's ahead, which `None` takes (api._fastest).
+# row. Measured on the H100 (benchmarks/tune.py norm_cuda): two units on 16 lanes beat one on 32
+# lanes in both directions and tie with four on 8 forward. Beside the Triton kernels only
+# LayerNorm's backward comes out ahead, which `None` takes (api._fastest).
 SHORT_FORWARD_UNITS = {2: (2, 4, 1), 4: (2, 1)}
 SHORT_BACKWARD_UNITS = {2: (2, 1), 4: (1,)}
 _SUPPORTED = tuple(map(jnp.dtype, (jnp.float16, jnp.bfloat16, jnp.float32)))
@@ -56,17 +54,13 @@ def unavailable() -> str | None:
 # registers, the most units per thread, then clusters of 512-thread CTAs; a cluster barrier per
 # row costs more than the loads a CTA overlaps with it, so fewer, larger CTAs per row win.
 # Staged (32768 columns and more), CTAs of 128 threads up to clusters of 8, then of 256: their
-# small stages and parameter slices let more CTAs share an SM (65536 columns: RMSNorm 95.6% of
-# the copy against 87.6% through registers, LayerNorm 86.8% against 79.0%; two stages, the
-# parameters read from global memory at each row, or 8 CTAs of 256 threads at 4 units (83%)
-# measured slower). LayerNorm's two parameter slices beside the stage take 49 KiB per 128-thread
-# CTA, so four CTAs share an SM against RMSNorm's six: Nsight Compute reads 3.9 active warps per
-# scheduler against 5.8, the likeliest cause of its lower rate. float32 parameters beside
-# 16-bit x double the parameter slices, so there the slices are halved and the clusters doubled
-# (up to 16 CTAs) to keep as many CTAs on an SM. bf16 x, float32 weights, 65536 columns, in
-# probes against the widest slices: 6-7 points of the copy more for RMSNorm's float32 output
-# and LayerNorm's bf16 output, even for LayerNorm's float32 output, a point less for RMSNorm's
-# bf16 output (benchmarks/results/2026-11-23-h100-norm-f32-params.json records the default).
+# small stages and parameter slices let more CTAs share an SM, which beat registers, two stages,
+# parameters read from global memory at each row, and 256-thread CTAs at half the units. LayerNorm's
+# two parameter slices beside the stage take 49 KiB per 128-thread CTA, so four CTAs share an SM
+# against RMSNorm's six: fewer active warps per scheduler, the likeliest cause of its lower rate.
+# float32 parameters beside 16-bit x double the parameter slices, so there the slices are halved
+# and the clusters doubled (up to 16 CTAs) to keep as many CTAs on an SM; against the widest
+# slices that wins or ties for every output dtype but RMSNorm's bf16, a little behind there.
 def forward_tiling(n_cols: int, x_dtype, param_dtype=None) -> Tiling | None:
   width = jnp.dtype(x_dtype).itemsize
   if short := cuda.short_tiling(n_cols, SHORT_FORWARD_UNITS[width]):

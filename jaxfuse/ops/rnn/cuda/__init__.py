@@ -35,17 +35,17 @@ _HANDLERS = {"jaxfuse_rnn_forward": "JaxfuseRnnForward",
 _SUPPORTED = tuple(map(jnp.dtype, (jnp.float16, jnp.bfloat16, jnp.float32)))
 LIBRARY = cuda.Library(_SOURCE, _HANDLERS)
 
-# rnn.cu's constants: warps per CTA (16 against 8: training steps 8-27% faster in four of six
-# cases, benchmarks/results/2026-11-23-h100-tune-rnn-{8,16}-warps.json), the most weight
-# columns a CTA holds, the most (batch row, unit) items a chunk updates (one a thread), the
-# words after each staged row and the most staging buffers.
+# rnn.cu's constants: warps per CTA (16 rather than 8: faster training steps in most cases
+# measured, benchmarks/results/), the most weight columns a CTA holds, the most (batch row,
+# unit) items a chunk updates (one a thread), the words after each staged row and the most
+# staging buffers.
 _WARPS = 16
 _MAX_COLUMNS = 64
 _MAX_ITEMS = 32 * _WARPS
 _PAD = 4
 _MAX_STAGES = 4
-# Staging buffers when K does not fit in flight at once: 2 against 3 and 4, backward 8-16%
-# faster (benchmarks/results/2026-11-23-h100-tune-rnn-groups.json).
+# Staging buffers when K does not fit in flight at once: 2, which ran the backward faster than
+# 3 or 4 (measured: benchmarks/results/).
 _CYCLED_STAGES = 2
 # Batch rows staged at once (a multiple of 16): beyond one chunk a step stages h again per chunk.
 MAX_BATCH_CHUNK = 64

@@ -42,8 +42,8 @@ def unavailable() -> str | None:
 # fed through one shared-memory stage instead (cp.async), with eight vectors a thread: the copy
 # of the next row is in flight while the current one is reduced, without the registers to hold
 # it. Measured on the H100 (benchmarks/tune.py softmax_cuda, bf16): from 32768 columns the
-# staged kernel in CTAs of 256 threads wins by 1-13 points of the copy bandwidth (most at
-# 262144); below, the most units per thread through registers in 512-thread CTAs.
+# staged kernel in CTAs of 256 threads wins, the more the longer the row; below, the most units
+# per thread through registers in 512-thread CTAs.
 FORWARD_UNITS = {2: (4, 2, 1), 4: (2, 1, 4)}
 STAGED_UNITS = {2: 8, 4: 4}
 STAGED_FROM_BYTES = 64 * 1024
@@ -64,8 +64,8 @@ def forward_tiling(n_cols: int, dtype) -> Tiling | None:
 def cross_entropy_tiling(n_cols: int, dtype) -> Tiling | None:
   """The cross-entropy computes its gradient in the registers the staged feed would need (it
   spills there): it stays with registers, in clusters of at most two CTAs, then takes the
-  widest slices to keep clusters small (measured on the H100: 131072 columns at 77.5% of the
-  copy in 4 CTAs of 8 units against 73.5% in 8 of 4)."""
+  widest slices to keep clusters small (measured on the H100: at 131072 columns 4 CTAs of 8
+  units beat 8 of 4)."""
   width = jnp.dtype(dtype).itemsize
   return (cuda.tiling(n_cols, FORWARD_UNITS[width], max_cluster=2)
           or cuda.tiling(n_cols, (STAGED_UNITS[width],)))

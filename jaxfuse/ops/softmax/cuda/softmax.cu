@@ -9,13 +9,10 @@
 // (max, sum of exp2(z - max)) pairs in base 2 (z = x * scale * log2 e), so every exponential is
 // one exp2 and the whole row needs one cluster barrier.
 //
-// Where the forward's time goes (H100, 4096 rows of 131072 bf16, session probes): the same
-// kernel writing x back instead of its softmax reaches 94.6% of the copy bandwidth, so the
-// exponentials on each row's path, not the walk, cost the last points (88.7% with them); with
-// no cluster barrier at all the copy variant is no faster (92.8%). exp2f stays: its
-// single-instruction form (ex2.approx.ftz, which drops exp2f's subnormal fix-ups) measured
-// slower in a same-machine A/B, 88.0% against 88.7% there and 90.3% against 92.7% at
-// 16384 x 32768.
+// The exponentials on each row's path, not the walk or the cluster barrier, keep the forward
+// short of the copy: the same kernel writing x back instead of its softmax comes closer to it,
+// and that variant gains nothing without the barrier. exp2f stays: its single-instruction form
+// (ex2.approx.ftz, which drops exp2f's subnormal fix-ups) measured slower on the H100.
 #include "rows.cuh"
 
 namespace jaxfuse {
