@@ -1,5 +1,5 @@
-"""Command line: ``jaxfuse bench [family-or-op ...] [--json PATH] [--plot PATH]`` and
-``jaxfuse build [--arch sm_90]``."""
+"""Command line: ``jaxfuse bench [family-or-op ...] [--regret] [--json PATH] [--plot PATH]``
+and ``jaxfuse build [--arch sm_90]``."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import concurrent.futures
 import importlib
 import sys
 
-from jaxfuse._core import bench, registry
+from jaxfuse._core import bench, registry, report
 
-# Op families with a bench spec module exposing ``cases(quick) -> list[Case]``.
+# Op families with a bench spec module exposing ``cases(quick) -> list[Case]`` and
+# ``regret_cases() -> list[Case]``.
 FAMILIES = {
     "norm": "jaxfuse.ops.norm.bench",
     "softmax": "jaxfuse.ops.softmax.bench",
@@ -23,10 +24,11 @@ CUDA_LIBRARIES = ("jaxfuse.ops.norm.cuda", "jaxfuse.ops.softmax.cuda", "jaxfuse.
                   "jaxfuse._core.cuda.copies")
 
 
-def _cases(names, quick):
+def _cases(names, quick, regret):
   cases = []
   for family, module in FAMILIES.items():
-    family_cases = importlib.import_module(module).cases(quick)
+    spec = importlib.import_module(module)
+    family_cases = spec.regret_cases() if regret else spec.cases(quick)
     if not names or family in names:
       cases += family_cases
     else:
@@ -44,6 +46,10 @@ def main(argv=None) -> int:
   b.add_argument("--json", metavar="PATH", help="save the numbers with device, date, versions")
   b.add_argument("--plot", metavar="PATH", help="save a PNG of rate against size")
   b.add_argument("--quick", action="store_true", help="a few sizes only")
+  b.add_argument("--regret", action="store_true",
+                 help="None against every implementation over grids past the tuned shapes: "
+                      "per point the fastest named time over None's, the worst and the "
+                      "geometric mean (--plot draws the regrets)")
   b.add_argument("--impl", help="comma-separated implementations to run (default: all)")
   b.add_argument("--sizes", help="comma-separated problem sizes (the plots' x values) to keep")
   b.add_argument("--only", action="append", metavar="TEXT",
@@ -55,7 +61,7 @@ def main(argv=None) -> int:
   if args.command == "build":
     return _build(args.arch)
 
-  cases, unknown = _cases(args.ops, args.quick)
+  cases, unknown = _cases(args.ops, args.quick, args.regret)
   if unknown:
     parser.error(f"unknown op or family: {', '.join(unknown)}")
   if args.sizes:
@@ -71,13 +77,24 @@ def main(argv=None) -> int:
     print("No GPU here: XLA is timed, the Pallas kernels are only checked in the interpreter. "
           "Kernel timings need a GPU.")
   impls = args.impl.split(",") if args.impl else None
-  save = (lambda rows, ceilings: bench.save_json(args.json, rows, ceilings)) if args.json else None
-  rows, ceilings = bench.run(cases, implementations=impls, on_case=save)
-  print(bench.table(rows, ceilings))
+  def save(rows, ceilings):
+    found = report.regrets(rows) if args.regret else []
+    report.save_json(args.json, rows, ceilings,
+                     **({"regrets": [vars(r) for r in found]} if args.regret else {}))
+
+  rows, ceilings = bench.run(cases, implementations=impls, on_case=save if args.json else None)
+  print(report.table(rows, ceilings))
+  found = report.regrets(rows) if args.regret else None
+  if args.regret:
+    print("\n" + report.regret_table(found))
   if args.json:
+    save(rows, ceilings)
     print(f"saved {args.json}")
   if args.plot:
-    bench.save_plot(args.plot, rows, ceilings)
+    if args.regret:
+      report.save_regret_plot(args.plot, found)
+    else:
+      report.save_plot(args.plot, rows, ceilings)
     print(f"saved {args.plot}")
   # A jaxfuse kernel that is wrong or broke fails the job; an implementation this machine
   # lacks, or a comparator that is not installed, does not.

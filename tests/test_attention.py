@@ -528,8 +528,8 @@ def test_cudnn_refusal_is_a_reason_not_a_crash(rng, monkeypatch):
 
 def test_default_takes_mosaic_before_cudnn_where_it_measured_faster(monkeypatch):
   """On an H100, None takes 'mosaic' before cuDNN where it measured faster, apart for calls
-  only evaluated and calls differentiated (``_MOSAIC_BEFORE_CUDNN``); cuDNN first elsewhere
-  and on GPUs not measured; a named implementation runs both ways."""
+  only evaluated and calls differentiated (the tuned table's rows); cuDNN first elsewhere and
+  on GPUs without a table; a named implementation runs both ways."""
   from jaxfuse._core import registry
   from jaxfuse.ops.attention import api
   monkeypatch.setattr(registry, "platform", lambda: "gpu")
@@ -561,8 +561,9 @@ def test_default_takes_mosaic_before_cudnn_where_it_measured_faster(monkeypatch)
   assert chosen(h100, False, 2049, 64) == cudnn
   assert chosen(h100, False, 8192, 256, implementation="cudnn") == cudnn
   assert chosen(h100, True, 16384, 128, implementation="mosaic") == mosaic
-  assert chosen("NVIDIA H200", True, 2048, 128) == cudnn
-  assert chosen("NVIDIA H200", False, 2048, 64) == cudnn
+  assert chosen("NVIDIA H200", True, 2048, 128) == mosaic  # its table inherits the H100's
+  assert chosen("NVIDIA A100-SXM4-80GB", True, 2048, 128) == cudnn
+  assert chosen("NVIDIA A100-SXM4-80GB", False, 2048, 64) == cudnn
 
 
 def test_evaluated_and_differentiated_by_different_kernels(rng, monkeypatch):

@@ -2,6 +2,7 @@
 jaxfuse implementation that is wrong or crashes fails the job."""
 
 import dataclasses
+import json
 import time
 
 import jax
@@ -11,7 +12,7 @@ import pytest
 from jax.experimental import io_callback
 
 from jaxfuse import cli
-from jaxfuse._core import bench
+from jaxfuse._core import bench, report
 
 
 def _case(forward):
@@ -52,13 +53,13 @@ def test_wrong_or_crashing_kernel_fails():
 
 
 def test_exit_code_counts_only_jaxfuse_failures(monkeypatch, capsys):
-  monkeypatch.setattr(cli, "_cases", lambda names, quick: (
+  monkeypatch.setattr(cli, "_cases", lambda names, quick, regret: (
       [_case(_forward(missing=("optax",)))], []))
   run = bench.run
   monkeypatch.setattr(bench, "run", lambda cases, implementations=None, on_case=None:
                       run(cases, time_it=False))
   assert cli.main(["bench"]) == 0
-  monkeypatch.setattr(cli, "_cases", lambda names, quick: (
+  monkeypatch.setattr(cli, "_cases", lambda names, quick, regret: (
       [_case(_forward(wrong=("triton",)))], []))
   assert cli.main(["bench"]) == 1
   assert "FAILED: probe 8x16 float32 triton" in capsys.readouterr().err
@@ -66,14 +67,46 @@ def test_exit_code_counts_only_jaxfuse_failures(monkeypatch, capsys):
 
 def test_only_keeps_the_cases_whose_label_has_the_text(monkeypatch):
   ran = []
-  monkeypatch.setattr(cli, "_cases", lambda names, quick: (
+  monkeypatch.setattr(cli, "_cases", lambda names, quick, regret: (
       [dataclasses.replace(_case(_forward()), label=label)
        for label in ("4x4096 causal", "4x4096 window (256, 256)", "4x4096 full")], []))
   monkeypatch.setattr(bench, "run", lambda cases, implementations=None, on_case=None:
                       (ran.extend(c.label for c in cases), ([], {}))[1])
-  monkeypatch.setattr(bench, "table", lambda rows, ceilings: "")
+  monkeypatch.setattr(report, "table", lambda rows, ceilings: "")
   assert cli.main(["bench", "--only", "window (256, 256)", "--only", "causal"]) == 0
   assert ran == ["4x4096 causal", "4x4096 window (256, 256)"]
+
+
+def _timed_row(label, impl, forward_ms, train_ms=None, op="probe"):
+  return bench.Row(op, label, 16, impl, "GB/s", forward_ms=forward_ms, train_ms=train_ms)
+
+
+def test_regret_is_the_fastest_named_time_over_nones():
+  rows = [_timed_row("a", "xla", 2.0, 4.0), _timed_row("a", "triton", 1.0, 5.0),
+          _timed_row("a", "optax", 0.5, 0.5), _timed_row("a", bench.DEFAULT, 1.25, 4.0),
+          _timed_row("b", "xla", 3.0), _timed_row("b", "cuda", None),
+          _timed_row("b", bench.DEFAULT, 3.0), _timed_row("c", "xla", 1.0)]
+  found = report.regrets(rows)
+  assert [(r.label, r.direction, r.regret, r.fastest) for r in found] == [
+      ("a", "forward", 0.8, "triton"), ("a", "step", 1.0, "xla"), ("b", "forward", 1.0, "xla")]
+  text = report.regret_table(found)
+  assert "probe                    worst 0.800 (a forward, triton)" in text
+  assert f"geometric mean {0.8 ** (1 / 3):.3f} over 3 points" in text
+
+
+def test_regret_runs_the_families_regret_grids(monkeypatch, capsys, tmp_path):
+  monkeypatch.setattr(bench, "run", lambda cases, implementations=None, on_case=None: (
+      [_timed_row(c.label, impl, 1.0, 2.0, c.op) for c in cases for impl in c.implementations],
+      {}))
+  path = tmp_path / "regret.json"
+  assert cli.main(["bench", "norm", "--regret", "--json", str(path)]) == 0
+  out = capsys.readouterr().out
+  assert "all                      worst 1.000" in out
+  saved = json.loads(path.read_text())
+  # The CPU grid: RMSNorm and LayerNorm, each with XLA and None, forward and step.
+  assert [(r["op"], r["direction"]) for r in saved["regrets"]] == [
+      ("rms_norm", "forward"), ("rms_norm", "step"), ("layer_norm", "forward"),
+      ("layer_norm", "step")]
 
 
 def test_calls_split_into_span_and_busy():

@@ -60,6 +60,9 @@ class Machine:
   def capability(self, capability):
     self._monkeypatch.setattr(registry, "cuda_compute_capability", lambda: capability)
 
+  def kind(self, name):
+    self._monkeypatch.setattr(registry, "device_kind", lambda: name)
+
   def platform(self, name):
     self._monkeypatch.setattr(registry, "platform", lambda: name)
     self.capability(None)
@@ -290,29 +293,36 @@ def test_none_takes_triton_from_compute_capability_8(gpu, chosen, capability, ex
 
 # --------------------------------------------------------------------------------- norms
 
-# (op, features, x dtype, out_dtype, param dtype) -> (forward, backward) on the H100.
+# (op, features, x dtype, out_dtype, param dtype) -> (forward, backward) on the H100's table.
 NORM_ON_HOPPER = [
     # Up to 16384 features Triton, above CUDA, where CUDA takes the rows.
     ("rms_norm", 16384, "bfloat16", None, None, ("triton", "triton")),
     ("rms_norm", 16392, "bfloat16", None, None, ("cuda", "cuda")),
     ("layer_norm", 16384, "bfloat16", None, None, ("triton", "triton")),
     ("layer_norm", 16392, "bfloat16", None, None, ("cuda", "cuda")),
-    ("rms_norm", 16392, "float32", None, None, ("cuda", "cuda")),
+    ("layer_norm", 16392, "float32", None, None, ("cuda", "cuda")),
     ("rms_norm", 32768, "bfloat16", None, "float32", ("cuda", "cuda")),
     ("rms_norm", 131072, "bfloat16", None, None, ("cuda", "cuda")),
-    ("rms_norm", 65536, "float32", None, None, ("cuda", "cuda")),
+    # But XLA for RMSNorm's float32 rows past Triton's.
+    ("rms_norm", 16384, "float32", None, None, ("triton", "triton")),
+    ("rms_norm", 16392, "float32", None, None, ("xla", "xla")),
+    ("rms_norm", 65536, "float32", None, None, ("xla", "xla")),
+    ("rms_norm", 65544, "float32", None, None, ("xla", "xla")),
     # Where CUDA refuses the rows: Triton's two-walk forward, XLA's backward.
     ("rms_norm", 16385, "bfloat16", None, None, ("triton", "xla")),
     ("rms_norm", 131080, "bfloat16", None, None, ("triton", "xla")),
     ("layer_norm", 131080, "float16", None, None, ("triton", "xla")),
-    ("rms_norm", 65544, "float32", None, None, ("triton", "xla")),
+    ("layer_norm", 65544, "float32", None, None, ("triton", "xla")),
     ("rms_norm", 32768, "float64", None, None, ("triton", "xla")),
     ("rms_norm", 32768, "bfloat16", None, "float64", ("triton", "xla")),
     ("layer_norm", 32768, "bfloat16", "float16", None, ("triton", "xla")),
-    # LayerNorm's backward of short 16-bit rows, y of x's dtype: the CUDA short-row kernel.
-    ("layer_norm", 8, "bfloat16", None, None, ("triton", "cuda")),
-    ("layer_norm", 512, "bfloat16", None, None, ("triton", "cuda")),
-    ("layer_norm", 512, "float16", None, None, ("triton", "cuda")),
+    # LayerNorm of 16-bit rows of 257 to 512 features, y of x's dtype: the CUDA short-row
+    # kernels.
+    ("layer_norm", 8, "bfloat16", None, None, ("triton", "triton")),
+    ("layer_norm", 256, "bfloat16", None, None, ("triton", "triton")),
+    ("layer_norm", 264, "bfloat16", None, None, ("cuda", "cuda")),
+    ("layer_norm", 512, "bfloat16", None, None, ("cuda", "cuda")),
+    ("layer_norm", 512, "float16", None, None, ("cuda", "cuda")),
     ("layer_norm", 520, "bfloat16", None, None, ("triton", "triton")),
     ("layer_norm", 500, "bfloat16", None, None, ("triton", "triton")),
     ("layer_norm", 512, "bfloat16", "float32", None, ("triton", "triton")),
@@ -402,22 +412,26 @@ def test_norm_cuda_takes_rows_up_to_its_limits(gpu, chosen, n, dtype, out_dtype)
 
 # ------------------------------------------------------------------------------- softmax
 
-# (row length, dtype) -> (forward, backward) on the H100: CUDA's forward from 32768, its
-# backward above 16384, each where the kernels of that direction hold the row.
+# (row length, dtype) -> (forward, backward) on the H100's table: CUDA's forward from 16384
+# (Triton's for float32 rows from 32768), its backward from 16376, each where the kernels of
+# that direction hold the row; XLA for rows of up to 256 and for 16-bit rows too long for a
+# Triton tile that CUDA cannot take.
 SOFTMAX_ON_HOPPER = [
-    (16384, "bfloat16", ("triton", "triton")),
-    (16392, "bfloat16", ("triton", "cuda")),
-    (32760, "bfloat16", ("triton", "cuda")),
-    (32768, "bfloat16", ("cuda", "cuda")),
-    (32769, "bfloat16", ("triton", "triton")),
+    (256, "bfloat16", ("xla", "xla")),
+    (264, "bfloat16", ("triton", "triton")),
+    (16368, "bfloat16", ("triton", "triton")),
+    (16376, "bfloat16", ("triton", "cuda")),
+    (16384, "bfloat16", ("cuda", "cuda")),
+    (32760, "bfloat16", ("cuda", "cuda")),
+    (32769, "bfloat16", ("xla", "xla")),
     (262144, "bfloat16", ("cuda", "cuda")),
-    (262152, "bfloat16", ("cuda", "triton")),
-    (524288, "bfloat16", ("cuda", "triton")),
-    (524296, "bfloat16", ("triton", "triton")),
-    (32768, "float32", ("cuda", "cuda")),
-    (131072, "float32", ("cuda", "cuda")),
-    (131080, "float32", ("cuda", "triton")),
-    (262144, "float32", ("cuda", "triton")),
+    (262152, "bfloat16", ("cuda", "xla")),
+    (524288, "bfloat16", ("cuda", "xla")),
+    (524296, "bfloat16", ("xla", "xla")),
+    (16384, "float32", ("cuda", "cuda")),
+    (32768, "float32", ("triton", "cuda")),
+    (131072, "float32", ("triton", "cuda")),
+    (131080, "float32", ("triton", "triton")),
     (262152, "float32", ("triton", "triton")),
     (65536, "float64", ("triton", "triton")),
 ]
@@ -454,7 +468,7 @@ def test_softmax_none_without_triton_takes_cuda_from_16384(gpu, chosen, n, dtype
 
 
 @pytest.mark.parametrize("rows,n,expected", [
-    (MAX_EXTENT, 16384, ("triton", "triton")),
+    (MAX_EXTENT, 16368, ("triton", "triton")),
     (MAX_EXTENT + 1, 16384, ("cuda", "cuda")),
     (MAX_EXTENT + 1, 16376, ("xla", "xla")),
 ])
@@ -500,22 +514,29 @@ def test_softmax_cuda_takes_rows_up_to_its_limits(gpu, chosen, n, dtype):
 
 # ------------------------------------------------------------------------- cross-entropy
 
-# (classes, dtype) -> (with its gradient, the loss alone) on the H100: CUDA above 16384
-# classes; the loss alone stays on it only where a row fits a cluster of up to 4 CTAs.
+# (classes, dtype) -> (with its gradient, the loss alone) on the H100's table, 64 rows:
+# Triton wherever it runs, but CUDA for float32 rows over 16384 classes it takes, and XLA for
+# the gradient of 16-bit rows too long for a Triton tile that CUDA cannot take. (Problems of
+# up to 2^19 logits go to XLA: see test_cross_entropy_none_takes_xla_for_few_logits.)
 CROSS_ENTROPY_ON_HOPPER = [
     (16384, "bfloat16", ("triton", "triton")),
-    (16385, "bfloat16", ("triton", "triton")),
-    (16392, "bfloat16", ("cuda", "cuda")),
-    (131072, "bfloat16", ("cuda", "cuda")),
-    (131080, "bfloat16", ("cuda", "triton")),
-    (262144, "bfloat16", ("cuda", "triton")),
-    (262152, "bfloat16", ("triton", "triton")),
-    (65536, "float32", ("cuda", "cuda")),
-    (65544, "float32", ("cuda", "triton")),
-    (131072, "float32", ("cuda", "triton")),
+    (16392, "bfloat16", ("triton", "triton")),
+    (131072, "bfloat16", ("triton", "triton")),
+    (262152, "bfloat16", ("xla", "triton")),
+    (16384, "float32", ("triton", "triton")),
+    (16392, "float32", ("cuda", "cuda")),
+    (131072, "float32", ("cuda", "cuda")),
     (131080, "float32", ("triton", "triton")),
     (32768, "float64", ("triton", "triton")),
 ]
+
+
+@pytest.mark.parametrize("rows,vocab,expected", [
+    (8, 50264, ("xla", "xla")), (8, 65536, ("xla", "xla")), (8, 65544, ("triton", "triton")),
+    (1, 2**19, ("xla", "xla"))])
+def test_cross_entropy_none_takes_xla_for_few_logits(gpu, chosen, rows, vocab, expected):
+  cross_entropy(vocab, rows=rows)
+  assert chosen() == expected
 
 
 @pytest.mark.parametrize("vocab,dtype,expected", CROSS_ENTROPY_ON_HOPPER)
@@ -534,10 +555,9 @@ def test_cross_entropy_none_without_triton_takes_cuda_from_16384(gpu, chosen, vo
   assert chosen() == expected
 
 
-@pytest.mark.parametrize("rows,expected", [(MAX_EXTENT, ("cuda", "triton")),
+@pytest.mark.parametrize("rows,expected", [(MAX_EXTENT, ("triton", "triton")),
                                            (MAX_EXTENT + 1, ("cuda", "cuda"))])
-def test_cross_entropy_loss_stays_on_cuda_where_triton_cannot_index(gpu, chosen, rows,
-                                                                    expected):
+def test_cross_entropy_none_takes_cuda_where_triton_cannot_index(gpu, chosen, rows, expected):
   cross_entropy(131080, rows=rows)
   assert chosen() == expected
 
@@ -697,6 +717,24 @@ def test_attention_none_falls_through_in_order(gpu, chosen, machine, kwargs, exp
   MACHINES[machine](gpu)
   attention(**kwargs)
   assert chosen() == _each_direction(expected)
+
+
+# (GPU, call) -> (evaluated, differentiated) where the GPU's tuned table puts 'mosaic' before
+# cuDNN: the H200's table inherits the H100's; a GPU without a table takes cuDNN first.
+ATTENTION_BY_TABLE = [
+    ("NVIDIA H100 80GB HBM3", dict(t=4096, is_causal=True), ("mosaic", "mosaic")),
+    ("NVIDIA H200", dict(t=4096, is_causal=True), ("mosaic", "mosaic")),
+    ("NVIDIA H200", dict(t=16384, is_causal=True), ("mosaic", "cudnn")),
+    ("NVIDIA H200", dict(t=8192, h=256, is_causal=False), ("cudnn", "mosaic")),
+    ("NVIDIA H100 PCIe", dict(t=4096, is_causal=True), ("cudnn", "cudnn")),
+]
+
+
+@pytest.mark.parametrize("kind,kwargs,expected", ATTENTION_BY_TABLE)
+def test_attention_none_follows_the_gpus_table(gpu, chosen, kind, kwargs, expected):
+  gpu.kind(kind)
+  attention(**kwargs)
+  assert chosen() == expected
 
 
 def test_attention_none_moves_on_where_cudnn_rejects_the_shapes(gpu, chosen):

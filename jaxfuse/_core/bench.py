@@ -18,7 +18,6 @@ import dataclasses
 import datetime
 import functools
 import glob
-import json
 import math
 import platform as host_platform
 import statistics
@@ -668,51 +667,6 @@ def _set_rates(row, case, ceilings):
       row.train_pct = 100 * row.train_rate / ceiling
 
 
-def _fmt(v, spec):
-  return "" if v is None else format(v, spec)
-
-
-def _pct(row, value):
-  timed = row.forward_ms is not None
-  return "cache" if timed and row.cache_resident else _fmt(value, "6.1f")
-
-
-def table(rows: Sequence[Row], ceilings: dict) -> str:
-  """Plain-text tables, one per op."""
-  out = []
-  if "copy GB/s" in ceilings:
-    out.append(f"copy ceiling: {ceilings['copy GB/s']:.0f} GB/s by {ceilings['copy']}, the best "
-               f"of: " + ", ".join(f"{k} {v:.0f}" for k, v in ceilings["copies GB/s"].items()))
-  if "matmul TFLOP/s" in ceilings:
-    out.append(f"matmul ceiling: {ceilings['matmul TFLOP/s']:.0f} TFLOP/s (bf16 8192^3)")
-  gpu = device.describe()
-  if gpu is not None:
-    out.append(f"'cache' in %ceil: the forward moves under {L2_MULTIPLE}x the L2 "
-               f"({gpu.l2_bytes / 2**20:.0f} MiB), so its rate is not quoted against the copy")
-  out.append(f"ms: {timing_method()}; busy: the kernels' union")
-  for op in dict.fromkeys(r.op for r in rows):
-    op_rows = [r for r in rows if r.op == op]
-    unit = op_rows[0].unit
-    header = (f"{'shape':<28} {'impl':<8} {'fwd ms':>8} {'busy':>8} {'fwd ' + unit:>12} "
-              f"{'%ceil':>6} {'step ms':>8} {'busy':>8} {'step ' + unit:>13} {'%ceil':>6} "
-              f"{'temp MiB':>9} {'err fwd':>9} {'err step':>9} {'size copy':>10}")
-    out += ["", f"## {op}", header, "-" * len(header)]
-    for r in op_rows:
-      line = (f"{r.label:<28} {r.implementation:<8} {_fmt(r.forward_ms, '8.3f'):>8} "
-              f"{_fmt(r.forward_busy_ms, '8.3f'):>8} "
-              f"{_fmt(r.forward_rate, '12.1f'):>12} {_pct(r, r.forward_pct):>6} "
-              f"{_fmt(r.train_ms, '8.3f'):>8} {_fmt(r.train_busy_ms, '8.3f'):>8} "
-              f"{_fmt(r.train_rate, '13.1f'):>13} "
-              f"{_pct(r, r.train_pct):>6} {_fmt(r.train_temp_mib, '9.1f'):>9} "
-              f"{_fmt(r.forward_error, '9.1e'):>9} {_fmt(r.train_error, '9.1e'):>9} "
-              f"{_fmt(r.size_copy_rate, '10.0f'):>10}")
-      if r.steps and r.forward_ms is not None:
-        line += (f"  {r.forward_ms * 1e3 / r.steps:.2f}/"
-                 f"{_fmt(r.train_ms and r.train_ms * 1e3 / r.steps, '.2f')} us/step")
-      out.append(line + (f"  {r.note}" if r.note else ""))
-  return "\n".join(out)
-
-
 def environment(program: str = "jaxfuse") -> dict:
   first = jax.devices()[0]
   return {
@@ -731,40 +685,3 @@ def environment(program: str = "jaxfuse") -> dict:
 def _jaxlib_version():
   import jaxlib
   return jaxlib.__version__
-
-
-def save_json(path: str, rows: Sequence[Row], ceilings: dict):
-  record = dict(environment(), ceilings=ceilings, rows=[dataclasses.asdict(r) for r in rows])
-  with open(path, "w") as f:
-    json.dump(record, f, indent=1)
-
-
-def save_plot(path: str, rows: Sequence[Row], ceilings: dict):
-  """Rate against problem size per implementation, forward and training step, one row per op."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  ops = list(dict.fromkeys(r.op for r in rows if r.forward_rate is not None))
-  if not ops:
-    return
-  fig, axes = plt.subplots(len(ops), 2, figsize=(11, 3.6 * len(ops)), squeeze=False)
-  for (ax_f, ax_t), op in zip(axes, ops):
-    op_rows = [r for r in rows if r.op == op and r.forward_rate is not None]
-    unit = op_rows[0].unit
-    for impl in dict.fromkeys(r.implementation for r in op_rows):
-      pts = sorted((r.size, r.forward_rate, r.train_rate) for r in op_rows
-                   if r.implementation == impl)
-      ax_f.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
-      ax_t.plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=impl)
-    ceiling = ceilings.get("copy GB/s" if unit == "GB/s" else "matmul TFLOP/s")
-    for ax, title in ((ax_f, "forward"), (ax_t, "training step")):
-      if ceiling:
-        ax.axhline(ceiling, color="gray", linestyle="--", label="ceiling")
-      ax.set_xscale("log", base=2)
-      ax.set_title(f"{op}: {title}")
-      ax.set_xlabel("size")
-      ax.set_ylabel(unit)
-      ax.legend()
-      ax.grid(alpha=0.3)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfuse._core import registry
+from jaxfuse._core import registry, tuned
 from jaxfuse._core.batching import fold_into_batch
 from jaxfuse._core.sharding import parallel_call
 from jaxfuse._core.validation import check_array, describe, static_float, static_int
@@ -208,8 +208,8 @@ def _triton_unsupported(call):
   return None
 
 
-# jax.nn's cuDNN attention computes dq wrongly from element 2^31 of q on (relative error 0.8
-# in the rows past it, where 'triton' is within bf16 rounding).
+# jax.nn's cuDNN attention computes dq wrongly from element 2^31 of q on (the rows past it
+# are far off, where 'triton' is within bf16 rounding).
 _CUDNN_MAX_ELEMENTS = 2**31
 
 
@@ -288,25 +288,19 @@ def _mosaic_unsupported(call, arrays):
                             has_kv_len=call.has_kv_len)
 
 
-# Per GPU, the calls for which None takes 'mosaic' before cuDNN, for calls only evaluated
-# ("forward") and for those differentiated ("step"): per (causal, head dim) the most queries
-# at which Mosaic measured faster, in runs with both
-# (benchmarks/results/2026-11-26-h100-attention-default-by-use.json at 2048 to 4096 queries,
-# ...-default-by-use-long.json at 8192 and 16384). Forward: causal 1.06-1.12x cuDNN; without a
-# mask 1.11x at head dim 64, 1.00-1.09x at 128 up to 4096 queries (0.98x at 16384), 0.94x at
-# 256. Step: causal 1.06-1.24x up to 4096 queries at head dims 64 and 128 (0.98x at 16384,
-# 0.97x at 256); without a mask 1.06x at 64, 1.05x at 256, 0.90-1.00x at 128.
-_MOSAIC_BEFORE_CUDNN = {"NVIDIA H100 80GB HBM3": {
-    "forward": {(True, 64): 2048, (True, 128): 16384, (True, 256): 8192, (False, 64): 2048,
-                (False, 128): 4096},
-    "step": {(True, 64): 2048, (True, 128): 4096, (False, 64): 2048, (False, 256): 8192}}}
+def _untuned() -> dict:
+  # A GPU never measured: cuDNN first everywhere it applies.
+  return {"mosaic_before_cudnn_forward": {}, "mosaic_before_cudnn_step": {}}
 
 
 def _mosaic_before_cudnn(call, arrays, use: str) -> bool:
-  """Whether None tries 'mosaic' before cuDNN for this call, ``use`` "forward" or "step"."""
-  rules = _MOSAIC_BEFORE_CUDNN.get(registry.device_kind(), {}).get(use, {})
+  """Whether None tries 'mosaic' before cuDNN for this call, ``use`` "forward" (only
+  evaluated) or "step" (differentiated): this GPU's tuned table
+  (``jaxfuse/ops/attention/tuned/``) gives, per mask and head dim, the most queries at which
+  Mosaic measured faster."""
+  rules = tuned.rows("attention", _untuned)[f"mosaic_before_cudnn_{use}"]
   q, _, v = arrays[:3]
-  most = rules.get((call.spec.is_causal, max(q.shape[3], v.shape[3])))
+  most = rules.get(f"{'causal' if call.spec.is_causal else 'full'}/{max(q.shape[3], v.shape[3])}")
   return most is not None and q.shape[1] <= most
 
 
@@ -324,9 +318,8 @@ def _resolve(implementation, call, arrays):
     return check
 
   backends = {name: available(name) for name in _BACKENDS}
-  # cuDNN is the fastest where it applies (but for _MOSAIC_BEFORE_CUDNN's calls), then the
-  # Mosaic kernels, then the Triton kernels
-  # (benchmarks/results/2026-11-25-h100-attention-mosaic-backward.json).
+  # cuDNN is the fastest where it applies (but for the tuned table's calls), then the Mosaic
+  # kernels, then the Triton kernels.
   def preference(use):
     if registry.platform() == "cpu":
       return ("xla",)

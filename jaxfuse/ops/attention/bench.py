@@ -1,7 +1,8 @@
 """Bench cases for ``attention``: TFLOP/s of the forward and of the training step.
 
 FLOPs: ``4 * B * T * S * N * H`` for the two matrix products of the forward (halved when
-causal, T == S); the training step counts 3.5 times that (forward plus a backward of 2.5x).
+causal, T == S); the training step counts 3.5 times that (the forward's two products plus the
+backward's five).
 """
 
 from __future__ import annotations
@@ -82,6 +83,22 @@ def masked_kwargs(b, t, kw, documents, ragged):
   return kw
 
 
+def _case(label, b, t, n, h, kw, flops, impls, check_only=()):
+  return Case(
+      op="attention", label=label, size=t,
+      make_inputs=functools.partial(_inputs, b=b, t=t, n=n, h=h, dtype=jnp.bfloat16),
+      forward=functools.partial(_forward, kw), train=functools.partial(_train, kw),
+      forward_work=flops, train_work=3.5 * flops, implementations=impls, unit="TFLOP/s",
+      check_only=check_only, reduction_length=max(b * t, t * h),
+      train_floors=functools.partial(_train_floors, kw))
+
+
+def _plain_case(b, t, n, h, causal, impls, check_only=()):
+  return _case(f"{b}x{t}x{n}x{h} {'causal' if causal else 'full'}", b, t, n, h,
+               dict(is_causal=causal), 4 * b * t * t * n * h / (2 if causal else 1), impls,
+               check_only)
+
+
 def cases(quick: bool = False) -> list[Case]:
   gpu = registry.platform() == "gpu"
   if gpu:
@@ -90,27 +107,37 @@ def cases(quick: bool = False) -> list[Case]:
   else:
     shapes, check_only = [(1, 256, 2, 64)], ("triton",)
   out = []
-
-  def add(label, b, t, n, h, kw, flops, impls):
-    out.append(Case(
-        op="attention", label=label, size=t,
-        make_inputs=functools.partial(_inputs, b=b, t=t, n=n, h=h, dtype=jnp.bfloat16),
-        forward=functools.partial(_forward, kw), train=functools.partial(_train, kw),
-        forward_work=flops, train_work=3.5 * flops, implementations=impls,
-        unit="TFLOP/s", check_only=check_only, reduction_length=max(b * t, t * h),
-        train_floors=functools.partial(_train_floors, kw)))
-
   for b, t, n, h in shapes:
     for causal in (False, True):
       impls = ("cudnn", "triton", "mosaic", DEFAULT) if gpu else ("xla", DEFAULT)
       if gpu and t <= 2048:
         impls = ("xla",) + impls
-      add(f"{b}x{t}x{n}x{h} {'causal' if causal else 'full'}", b, t, n, h,
-          dict(is_causal=causal), 4 * b * t * t * n * h / (2 if causal else 1), impls)
+      out.append(_plain_case(b, t, n, h, causal, impls, check_only))
   if gpu and not quick:
     b, n, h = 4, 16, 128
     for name, t, kw, documents, ragged in MASKED:
       kw = masked_kwargs(b, t, kw, documents, ragged)
-      add(f"{b}x{t}x{n}x{h} {name}", b, t, n, h, kw, 4 * _allowed_pairs(b, t, kw) * n * h,
-          ("cudnn", "triton", "mosaic", DEFAULT))
+      out.append(_case(f"{b}x{t}x{n}x{h} {name}", b, t, n, h, kw,
+                       4 * _allowed_pairs(b, t, kw) * n * h,
+                       ("cudnn", "triton", "mosaic", DEFAULT)))
   return out
+
+
+# (batch, queries, heads, head dim, causal) off the tuned shapes: short and long rows, small
+# and large batches, every head dim the kernels take, each side of the tuned query limits.
+REGRET_GRID = [
+    (1, 1024, 8, 64, False), (2, 2048, 12, 64, True), (16, 512, 16, 128, False),
+    (8, 1024, 32, 128, True), (2, 3072, 16, 128, False), (1, 8192, 16, 128, True),
+    (2, 8192, 16, 128, False), (4, 4096, 8, 256, True), (1, 16384, 8, 64, False),
+    (2, 6144, 16, 64, True),
+]
+
+
+def regret_cases() -> list[Case]:
+  """``None`` against every implementation over :data:`REGRET_GRID` (one checked case on the
+  CPU)."""
+  if registry.platform() != "gpu":
+    return [_plain_case(1, 256, 2, 64, True, ("xla", DEFAULT))]
+  return [_plain_case(b, t, n, h, causal,
+                      (("xla",) if t <= 2048 else ()) + ("cudnn", "triton", "mosaic", DEFAULT))
+          for b, t, n, h, causal in REGRET_GRID]

@@ -45,19 +45,33 @@ def _inputs(key, tokens, width, vocab, dtype):
           jax.random.randint(kl, (tokens,), 0, vocab, jnp.int32))
 
 
+def _case(tokens, width, vocab, dtype, impls):
+  flops = 2 * tokens * width * vocab
+  return Case(
+      op="linear_cross_entropy", label=f"{tokens}x{width}x{vocab} {jnp.dtype(dtype).name}",
+      size=vocab,
+      make_inputs=functools.partial(_inputs, tokens=tokens, width=width, vocab=vocab,
+                                    dtype=dtype),
+      forward=_forward, train=_train, forward_work=flops, train_work=3 * flops,
+      reduction_length=max(tokens, width, vocab),
+      notes={"optax": "logits x @ weight in float32 (N x V in memory), then optax's loss"},
+      implementations=impls, unit="TFLOP/s")
+
+
 def cases(quick: bool = False) -> list[Case]:
   shapes = GPU_SHAPES if registry.platform() == "gpu" else [(512, 64, 32768)]
-  dtype = jnp.bfloat16
-  out = []
-  for tokens, width, vocab in shapes:
-    flops = 2 * tokens * width * vocab
-    out.append(Case(
-        op="linear_cross_entropy", label=f"{tokens}x{width}x{vocab} {jnp.dtype(dtype).name}",
-        size=vocab,
-        make_inputs=functools.partial(_inputs, tokens=tokens, width=width, vocab=vocab,
-                                      dtype=dtype),
-        forward=_forward, train=_train, forward_work=flops, train_work=3 * flops,
-        reduction_length=max(tokens, width, vocab),
-        notes={"optax": "logits x @ weight in float32 (N x V in memory), then optax's loss"},
-        implementations=("optax", "xla", "cuda", DEFAULT), unit="TFLOP/s"))
-  return out
+  return [_case(tokens, width, vocab, jnp.bfloat16, ("optax", "xla", "cuda", DEFAULT))
+          for tokens, width, vocab in shapes]
+
+
+# (tokens, width, vocabulary, dtype) of real output layers, few tokens to many.
+REGRET_GRID = [(512, 768, 50257, jnp.bfloat16), (4096, 2048, 32000, jnp.bfloat16),
+               (8192, 4096, 128256, jnp.bfloat16), (2048, 1024, 50304, jnp.float32)]
+
+
+def regret_cases() -> list[Case]:
+  """``None`` against every implementation over :data:`REGRET_GRID` (one checked case on the
+  CPU)."""
+  if registry.platform() != "gpu":
+    return [_case(512, 64, 32768, jnp.bfloat16, ("xla", DEFAULT))]
+  return [_case(*shape, ("xla", "cuda", DEFAULT)) for shape in REGRET_GRID]

@@ -1,4 +1,4 @@
-"""``jaxfuse.rms_norm`` and ``jaxfuse.layer_norm``: validation, dispatch, custom VJP, vmap, sharding."""
+"""``jaxfuse.rms_norm`` and ``jaxfuse.layer_norm``: validation, dispatch, VJP, vmap, sharding."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
-from jaxfuse._core import registry
+from jaxfuse._core import registry, tuned
 from jaxfuse._core.sharding import parallel_call
 from jaxfuse._core.validation import (canonical_dtype, check_array, check_positive_float,
                                       describe)
@@ -27,27 +27,37 @@ def _preference():
   return ("xla",) if registry.platform() == "cpu" else ("triton", "xla")
 
 
-def _fastest(kind: str, n: int, direction: str, cuda_runs, triton_runs, cuda_short: bool) -> str:
-  """The fastest implementation for one direction, from benchmarks/results (H100, bf16).
+def _untuned() -> dict:
+  # A GPU never measured: Triton while a program holds a row block in registers, CUDA's
+  # cluster kernels past it (where a Pallas program walks a row twice), and LayerNorm's
+  # backward on CUDA's short-row kernel, whose lanes hold whole rows.
+  return {"triton_max_features": 16384,
+          "rules": [{"when": {"op": "layer", "direction": "backward", "cuda_short_rows": True},
+                     "use": "cuda"}]}
 
-  Up to 16384 features the Triton kernels hold a row block in registers and win both
-  directions, but for LayerNorm's backward over rows short enough for the CUDA short-row
-  kernel (``cuda_short``: up to 512 16-bit features, y of x's dtype), where a warp's lanes
-  hold the rows: at 256 features the training step is 2 points of the copy ahead, with half
-  the temporary memory (2026-11-23-h100-norm-short-rows.json). Longer rows must
-  be walked twice by a Pallas program, and there the CUDA kernels, which hold a row in a
-  thread block cluster, win both directions. Both directions share the saved statistics, so
-  any forward pairs with any backward. Where the CUDA kernels cannot run (rows that do not fit
-  a cluster, float64) the two-walk Triton forward still beats XLA's, and XLA's backward beats
-  the two-walk Triton one. Without Triton the CUDA kernels come first: their training steps
-  beat XLA's at every recorded size (2026-11-23-h100-norm.json). ``cuda_runs()`` and
+
+def _fastest(facts: dict, cuda_runs, triton_runs) -> str:
+  """The fastest implementation for one direction (``facts["direction"]``), by this GPU's
+  tuned table (``jaxfuse/ops/norm/tuned/``): its ``rules``, measured exceptions matched on
+  ``facts``, else the general rule.
+
+  Up to ``triton_max_features`` the Triton kernels hold a row block in registers and win.
+  Longer rows a Pallas program walks twice, and there the CUDA kernels, which hold a row in
+  a thread block cluster, win. Both directions share the saved statistics, so any forward
+  pairs with any backward. Where the CUDA kernels cannot run (rows that do not fit a cluster,
+  float64) the two-walk Triton forward still beats XLA's, and XLA's backward beats the
+  two-walk Triton one. Without Triton the CUDA kernels come first. ``cuda_runs()`` and
   ``triton_runs()`` say whether those kernels can take this call (the first builds them on
   first use), asked only where they would be chosen.
   """
-  if ((n > 16384 or (kind == "layer" and direction == "backward" and cuda_short)
-       or not triton_runs()) and cuda_runs()):
+  table = tuned.rows("norm", _untuned)
+  runs = {"cuda": cuda_runs, "triton": triton_runs, "xla": lambda: True}
+  if chosen := tuned.ruled(table["rules"], facts, lambda name: runs[name]()):
+    return chosen
+  longest, n = table["triton_max_features"], facts["length"]
+  if (n > longest or not triton_runs()) and cuda_runs():
     return "cuda"
-  if (direction == "forward" or n <= 16384) and triton_runs():
+  if (facts["direction"] == "forward" or n <= longest) and triton_runs():
     return "triton"
   return "xla"
 
@@ -170,10 +180,14 @@ def _implementations(op, kind, implementation, n, rows, x_dtype, out_dtype, para
                          and registry.runs(op, "cuda", cuda_kernels.unavailable))
     triton_runs = lambda: registry.runs(
         op, "triton", lambda: registry.triton_unavailable() or triton.unsupported((1, rows, n)))
-    cuda_short = (jnp.dtype(x_dtype).itemsize == 2 and jnp.dtype(out_dtype) == x_dtype
-                  and getattr(cuda_kernels.backward_tiling(n, x_dtype), "lanes", 0) > 0)
-    forward_impl = _fastest(kind, n, "forward", cuda_runs, triton_runs, cuda_short)
-    backward_impl = _fastest(kind, n, "backward", cuda_runs, triton_runs, cuda_short)
+    facts = dict(op=kind, length=n, elements=rows * n, itemsize=jnp.dtype(x_dtype).itemsize,
+                 out_itemsize=jnp.dtype(out_dtype).itemsize,
+                 cuda_short_rows=(jnp.dtype(x_dtype).itemsize == 2
+                                  and jnp.dtype(out_dtype) == x_dtype
+                                  and getattr(cuda_kernels.backward_tiling(n, x_dtype), "lanes",
+                                              0) > 0))
+    forward_impl = _fastest(dict(facts, direction="forward"), cuda_runs, triton_runs)
+    backward_impl = _fastest(dict(facts, direction="backward"), cuda_runs, triton_runs)
   if "triton" in (forward_impl, backward_impl):
     registry.using_triton(named=implementation == "triton")
   return forward_impl, backward_impl

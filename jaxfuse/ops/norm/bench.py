@@ -56,6 +56,25 @@ def _cuda_takes(n, dtype, param_dtype):
           and cuda_kernels.unsupported(n, dtype, out_dtype, [param_dtype]) is None)
 
 
+def _case(op, fn, with_bias, rows, n, dtype, param_dtype, impls, check_only=()):
+  # A pass over y or dy (result_type(x, params)), counted in passes of x's bytes.
+  y_passes = jnp.dtype(jnp.result_type(dtype, param_dtype)).itemsize // jnp.dtype(dtype).itemsize
+  pass_bytes = rows * n * jnp.dtype(dtype).itemsize
+  suffix = "" if jnp.dtype(param_dtype) == jnp.dtype(dtype) else "_f32_params"
+  return Case(
+      op=op + suffix, label=f"{rows}x{n} {jnp.dtype(dtype).name}", size=n,
+      make_inputs=functools.partial(_inputs, rows=rows, n=n, dtype=dtype,
+                                    param_dtype=param_dtype, with_bias=with_bias),
+      forward=functools.partial(_forward, fn), train=functools.partial(_train, fn),
+      forward_work=(1 + y_passes) * pass_bytes, train_work=(3 + 2 * y_passes) * pass_bytes,
+      reduction_length=max(rows, n),
+      implementations=[i for i in impls if i != "cuda" or _cuda_takes(n, dtype, param_dtype)],
+      check_only=check_only)
+
+
+OPS = (("rms_norm", rms_norm, False), ("layer_norm", layer_norm, True))
+
+
 def cases(quick: bool = False) -> list[Case]:
   on_gpu = registry.platform() == "gpu"
   if on_gpu:
@@ -66,23 +85,30 @@ def cases(quick: bool = False) -> list[Case]:
     rows, sizes, mixed_sizes = 64, (256, 1000, 4097), (1000,)
     impls, check_only = ("xla",), ("triton",)
   dtype = jnp.bfloat16
-  out = []
-  for param_dtype, suffix, op_sizes in ((dtype, "", sizes),
-                                        (jnp.float32, "_f32_params", mixed_sizes)):
-    # A pass over y or dy (result_type(x, params)), counted in passes of x's bytes.
-    y_passes = (jnp.dtype(jnp.result_type(dtype, param_dtype)).itemsize
-                // jnp.dtype(dtype).itemsize)
-    for op, fn, with_bias in (("rms_norm", rms_norm, False), ("layer_norm", layer_norm, True)):
-      for n in op_sizes:
-        pass_bytes = rows * n * jnp.dtype(dtype).itemsize
-        out.append(Case(
-            op=op + suffix, label=f"{rows}x{n} {jnp.dtype(dtype).name}", size=n,
-            make_inputs=functools.partial(_inputs, rows=rows, n=n, dtype=dtype,
-                                          param_dtype=param_dtype, with_bias=with_bias),
-            forward=functools.partial(_forward, fn), train=functools.partial(_train, fn),
-            forward_work=(1 + y_passes) * pass_bytes,
-            train_work=(3 + 2 * y_passes) * pass_bytes, reduction_length=max(rows, n),
-            implementations=[i for i in impls
-                             if i != "cuda" or _cuda_takes(n, dtype, param_dtype)],
-            check_only=check_only))
-  return out
+  return [_case(op, fn, with_bias, rows, n, dtype, param_dtype, impls, check_only)
+          for param_dtype, op_sizes in ((dtype, sizes), (jnp.float32, mixed_sizes))
+          for op, fn, with_bias in OPS for n in op_sizes]
+
+
+# (rows, features, x dtype, parameter dtype) off the tuned sizes: one row to many, short rows
+# to the longest the kernels hold, sizes on both sides of the dispatch thresholds, odd sizes.
+REGRET_GRID = [
+    (1, 4096, jnp.bfloat16, jnp.bfloat16), (8, 12288, jnp.bfloat16, jnp.bfloat16),
+    (128, 768, jnp.bfloat16, jnp.bfloat16), (1000, 1000, jnp.bfloat16, jnp.bfloat16),
+    (32768, 512, jnp.bfloat16, jnp.bfloat16), (65536, 128, jnp.bfloat16, jnp.bfloat16),
+    (16384, 2048, jnp.float16, jnp.float16), (4096, 5120, jnp.float32, jnp.float32),
+    (8192, 16392, jnp.bfloat16, jnp.bfloat16), (4096, 24576, jnp.bfloat16, jnp.bfloat16),
+    (2048, 32768, jnp.float32, jnp.float32), (256, 131072, jnp.bfloat16, jnp.bfloat16),
+    (8192, 8192, jnp.bfloat16, jnp.float32), (1024, 65536, jnp.bfloat16, jnp.float32),
+]
+
+
+def regret_cases() -> list[Case]:
+  """``None`` against every implementation over :data:`REGRET_GRID` (a few checked rows on
+  the CPU)."""
+  if registry.platform() != "gpu":
+    return [_case(op, fn, bias, 64, 1000, jnp.bfloat16, jnp.bfloat16, ("xla", DEFAULT))
+            for op, fn, bias in OPS]
+  return [_case(op, fn, with_bias, rows, n, dtype, param_dtype,
+                ("xla", "triton", "cuda", DEFAULT))
+          for rows, n, dtype, param_dtype in REGRET_GRID for op, fn, with_bias in OPS]

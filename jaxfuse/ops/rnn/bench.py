@@ -98,29 +98,56 @@ def _flops(cell, b, t, i, h, layers, bidirectional) -> float:
   return sum(2 * b * t * directions * GATES[cell] * h * k for k in per_layer)
 
 
+def _case(cell, b, t, i, h, layers, bidirectional, dtype, impls, external=None):
+  spec = (cell, i, h, layers, bidirectional)
+  flops = _flops(cell, b, t, i, h, layers, bidirectional)
+  label = (f"{cell.upper()} {b}x{t}x{i}x{h} L{layers}{' bi' if bidirectional else ''} "
+           f"{jnp.dtype(dtype).name}")
+  return Case(
+      op=cell, label=label, size=b,
+      make_inputs=functools.partial(_inputs, cell=cell, b=b, t=t, i=i, h=h, layers=layers,
+                                    bidirectional=bidirectional, dtype=dtype),
+      forward=functools.partial(_forward, spec), train=functools.partial(_train, spec),
+      forward_work=flops, train_work=3 * flops, implementations=impls, unit="TFLOP/s",
+      external=external or {}, steps=t, reduction_length=max(b * t, i + h),
+      tolerance=(TF32_TOLERANCE if registry.platform() == "gpu" and dtype == jnp.float32
+                 else None))
+
+
+def _gpu_implementations(cell, dtype):
+  return ("cuda", DEFAULT) + (("cudnn",) if cell == "lstm" and dtype == jnp.float32 else ())
+
+
 def cases(quick: bool = False) -> list[Case]:
   on_gpu = registry.platform() == "gpu"
   shapes = (GPU_CASES[:1] if quick else GPU_CASES) if on_gpu else CPU_CASES
   out = []
   for cell, b, t, i, h, layers, bidirectional in shapes:
     for dtype in (jnp.float32, jnp.bfloat16):
-      spec = (cell, i, h, layers, bidirectional)
-      impls = ("xla",)
-      external = {}
+      impls, external = ("xla",), {}
       if on_gpu:
-        impls = ("cuda", DEFAULT) + (("cudnn",) if cell == "lstm" and dtype == jnp.float32
-                                        else ())
+        impls = _gpu_implementations(cell, dtype)
         external = {"torch": functools.partial(_torch_timer, cell, i, h, layers, bidirectional,
                                                dtype)}
-      flops = _flops(cell, b, t, i, h, layers, bidirectional)
-      label = (f"{cell.upper()} {b}x{t}x{i}x{h} L{layers}{' bi' if bidirectional else ''} "
-               f"{jnp.dtype(dtype).name}")
-      out.append(Case(
-          op=cell, label=label, size=b,
-          make_inputs=functools.partial(_inputs, cell=cell, b=b, t=t, i=i, h=h, layers=layers,
-                                        bidirectional=bidirectional, dtype=dtype),
-          forward=functools.partial(_forward, spec), train=functools.partial(_train, spec),
-          forward_work=flops, train_work=3 * flops, implementations=impls, unit="TFLOP/s",
-          external=external, steps=t, reduction_length=max(b * t, i + h),
-          tolerance=TF32_TOLERANCE if on_gpu and dtype == jnp.float32 else None))
+      out.append(_case(cell, b, t, i, h, layers, bidirectional, dtype, impls, external))
   return out
+
+
+# (cell, batch, steps, input, hidden, layers, bidirectional, dtype): batch 1 to 256, small
+# to large hidden sizes, both cells and directions.
+REGRET_GRID = [
+    ("lstm", 1, 256, 256, 256, 1, False, jnp.float32),
+    ("lstm", 16, 128, 512, 512, 2, True, jnp.float32),
+    ("lstm", 64, 256, 1024, 1024, 1, False, jnp.bfloat16),
+    ("lstm", 256, 64, 512, 512, 2, False, jnp.float32),
+    ("gru", 8, 256, 256, 512, 1, False, jnp.bfloat16),
+    ("gru", 128, 128, 512, 512, 2, True, jnp.float32),
+]
+
+
+def regret_cases() -> list[Case]:
+  """``None`` against every implementation over :data:`REGRET_GRID` (the CPU cases there)."""
+  if registry.platform() != "gpu":
+    return [_case(*shape, jnp.float32, ("xla",)) for shape in CPU_CASES[:1]]
+  return [_case(*shape, ("xla",) + _gpu_implementations(shape[0], shape[-1]))
+          for shape in REGRET_GRID]

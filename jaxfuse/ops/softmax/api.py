@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_batching import custom_vmap
 
-from jaxfuse._core import registry
+from jaxfuse._core import registry, tuned
 from jaxfuse._core.batching import fold_into_batch
 from jaxfuse._core.sharding import parallel_call
 from jaxfuse._core.validation import (check_array, counted_labels, cross_entropy_options,
@@ -27,26 +27,37 @@ def _preference():
   return ("xla",) if registry.platform() == "cpu" else ("triton", "xla")
 
 
-# Row lengths from which None takes the CUDA kernels, by direction (benchmarks/results, H100,
-# bf16, 2026-11-22-h100-softmax-profiled.json). Rows the Triton kernels hold in registers (one
-# tile) are read once by them too; longer rows a Pallas program walks twice, and there the CUDA
-# kernels, which hold a row on chip in a thread-block cluster (registers, or shared memory for
-# rows of 64 KiB and more), win. Without Triton they are weighed against XLA's fusions, which
-# hold shorter rows better (4096: 96% of the copy against 91%) and longer ones far worse
-# (16384: 43% against 94%).
-_CUDA_FROM = {"forward": 32768, "backward": 16384 + 1, "cross_entropy": 16384 + 1}
-_CUDA_WITHOUT_TRITON_FROM = {"forward": 16384, "backward": 16384, "cross_entropy": 16384}
+def _untuned() -> dict:
+  # A GPU never measured: Triton for the rows it holds in registers (one tile), the CUDA
+  # kernels, which hold a row on chip in a thread-block cluster, for the longer rows a Pallas
+  # program walks twice; without Triton they are weighed against XLA's fusions, which hold
+  # short rows well and long ones badly.
+  return {"cuda_from_forward": 32768, "cuda_from_backward": 16384,
+          "cuda_from_cross_entropy": None, "cuda_from_cross_entropy_loss": None,
+          "cuda_from_without_triton": 16384, "rules": []}
 
 
-def _fastest(op: str, n: int, direction: str, cuda_refusal, extents) -> str:
-  """'cuda' for long rows it can take, else 'triton' where it runs, else 'xla';
-  ``cuda_refusal()`` says why the CUDA kernels cannot take the call, and ``extents`` is the
-  array as the Triton kernels view it."""
+def _fastest(op: str, direction: str, x, cuda_refusal, extents, plain: bool = True) -> str:
+  """The fastest implementation for ``direction`` by this GPU's tuned table
+  (``jaxfuse/ops/softmax/tuned/``): its ``rules``, measured exceptions matched on the call's
+  facts, else 'cuda' for rows it can take from the length the table gives (``None``: never
+  while Triton runs), else 'triton' where it runs, else 'xla'. ``x`` is the array whose rows
+  are normalized (its last axis, or ``extents[1]`` for an inner axis), ``cuda_refusal()``
+  says why the CUDA kernels cannot take the call, ``extents`` is the array as the Triton
+  kernels view it, and ``plain`` says the rows are the last axis, without a mask."""
+  n = extents[1] if len(extents) == 3 else extents[-1]
   triton_runs = registry.runs(
       op, "triton", lambda: registry.triton_unavailable() or triton.unsupported(extents))
-  cuda_from = (_CUDA_FROM if triton_runs else _CUDA_WITHOUT_TRITON_FROM)[direction]
-  if (n >= cuda_from and cuda_refusal() is None
-      and registry.runs(op, "cuda", cuda_kernels.unavailable)):
+  cuda_runs = lambda: (cuda_refusal() is None
+                       and registry.runs(op, "cuda", cuda_kernels.unavailable))
+  table = tuned.rows("softmax", _untuned)
+  facts = dict(op=op, direction=direction, length=n, elements=x.size, plain=plain,
+               itemsize=jnp.dtype(x.dtype).itemsize, cuda_takes=cuda_refusal() is None)
+  runs = {"cuda": cuda_runs, "triton": lambda: triton_runs, "xla": lambda: True}
+  if chosen := tuned.ruled(table["rules"], facts, lambda name: runs[name]()):
+    return chosen
+  cuda_from = table[f"cuda_from_{direction}" if triton_runs else "cuda_from_without_triton"]
+  if cuda_from is not None and n >= cuda_from and cuda_runs():
     return "cuda"
   return "triton" if triton_runs else "xla"
 
@@ -139,10 +150,11 @@ def _softmax_entry(op, log, x, axis, scale, mask, is_causal, causal_offset, impl
   forward_impl = backward_impl = impl
   if implementation is None and registry.platform() == "gpu":
     extents = (layout.pre, layout.n, layout.post)
-    forward_impl = _fastest(op, x.shape[axis], "forward", lambda: cuda_refusal(("forward",)),
-                            extents)
-    backward_impl = _fastest(op, x.shape[axis], "backward", lambda: cuda_refusal(("backward",)),
-                             extents)
+    plain = axis == x.ndim - 1 and mask is None and not is_causal
+    forward_impl = _fastest(op, "forward", x, lambda: cuda_refusal(("forward",)), extents,
+                            plain)
+    backward_impl = _fastest(op, "backward", x, lambda: cuda_refusal(("backward",)), extents,
+                             plain)
   if "triton" in (forward_impl, backward_impl):
     registry.using_triton(named=implementation == "triton")
   st = _SoftmaxStatic(op, log, layout, scale, forward_impl, backward_impl)
@@ -314,14 +326,8 @@ def softmax_cross_entropy(logits, labels, *, ignore_index: int | None = None,
                               f"{describe(logits)}: {reason}")
   loss_impl = impl
   if implementation is None and registry.platform() == "gpu":
-    impl = loss_impl = _fastest(op, vocab, "cross_entropy", cuda_refusal,
-                                (labels.size, vocab))
-    # The loss alone reads each row once and has nothing to hide a cluster's barrier behind:
-    # the CUDA kernel wins it only with clusters of up to 4 CTAs (H100: 0.94 against Triton's
-    # 0.98 ms at 8192x131072 bf16, benchmarks/results/2026-11-22-h100-softmax-profiled.json).
-    if (impl == "cuda" and cuda_kernels.cross_entropy_tiling(vocab, logits.dtype).cluster > 4
-        and not (registry.triton_unavailable() or triton.unsupported((labels.size, vocab)))):
-      loss_impl = "triton"
+    impl = _fastest(op, "cross_entropy", logits, cuda_refusal, (labels.size, vocab))
+    loss_impl = _fastest(op, "cross_entropy_loss", logits, cuda_refusal, (labels.size, vocab))
   if "triton" in (impl, loss_impl):
     registry.using_triton(named=implementation == "triton")
   st = _CrossEntropyStatic(label_smoothing, z_loss, reduction, impl, ignore_index, loss_impl)

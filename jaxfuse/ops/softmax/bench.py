@@ -68,6 +68,35 @@ def _ce_inputs(key, rows, vocab, dtype):
           jax.random.randint(kl, (rows,), 0, vocab, jnp.int32))
 
 
+def _softmax_train_floors(x, dy):
+  # dx = y * dy - y * sum(y * dy) nearly cancels in rows with one dominant probability: there
+  # the rounding of its terms, not dx's own size, bounds the error.
+  y = jax.nn.softmax(x)
+  return 0.0, jnp.linalg.norm(y * dy, axis=-1, keepdims=True)
+
+
+def _softmax_case(rows, n, dtype, impls, check_only=()):
+  pass_bytes = rows * n * jnp.dtype(dtype).itemsize
+  return Case(
+      op="softmax", label=f"{rows}x{n} {jnp.dtype(dtype).name}", size=n,
+      make_inputs=functools.partial(_softmax_inputs, rows=rows, n=n, dtype=dtype),
+      forward=_softmax_forward, train=_softmax_train,
+      forward_work=2 * pass_bytes, train_work=5 * pass_bytes, reduction_length=n,
+      # exp's own rounding and the division by the row's sum, beside the output's
+      roundings=4, train_floors=_softmax_train_floors,
+      implementations=impls, check_only=check_only)
+
+
+def _ce_case(rows, vocab, dtype, impls, check_only=()):
+  pass_bytes = rows * vocab * jnp.dtype(dtype).itemsize
+  return Case(
+      op="cross_entropy", label=f"{rows}x{vocab} {jnp.dtype(dtype).name}", size=vocab,
+      make_inputs=functools.partial(_ce_inputs, rows=rows, vocab=vocab, dtype=dtype),
+      forward=_ce_forward, train=_ce_train,
+      forward_work=pass_bytes, train_work=2 * pass_bytes, reduction_length=max(rows, vocab),
+      implementations=impls, check_only=check_only)
+
+
 def cases(quick: bool = False) -> list[Case]:
   on_gpu = registry.platform() == "gpu"
   if on_gpu:
@@ -78,23 +107,33 @@ def cases(quick: bool = False) -> list[Case]:
     softmax_shapes, ce_shapes = [(64, 1000), (16, 40000)], [(64, 5000)]
     impls, check_only = ("jax.nn", "xla"), ("triton",)
   dtype = jnp.bfloat16
-  itemsize = jnp.dtype(dtype).itemsize
-  out = []
-  for rows, n in softmax_shapes:
-    pass_bytes = rows * n * itemsize
-    out.append(Case(
-        op="softmax", label=f"{rows}x{n} {jnp.dtype(dtype).name}", size=n,
-        make_inputs=functools.partial(_softmax_inputs, rows=rows, n=n, dtype=dtype),
-        forward=_softmax_forward, train=_softmax_train,
-        forward_work=2 * pass_bytes, train_work=5 * pass_bytes, reduction_length=n,
-        implementations=impls, check_only=check_only))
   ce_impls = tuple("optax" if i == "jax.nn" else i for i in impls)
-  for rows, vocab in ce_shapes:
-    pass_bytes = rows * vocab * itemsize
-    out.append(Case(
-        op="cross_entropy", label=f"{rows}x{vocab} {jnp.dtype(dtype).name}", size=vocab,
-        make_inputs=functools.partial(_ce_inputs, rows=rows, vocab=vocab, dtype=dtype),
-        forward=_ce_forward, train=_ce_train,
-        forward_work=pass_bytes, train_work=2 * pass_bytes, reduction_length=max(rows, vocab),
-        implementations=ce_impls, check_only=check_only))
-  return out
+  return ([_softmax_case(rows, n, dtype, impls, check_only) for rows, n in softmax_shapes]
+          + [_ce_case(rows, vocab, dtype, ce_impls, check_only) for rows, vocab in ce_shapes])
+
+
+# (rows, row length, dtype) off the tuned sizes: one row to many, short rows to the longest
+# the kernels hold, lengths on both sides of the dispatch thresholds, vocabularies of real
+# models (GPT-2's odd 50257, Llama's 32000 and 128256).
+REGRET_SOFTMAX = [
+    (4, 32000, jnp.bfloat16), (64, 128256, jnp.bfloat16), (512, 16384, jnp.bfloat16),
+    (2048, 24576, jnp.bfloat16), (8192, 1024, jnp.float32), (65536, 256, jnp.bfloat16),
+    (1024, 65536, jnp.float32), (4096, 8192, jnp.float16), (16, 262144, jnp.bfloat16),
+    (8192, 16376, jnp.bfloat16), (1000, 50257, jnp.bfloat16),
+]
+REGRET_CROSS_ENTROPY = [
+    (8, 50264, jnp.bfloat16), (512, 32000, jnp.bfloat16), (4096, 128256, jnp.bfloat16),
+    (8192, 32768, jnp.float32), (16384, 8192, jnp.bfloat16), (2048, 262144, jnp.bfloat16),
+    (1024, 151936, jnp.bfloat16), (8192, 50257, jnp.bfloat16),
+]
+
+
+def regret_cases() -> list[Case]:
+  """``None`` against every implementation over the regret grids (a few checked rows on the
+  CPU)."""
+  if registry.platform() != "gpu":
+    return [_softmax_case(64, 1000, jnp.bfloat16, ("xla", DEFAULT)),
+            _ce_case(64, 5000, jnp.bfloat16, ("xla", DEFAULT))]
+  impls = ("xla", "triton", "cuda", DEFAULT)
+  return ([_softmax_case(rows, n, dtype, impls) for rows, n, dtype in REGRET_SOFTMAX]
+          + [_ce_case(rows, vocab, dtype, impls) for rows, vocab, dtype in REGRET_CROSS_ENTROPY])

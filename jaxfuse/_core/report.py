@@ -1,0 +1,191 @@
+"""What ``jaxfuse bench`` prints and saves: tables, JSON, plots, and the regret of ``None``.
+
+The regret of ``implementation=None`` at a point (a case, forward or training step) is the time
+of the fastest implementation named there divided by the time of what None ran: 1 where None
+picked the fastest, below 1 by the share it lost. A point is launch-bound where None's span is
+more than twice its busy time: the GPU waited on the host between kernels, which a call inside
+a larger program (the host running ahead) would not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Sequence
+
+from jaxfuse._core import device
+from jaxfuse._core.bench import DEFAULT, L2_MULTIPLE, Row, environment, is_comparator, timing_method
+
+
+def _fmt(v, spec):
+  return "" if v is None else format(v, spec)
+
+
+def _pct(row, value):
+  timed = row.forward_ms is not None
+  return "cache" if timed and row.cache_resident else _fmt(value, "6.1f")
+
+
+def table(rows: Sequence[Row], ceilings: dict) -> str:
+  """Plain-text tables, one per op."""
+  out = []
+  if "copy GB/s" in ceilings:
+    out.append(f"copy ceiling: {ceilings['copy GB/s']:.0f} GB/s by {ceilings['copy']}, the best "
+               f"of: " + ", ".join(f"{k} {v:.0f}" for k, v in ceilings["copies GB/s"].items()))
+  if "matmul TFLOP/s" in ceilings:
+    out.append(f"matmul ceiling: {ceilings['matmul TFLOP/s']:.0f} TFLOP/s (bf16 8192^3)")
+  gpu = device.describe()
+  if gpu is not None:
+    out.append(f"'cache' in %ceil: the forward moves under {L2_MULTIPLE}x the L2 "
+               f"({gpu.l2_bytes / 2**20:.0f} MiB), so its rate is not quoted against the copy")
+  out.append(f"ms: {timing_method()}; busy: the kernels' union")
+  for op in dict.fromkeys(r.op for r in rows):
+    op_rows = [r for r in rows if r.op == op]
+    unit = op_rows[0].unit
+    header = (f"{'shape':<28} {'impl':<8} {'fwd ms':>8} {'busy':>8} {'fwd ' + unit:>12} "
+              f"{'%ceil':>6} {'step ms':>8} {'busy':>8} {'step ' + unit:>13} {'%ceil':>6} "
+              f"{'temp MiB':>9} {'err fwd':>9} {'err step':>9} {'size copy':>10}")
+    out += ["", f"## {op}", header, "-" * len(header)]
+    for r in op_rows:
+      line = (f"{r.label:<28} {r.implementation:<8} {_fmt(r.forward_ms, '8.3f'):>8} "
+              f"{_fmt(r.forward_busy_ms, '8.3f'):>8} "
+              f"{_fmt(r.forward_rate, '12.1f'):>12} {_pct(r, r.forward_pct):>6} "
+              f"{_fmt(r.train_ms, '8.3f'):>8} {_fmt(r.train_busy_ms, '8.3f'):>8} "
+              f"{_fmt(r.train_rate, '13.1f'):>13} "
+              f"{_pct(r, r.train_pct):>6} {_fmt(r.train_temp_mib, '9.1f'):>9} "
+              f"{_fmt(r.forward_error, '9.1e'):>9} {_fmt(r.train_error, '9.1e'):>9} "
+              f"{_fmt(r.size_copy_rate, '10.0f'):>10}")
+      if r.steps and r.forward_ms is not None:
+        line += (f"  {r.forward_ms * 1e3 / r.steps:.2f}/"
+                 f"{_fmt(r.train_ms and r.train_ms * 1e3 / r.steps, '.2f')} us/step")
+      out.append(line + (f"  {r.note}" if r.note else ""))
+  return "\n".join(out)
+
+
+
+def save_json(path: str, rows: Sequence[Row], ceilings: dict, **extra):
+  record = dict(environment(), ceilings=ceilings, rows=[dataclasses.asdict(r) for r in rows],
+                **extra)
+  with open(path, "w") as f:
+    json.dump(record, f, indent=1)
+
+
+def save_plot(path: str, rows: Sequence[Row], ceilings: dict):
+  """Rate against problem size per implementation, forward and training step, one row per op."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  ops = list(dict.fromkeys(r.op for r in rows if r.forward_rate is not None))
+  if not ops:
+    return
+  fig, axes = plt.subplots(len(ops), 2, figsize=(11, 3.6 * len(ops)), squeeze=False)
+  for (ax_f, ax_t), op in zip(axes, ops):
+    op_rows = [r for r in rows if r.op == op and r.forward_rate is not None]
+    unit = op_rows[0].unit
+    for impl in dict.fromkeys(r.implementation for r in op_rows):
+      pts = sorted((r.size, r.forward_rate, r.train_rate) for r in op_rows
+                   if r.implementation == impl)
+      ax_f.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
+      ax_t.plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=impl)
+    ceiling = ceilings.get("copy GB/s" if unit == "GB/s" else "matmul TFLOP/s")
+    for ax, title in ((ax_f, "forward"), (ax_t, "training step")):
+      if ceiling:
+        ax.axhline(ceiling, color="gray", linestyle="--", label="ceiling")
+      ax.set_xscale("log", base=2)
+      ax.set_title(f"{op}: {title}")
+      ax.set_xlabel("size")
+      ax.set_ylabel(unit)
+      ax.legend()
+      ax.grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+
+
+# None's span over its busy time past which a point is launch-bound.
+LAUNCH_BOUND = 2.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Regret:
+  op: str
+  label: str
+  direction: str  # "forward" or "step"
+  regret: float  # fastest named time / None's time
+  fastest: str
+  fastest_ms: float
+  default_ms: float
+  launch_bound: bool
+
+
+def regrets(rows: Sequence[Row]) -> list[Regret]:
+  """None's regret at every case and direction where it and a named implementation ran."""
+  out = []
+  busy = {"forward": "forward_busy_ms", "step": "train_busy_ms"}
+  for key in dict.fromkeys((r.op, r.label) for r in rows):
+    case_rows = [r for r in rows if (r.op, r.label) == key]
+    default = next((r for r in case_rows if r.implementation == DEFAULT), None)
+    if default is None:
+      continue
+    for direction, field in (("forward", "forward_ms"), ("step", "train_ms")):
+      named = {r.implementation: getattr(r, field) for r in case_rows
+               if r.implementation != DEFAULT and not is_comparator(r.implementation)
+               and getattr(r, field) is not None}
+      ms = getattr(default, field)
+      if named and ms is not None:
+        fastest = min(named, key=named.get)
+        busy_ms = getattr(default, busy[direction])
+        out.append(Regret(*key, direction, named[fastest] / ms, fastest, named[fastest], ms,
+                          busy_ms is not None and ms > LAUNCH_BOUND * busy_ms))
+  return out
+
+
+def regret_table(found: Sequence[Regret]) -> str:
+  """Each point's regret, then per op and over all, of every point and of those not
+  launch-bound: the worst point and the geometric mean."""
+  if not found:
+    return "regret: no point where None and a named implementation both ran"
+  header = (f"{'op':<24} {'shape':<28} {'use':<8} {'regret':>7} {'fastest':<8} {'ms':>9} "
+            f"{'None ms':>9}")
+  out = [header, "-" * len(header)]
+  out += [f"{r.op:<24} {r.label:<28} {r.direction:<8} {r.regret:7.3f} {r.fastest:<8} "
+          f"{r.fastest_ms:9.4f} {r.default_ms:9.4f}{'  launch-bound' if r.launch_bound else ''}"
+          for r in found]
+  out.append("")
+  for op in list(dict.fromkeys(r.op for r in found)) + [None]:
+    for which, points in (("", [r for r in found if op is None or r.op == op]),
+                          (" (not launch-bound)", [r for r in found if (op is None or r.op == op)
+                                                   and not r.launch_bound])):
+      if not points:
+        continue
+      worst = min(points, key=lambda r: r.regret)
+      mean = math.exp(sum(math.log(r.regret) for r in points) / len(points))
+      out.append(f"{op or 'all':<24} worst {worst.regret:.3f} ({worst.label} "
+                 f"{worst.direction}, {worst.fastest}), geometric mean {mean:.3f} over "
+                 f"{len(points)} points{which}")
+  return "\n".join(out)
+
+
+def save_regret_plot(path: str, found: Sequence[Regret]):
+  """Regret per point, one panel per op, forward and step side by side."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  ops = list(dict.fromkeys(r.op for r in found))
+  if not ops:
+    return
+  fig, axes = plt.subplots(len(ops), 1, figsize=(11, 3.2 * len(ops)), squeeze=False)
+  for (ax,), op in zip(axes, ops):
+    labels = list(dict.fromkeys(r.label for r in found if r.op == op))
+    for offset, direction in ((-0.2, "forward"), (0.2, "step")):
+      points = {r.label: r.regret for r in found if r.op == op and r.direction == direction}
+      xs = [i + offset for i, label in enumerate(labels) if label in points]
+      ax.bar(xs, [points[label] for label in labels if label in points], width=0.4,
+             label=direction)
+    ax.axhline(1.0, color="gray", linewidth=0.8)
+    ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=7)
+    ax.set_ylim(min(0.5, min(r.regret for r in found)), 1.05)
+    ax.set_title(f"{op}: fastest named time / None's time")
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)

@@ -1,0 +1,119 @@
+"""Tuned tables: every table's rows cite recorded runs, inheritance and the untuned fallback."""
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from jaxfuse._core import registry, tuned
+from jaxfuse.ops.attention import api as attention_api
+from jaxfuse.ops.norm import api as norm_api
+from jaxfuse.ops.softmax import api as softmax_api
+
+ROOT = Path(__file__).resolve().parent.parent
+UNTUNED = {"norm": norm_api._untuned, "softmax": softmax_api._untuned,
+           "attention": attention_api._untuned}
+TABLES = sorted((ROOT / "jaxfuse" / "ops").glob("*/tuned/*.json"))
+# The facts each family's rules may test (see its ``_fastest``), besides the length and element
+# bounds.
+FACTS = {"norm": {"op", "direction", "itemsize", "out_itemsize", "cuda_short_rows"},
+         "softmax": {"op", "direction", "itemsize", "plain", "cuda_takes"}}
+BOUNDS = {"min_length", "max_length", "min_elements", "max_elements"}
+
+
+def test_there_are_tables_for_the_h100_and_the_h200():
+  stems = {(path.parent.parent.name, path.stem) for path in TABLES}
+  for family in UNTUNED:
+    assert {(family, "nvidia_h100_80gb_hbm3"), (family, "nvidia_h200")} <= stems
+
+
+@pytest.mark.parametrize("path", TABLES, ids=lambda p: f"{p.parent.parent.name}/{p.stem}")
+def test_a_table_names_its_gpu_and_cites_recorded_runs(path):
+  family, table = path.parent.parent.name, json.loads(path.read_text())
+  assert tuned.device_file(table["device"]) == path.stem
+  assert set(table) == {"device", "inherits", "rows"}
+  for name, row in table["rows"].items():
+    assert set(row) == {"value", "source"}, name
+    sources = [row["source"]] if isinstance(row["source"], str) else row["source"]
+    for source in sources:
+      assert source.startswith("benchmarks/results/") and (ROOT / source).is_file(), source
+  rows = tuned.read_table(family, path.stem)
+  # Every rule the family reads has a row, and no row is read by nothing.
+  assert set(rows) == set(UNTUNED[family]())
+  for rule in rows.get("rules", {"value": []})["value"]:
+    assert set(rule) == {"when", "use", "source"}, rule
+    assert rule["use"] in registry.IMPLEMENTATIONS, rule
+    assert set(rule["when"]) <= FACTS[family] | BOUNDS, rule
+    assert (ROOT / rule["source"]).is_file(), rule["source"]
+
+
+@pytest.fixture
+def tables(tmp_path, monkeypatch):
+  """Tables of a family ``f`` written to a scratch tree."""
+  monkeypatch.setattr(tuned, "_OPS", tmp_path)
+  tuned._rows_for.cache_clear()
+  yield lambda stem, **table: _write(tmp_path / "f" / "tuned" / f"{stem}.json", table)
+  tuned._rows_for.cache_clear()
+
+
+def _write(path, table):
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps(table))
+
+
+def _row(value):
+  return {"value": value, "source": "benchmarks/results/x.json"}
+
+
+def test_a_table_inherits_rows_and_overrides_them(tables):
+  tables("gpu_a", device="GPU A", inherits=None, rows={"a": _row(1), "b": _row(2)})
+  tables("gpu_b", device="GPU B", inherits="gpu_a", rows={"b": _row(3)})
+  assert {k: r["value"] for k, r in tuned.read_table("f", "gpu_b").items()} == {"a": 1, "b": 3}
+  assert tuned.read_table("f", "gpu_c") is None
+
+
+def test_inheriting_in_a_cycle_or_from_nothing_raises(tables):
+  tables("gpu_a", device="GPU A", inherits="gpu_b", rows={})
+  tables("gpu_b", device="GPU B", inherits="gpu_a", rows={})
+  with pytest.raises(ValueError, match="cycle: gpu_a -> gpu_b -> gpu_a"):
+    tuned.read_table("f", "gpu_a")
+  tables("gpu_c", device="GPU C", inherits="gpu_d", rows={})
+  with pytest.raises(ValueError, match="inherits 'gpu_d', which has no table"):
+    tuned.read_table("f", "gpu_c")
+
+
+def test_a_gpu_without_a_table_takes_the_computed_rows_and_says_so_once(tables, monkeypatch,
+                                                                        caplog):
+  tables("gpu_a", device="GPU A", inherits=None, rows={"a": _row(1)})
+  monkeypatch.setattr(registry, "device_kind", lambda: "GPU A")
+  assert tuned.rows("f", lambda: {"a": 7}) == {"a": 1}
+  monkeypatch.setattr(registry, "device_kind", lambda: "GPU Z")
+  tuned._log_untuned.cache_clear()
+  with caplog.at_level(logging.INFO, logger="jaxfuse"):
+    assert tuned.rows("f", lambda: {"a": 7}) == {"a": 7}
+    assert tuned.rows("f", lambda: {"a": 7}) == {"a": 7}
+  said = [r.getMessage() for r in caplog.records if "no tuned f table" in r.getMessage()]
+  assert said == ["jaxfuse: no tuned f table for GPU Z (jaxfuse/ops/f/tuned/gpu_z.json); its "
+                  "choices are computed from the device's resources"]
+
+
+def test_a_rule_holds_where_every_condition_does():
+  facts = dict(op="rms", direction="forward", length=512, elements=512 * 64, itemsize=2)
+  assert tuned.matches({}, facts)
+  assert tuned.matches({"op": ["rms", "layer"], "min_length": 512, "max_length": 512}, facts)
+  assert not tuned.matches({"op": "layer"}, facts)
+  assert not tuned.matches({"min_length": 513}, facts)
+  assert not tuned.matches({"max_elements": 512 * 64 - 1}, facts)
+  rules = [{"when": {"itemsize": 4}, "use": "xla"}, {"when": {"op": "rms"}, "use": "cuda"},
+           {"when": {}, "use": "triton"}]
+  assert tuned.ruled(rules, facts, lambda name: True) == "cuda"
+  assert tuned.ruled(rules, facts, lambda name: name != "cuda") == "triton"
+  assert tuned.ruled(rules[:2], facts, lambda name: name != "cuda") is None
+
+
+def test_off_the_gpu_the_computed_rows_serve_silently(tables, monkeypatch, caplog):
+  monkeypatch.setattr(registry, "device_kind", lambda: None)
+  with caplog.at_level(logging.INFO, logger="jaxfuse"):
+    assert tuned.rows("f", lambda: {"a": 7}) == {"a": 7}
+  assert not caplog.records
