@@ -596,6 +596,16 @@ def test_linear_cross_entropy_none_on_hopper(gpu, chosen, vocab, dtype, expected
   assert chosen() == expected
 
 
+def test_linear_cross_entropy_none_says_why_it_passes_over_cuda(gpu, chosen, caplog):
+  registry._passed_over.cache_clear()
+  with caplog.at_level("INFO", logger="jaxfuse"):
+    linear_cross_entropy(262145)
+  assert chosen() == "xla"
+  assert any("linear_cross_entropy(implementation=None) passed over 'cuda'" in r.getMessage()
+             and "262272 columns are more than it holds" in r.getMessage()
+             for r in caplog.records)
+
+
 @pytest.mark.parametrize("take_away", [Machine.without_nvcc, lambda gpu: gpu.capability((8, 0)),
                                        lambda gpu: gpu.platform("cpu")],
                          ids=["no nvcc", "ampere", "cpu"])

@@ -80,10 +80,11 @@ def linear_cross_entropy(x, weight, labels, *, bias=None, ignore_index: int | No
   impl = registry.resolve(op, implementation, _BACKENDS, _PREFERENCE)
   if impl == "cuda":
     operand = jnp.result_type(x, weight, *(() if bias is None else (bias,)))
-    if reason := cuda.unsupported(reference.padded_vocab(vocab), operand):
-      if implementation == "cuda":
-        raise NotImplementedError(f"{op}(implementation='cuda') cannot take x {describe(x)} "
-                                  f"and weight {describe(weight)}: {reason}")
+    reason = cuda.unsupported(reference.padded_vocab(vocab), operand)
+    if reason and implementation == "cuda":
+      raise NotImplementedError(f"{op}(implementation='cuda') cannot take x {describe(x)} "
+                                f"and weight {describe(weight)}: {reason}")
+    if not registry.runs(op, "cuda", lambda: reason):
       impl = "xla"
   st = _Static(label_smoothing, z_loss, reduction, ignore_index, reference.CHUNK_ELEMENTS, impl)
   return _linear_cross_entropy_jit(x, weight, bias, labels, st)

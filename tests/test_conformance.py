@@ -1,0 +1,210 @@
+"""Every op under every implementation behaves as a JAX function: jit gives the eager bits,
+gradients agree with XLA's, vmap over a leading or an inner axis is the loop of calls,
+``jax.checkpoint`` changes nothing, a batch-sharded input is never all-gathered, and a
+non-float input is refused naming the argument.
+
+The CPU runs 'xla' and the Pallas Triton kernels (interpreted); a GPU adds 'cuda', 'mosaic' and
+'cudnn' (tests marked ``gpu``). Per-family tests check the values against float64.
+"""
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxfuse
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+  """An op as the conformance tests see it: ``call(impl, *args)`` on ``make(rng)``'s arguments,
+  differentiated with respect to ``wrt``; ``mapped`` is the argument vmap maps over (its
+  leading axis is a batch axis), ``inner_axis`` an inner axis of it that vmap may also take
+  (the call keeps its rank), and ``batch`` the partition spec of each argument that carries
+  the batch (the others replicated)."""
+  name: str
+  make: Callable
+  call: Callable
+  impls: tuple[str, ...]
+  wrt: tuple[int, ...] = (0,)
+  mapped: int = 0
+  inner_axis: int | None = 1
+  batch: tuple = (P("batch"),)
+  tolerance: float = 2e-5
+
+
+def _normal(rng, shape, scale=1.0):
+  return jnp.asarray(scale * rng.standard_normal(shape), jnp.float32)
+
+
+def _norm_args(rng):
+  return _normal(rng, (6, 40)), 1.0 + _normal(rng, (40,), 0.1), _normal(rng, (40,), 0.1)
+
+
+def _ce_args(rng):
+  return _normal(rng, (6, 56), 2.0), jnp.asarray(rng.integers(0, 56, (6,)), jnp.int32)
+
+
+def _lce_args(rng):
+  return (_normal(rng, (6, 16)), _normal(rng, (16, 40), 0.25),
+          jnp.asarray(rng.integers(0, 40, (6,)), jnp.int32))
+
+
+def _attention_args(rng):
+  return tuple(_normal(rng, (2, 24, 2, 64)) for _ in range(3))
+
+
+def _rnn_args(rng, cell):
+  count = (jaxfuse.lstm_weight_count if cell == "lstm" else jaxfuse.gru_weight_count)(8, 16, 1)
+  states = (_normal(rng, (1, 4, 16)),) * (2 if cell == "lstm" else 1)
+  return (_normal(rng, (4, 7, 8)), *states, _normal(rng, (count,), 0.3),
+          jnp.asarray([7, 5, 2, 6], jnp.int32))
+
+
+def _rnn_call(cell):
+  def call(impl, x, *rest):
+    out = getattr(jaxfuse, cell)(x, *rest, input_size=8, hidden_size=16, num_layers=1,
+                                 implementation=impl)
+    return out[0]
+  return call
+
+
+GPU = ("cuda",)
+OPS = [
+    Op("rms_norm", _norm_args, lambda impl, x, w, b: jaxfuse.rms_norm(x, w, implementation=impl),
+       ("xla", "triton") + GPU, wrt=(0, 1)),
+    Op("layer_norm", _norm_args,
+       lambda impl, x, w, b: jaxfuse.layer_norm(x, w, b, implementation=impl),
+       ("xla", "triton") + GPU, wrt=(0, 1, 2)),
+    Op("softmax", lambda rng: (_normal(rng, (6, 48), 3.0),),
+       lambda impl, x: jaxfuse.softmax(x, implementation=impl), ("xla", "triton") + GPU),
+    Op("log_softmax", lambda rng: (_normal(rng, (6, 48), 3.0),),
+       lambda impl, x: jaxfuse.log_softmax(x, implementation=impl), ("xla", "triton") + GPU),
+    Op("softmax_cross_entropy", _ce_args,
+       lambda impl, x, y: jaxfuse.softmax_cross_entropy(x, y, reduction="none",
+                                                        implementation=impl),
+       ("xla", "triton") + GPU, inner_axis=None, batch=(P("batch"), P("batch"))),
+    Op("linear_cross_entropy", _lce_args,
+       lambda impl, x, w, y: jaxfuse.linear_cross_entropy(x, w, y, reduction="none",
+                                                         implementation=impl),
+       ("xla",) + GPU, wrt=(0, 1), inner_axis=None, batch=(P("batch"), None, P("batch"))),
+    Op("attention", _attention_args,
+       lambda impl, q, k, v: jaxfuse.attention(q, k, v, is_causal=True, implementation=impl),
+       ("xla", "triton", "mosaic", "cudnn"), wrt=(0, 1, 2), inner_axis=2,
+       batch=(P("batch"),) * 3, tolerance=1e-4),
+    Op("lstm", lambda rng: _rnn_args(rng, "lstm"), _rnn_call("lstm"), ("xla",) + GPU,
+       wrt=(0, 3), inner_axis=None,
+       batch=(P("batch"), P(None, "batch"), P(None, "batch"), None, P("batch"))),
+    Op("gru", lambda rng: _rnn_args(rng, "gru"), _rnn_call("gru"), ("xla",) + GPU,
+       wrt=(0, 2), inner_axis=None, batch=(P("batch"), P(None, "batch"), None, P("batch"))),
+]
+# Implementations the CPU runs; the others are the GPU's. cuDNN and Mosaic take 16-bit inputs.
+CPU_IMPLS = ("xla", "triton")
+SIXTEEN_BIT = ("mosaic", "cudnn")
+CASES = [pytest.param(op, impl, id=f"{op.name}-{impl}",
+                      marks=() if impl in CPU_IMPLS else pytest.mark.gpu)
+         for op in OPS for impl in op.impls]
+
+
+def _args(op, impl, rng):
+  args = op.make(rng)
+  if impl in SIXTEEN_BIT:
+    args = tuple(a.astype(jnp.bfloat16) for a in args)
+  return args
+
+
+def _loss(op, impl, args):
+  def loss(*wrt):
+    full = list(args)
+    for i, a in zip(op.wrt, wrt):
+      full[i] = a
+    out = op.call(impl, *full)
+    # A fixed, non-uniform cotangent: the sum alone would hide a wrong softmax gradient.
+    return jnp.sum(out.astype(jnp.float32) * jnp.cos(jnp.arange(out.size).reshape(out.shape)))
+  return loss
+
+
+def _close(a, b, tolerance):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  assert a.shape == b.shape
+  assert np.linalg.norm(a - b) <= tolerance * max(np.linalg.norm(b), 1e-30)
+
+
+@pytest.mark.parametrize("op,impl", CASES)
+def test_jit_gives_the_eager_bits(rng, op, impl):
+  args = _args(op, impl, rng)
+  eager = op.call(impl, *args)
+  jitted = jax.jit(lambda *a: op.call(impl, *a))(*args)
+  assert np.array_equal(np.asarray(eager), np.asarray(jitted))
+
+
+@pytest.mark.parametrize("op,impl", CASES)
+def test_gradients_agree_with_xla_and_survive_checkpoint(rng, op, impl):
+  args = _args(op, impl, rng)
+  wrt = [args[i] for i in op.wrt]
+  grads = jax.jit(jax.grad(_loss(op, impl, args), argnums=tuple(range(len(wrt)))))(*wrt)
+  wide = tuple(a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a
+               for a in args)
+  expected = jax.grad(_loss(op, "xla", wide), argnums=tuple(range(len(wrt))))(
+      *[wide[i] for i in op.wrt])
+  tolerance = 2e-2 if impl in SIXTEEN_BIT else op.tolerance
+  for g, e in zip(grads, expected):
+    _close(g, e, tolerance)
+  remat = jax.jit(jax.grad(jax.checkpoint(_loss(op, impl, args)),
+                           argnums=tuple(range(len(wrt)))))(*wrt)
+  for g, r in zip(grads, remat):
+    assert np.array_equal(np.asarray(g), np.asarray(r))
+
+
+def _stack_along(args, op, axis, copies=3):
+  """Arguments with a new axis at ``axis`` of the mapped one (``copies`` perturbed copies), the
+  others as they are."""
+  mapped = args[op.mapped]
+  stacked = jnp.stack([mapped * (1.0 + 0.25 * i) for i in range(copies)], axis=axis)
+  return args[:op.mapped] + (stacked,) + args[op.mapped + 1:]
+
+
+@pytest.mark.parametrize("axis", ["leading", "inner"])
+@pytest.mark.parametrize("op,impl", CASES)
+def test_vmap_over_a_leading_or_an_inner_axis_is_the_loop(rng, op, impl, axis):
+  where = 0 if axis == "leading" else op.inner_axis
+  if where is None:
+    pytest.skip(f"{op.name} has no inner axis that keeps the call's rank")
+  args = _stack_along(_args(op, impl, rng), op, where)
+  in_axes = tuple(where if i == op.mapped else None for i in range(len(args)))
+  batched = jax.jit(jax.vmap(lambda *a: op.call(impl, *a), in_axes=in_axes))(*args)
+  for i in range(3):
+    one = list(args)
+    one[op.mapped] = jnp.take(args[op.mapped], i, axis=where)
+    _close(batched[i], op.call(impl, *one), 1e-6)
+
+
+@pytest.mark.parametrize("op,impl", CASES)
+def test_a_batch_sharded_input_is_never_gathered(rng, op, impl):
+  devices = jax.devices()
+  if len(devices) < 2:
+    pytest.skip("needs two devices")
+  mesh = jax.make_mesh((2,), ("batch",), axis_types=(AxisType.Auto,))
+  args = _args(op, impl, rng)
+  specs = op.batch + (None,) * (len(args) - len(op.batch))
+  placed = tuple(a if spec is None else jax.device_put(a, NamedSharding(mesh, spec))
+                 for a, spec in zip(args, specs))
+  step = jax.jit(jax.grad(_loss(op, impl, placed), argnums=tuple(range(len(op.wrt)))))
+  wrt = [placed[i] for i in op.wrt]
+  hlo = step.lower(*wrt).compile().as_text()
+  assert "all-gather" not in hlo
+  for g, e in zip(step(*wrt), step(*[args[i] for i in op.wrt])):
+    _close(g, e, 1e-5)
+
+
+@pytest.mark.parametrize("op,impl", CASES)
+def test_an_integer_input_is_refused_by_name(rng, op, impl):
+  args = list(_args(op, impl, rng))
+  args[op.mapped] = args[op.mapped].astype(jnp.int32)
+  with pytest.raises(TypeError, match=rf"{op.name}: \w+ .*int32"):
+    op.call(impl, *args)
