@@ -8,12 +8,15 @@ import pytest
 
 from jaxfuse._core import registry, tuned
 from jaxfuse.ops.attention import api as attention_api
+from jaxfuse.ops.linear_cross_entropy import api as linear_cross_entropy_api
 from jaxfuse.ops.norm import api as norm_api
+from jaxfuse.ops.rnn import api as rnn_api
 from jaxfuse.ops.softmax import api as softmax_api
 
 ROOT = Path(__file__).resolve().parent.parent
 UNTUNED = {"norm": norm_api._untuned, "softmax": softmax_api._untuned,
-           "attention": attention_api._untuned}
+           "attention": attention_api._untuned, "rnn": rnn_api._untuned,
+           "linear_cross_entropy": linear_cross_entropy_api._untuned}
 TABLES = sorted((ROOT / "jaxfuse" / "ops").glob("*/tuned/*.json"))
 # The facts each family's rules may test (see its ``_fastest``), besides the length and element
 # bounds.

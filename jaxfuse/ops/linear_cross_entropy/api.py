@@ -8,7 +8,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxfuse._core import registry
+from jaxfuse._core import registry, tuned
 from jaxfuse._core.batching import one_example_at_a_time
 from jaxfuse._core.sharding import parallel_call
 from jaxfuse._core.validation import (check_array, counted_labels, cross_entropy_options,
@@ -16,9 +16,11 @@ from jaxfuse._core.validation import (check_array, counted_labels, cross_entropy
 from jaxfuse.ops.linear_cross_entropy import cuda, reference
 
 _BACKENDS = {"xla": registry.xla_available, "cuda": cuda.unavailable}
-# The CUDA row pass reads each chunk's logits once where XLA's reads them twice
-# (benchmarks/results/2026-11-24-h100-linear-cross-entropy.json).
-_PREFERENCE = ("cuda", "xla")
+
+
+def _untuned() -> dict:
+  # The CUDA row pass reads each chunk's logits once where XLA's reads them twice.
+  return {"order": ["cuda", "xla"]}
 
 
 def linear_cross_entropy(x, weight, labels, *, bias=None, ignore_index: int | None = None,
@@ -77,7 +79,8 @@ def linear_cross_entropy(x, weight, labels, *, bias=None, ignore_index: int | No
       raise ValueError(f"{op}: bias must be (vocabulary,) = ({vocab},), got {describe(bias)}")
   ignore_index, label_smoothing, z_loss = cross_entropy_options(
       op, ignore_index, label_smoothing, z_loss, reduction)
-  impl = registry.resolve(op, implementation, _BACKENDS, _PREFERENCE)
+  impl = registry.resolve(op, implementation, _BACKENDS,
+                          tuple(tuned.rows("linear_cross_entropy", _untuned)["order"]))
   if impl == "cuda":
     operand = jnp.result_type(x, weight, *(() if bias is None else (bias,)))
     reason = cuda.unsupported(reference.padded_vocab(vocab), operand)

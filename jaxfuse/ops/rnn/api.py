@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_batching import custom_vmap
 
-from jaxfuse._core import registry
+from jaxfuse._core import registry, tuned
 from jaxfuse._core.sharding import parallel_call, replicated_sharding
 from jaxfuse._core.validation import check_array, describe, static_float, static_int
 from jaxfuse.ops.rnn import cuda as cuda_kernels
@@ -20,11 +20,16 @@ from jaxfuse.ops.rnn.weights import unpack, weight_count
 
 
 
+def _untuned() -> dict:
+  # 'cudnn' is never chosen unasked: jax.experimental.rnn's forward and backward copy the
+  # lengths to the host and wait for the stream, which stalls the program around them.
+  return {"order": ["cuda", "xla"]}
+
+
 def _preference():
-  # 'cudnn' is never chosen unasked: jax.experimental.rnn's backward copies the lengths to the
-  # host and waits for the stream. It is the faster float32 LSTM from batch 16 on an H100
-  # (benchmarks/results/2026-11-23-h100-rnn-lstm.json); everywhere else the fused kernels win.
-  return ("xla",) if registry.platform() != "gpu" else ("cuda", "xla")
+  if registry.platform() != "gpu":
+    return ("xla",)
+  return tuple(tuned.rows("rnn", _untuned)["order"])
 
 
 def lstm(x, h_0, c_0, weights, seq_lengths, *, input_size: int, hidden_size: int,
