@@ -116,3 +116,17 @@ def test_the_scan_reports_planted_figures_and_passes_shapes(tmp_path):
     "jaxfuse/ops/bad.py:6: \"\"\"+4.9% on 16k rows.\"\"\"",
   ]
   assert _report(["a:1: b"]).startswith(_RULE)
+
+
+def test_custom_vjp_is_written_only_in_the_op_layer():
+  """Every op's derivative is declared through jaxfuse/_core/op.py."""
+  writers = sorted(path.relative_to(ROOT).as_posix()
+                   for path in (ROOT / "jaxfuse").rglob("*.py")
+                   if "custom_vjp" in path.read_text())
+  assert writers == ["jaxfuse/_core/op.py"]
+
+
+def test_no_python_file_in_jaxfuse_passes_700_lines():
+  long = {path.relative_to(ROOT).as_posix(): n for path in (ROOT / "jaxfuse").rglob("*.py")
+          if (n := len(path.read_text().splitlines())) > 700}
+  assert not long

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfuse._core import registry, tuned
+from jaxfuse._core import op, registry, tuned
 from jaxfuse._core.batching import fold_into_batch
 from jaxfuse._core.sharding import parallel_call
 from jaxfuse._core.validation import check_array, describe, static_float, static_int
@@ -353,7 +353,6 @@ def _implementation(impl, q, k, v, bias, mask, q_seg, kv_seg, q_len, kv_len, cal
   return _flash(q, k, v, (q_seg, kv_seg, q_len, kv_len), (impl, call))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def _by_use(q, k, v, q_len, kv_len, impls, call):
   """The output of ``impls[0]``, differentiated as ``impls[1]`` (its forward and backward):
   the fastest for inference and for training where those differ."""
@@ -371,11 +370,10 @@ def _by_use_bwd(impls, call, vjp, do):
   return vjp(do) + (None, None)
 
 
-_by_use.defvjp(_by_use_fwd, _by_use_bwd)
+_by_use = op.differentiable(_by_use, _by_use_fwd, _by_use_bwd, static=(5, 6))
 
 
 # ``kernel`` is (implementation, call): 'triton' or 'mosaic' and the static configuration.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _flash(q, k, v, extras, kernel):
   return _flash_fwd(q, k, v, extras, kernel)[0]
 
@@ -393,7 +391,7 @@ def _flash_bwd(kernel, residuals, cotangents):
   return dq, dk, dv, jax.tree.map(lambda _: None, extras)
 
 
-_flash.defvjp(_flash_fwd, _flash_bwd)
+_flash = op.differentiable(_flash, _flash_fwd, _flash_bwd, static=(4,))
 
 
 @functools.cache

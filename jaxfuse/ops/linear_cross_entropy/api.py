@@ -8,7 +8,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxfuse._core import registry, tuned
+from jaxfuse._core import op, registry, tuned
 from jaxfuse._core.batching import one_example_at_a_time
 from jaxfuse._core.sharding import parallel_call
 from jaxfuse._core.validation import (check_array, counted_labels, cross_entropy_options,
@@ -157,7 +157,6 @@ def _cast_like(grads, g, x, weight, bias):
 
 # Per-row losses ('none'): the backward needs each row's cotangent, so it walks the chunks
 # again, recomputing the logits.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _rows(x, weight, bias, labels, st):
   return _walk(x, weight, bias, labels, st)[0]
 
@@ -173,13 +172,12 @@ def _rows_bwd(st, residuals, g):
   return _cast_like(grads, 1.0, x, weight, bias) + (None,)
 
 
-_rows.defvjp(_rows_fwd, _rows_bwd)
+_rows = op.differentiable(_rows, _rows_fwd, _rows_bwd, static=(4,))
 
 
 # A reduced loss ('mean', 'sum') is linear in one scalar cotangent: the forward walk computes
 # the gradients for a cotangent of one while it has each chunk's logits, and the backward only
 # scales them, so a training step multiplies by the weights three times, as the unfused loss.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _reduced(x, weight, bias, labels, row_weight, st):
   return jnp.sum(_walk(x, weight, bias, labels, st)[0] * row_weight)
 
@@ -194,4 +192,4 @@ def _reduced_bwd(st, residuals, g):
   return _cast_like(grads, g, x, weight, bias) + (None, None)
 
 
-_reduced.defvjp(_reduced_fwd, _reduced_bwd)
+_reduced = op.differentiable(_reduced, _reduced_fwd, _reduced_bwd, static=(5,))

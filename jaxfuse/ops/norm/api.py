@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
-from jaxfuse._core import registry, tuned
+from jaxfuse._core import op, registry, tuned
 from jaxfuse._core.sharding import parallel_call
 from jaxfuse._core.validation import (canonical_dtype, check_array, check_positive_float,
                                       describe)
@@ -193,7 +193,6 @@ def _implementations(op, kind, implementation, n, rows, x_dtype, out_dtype, para
   return forward_impl, backward_impl
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _norm(x, weight, bias, st):
   return _forward(x, weight, bias, st)[0]
 
@@ -208,7 +207,7 @@ def _norm_bwd(st, residuals, dy):
   return _backward(dy, x, weight, mean, rstd, st)
 
 
-_norm.defvjp(_norm_fwd, _norm_bwd)
+_norm = op.differentiable(_norm, _norm_fwd, _norm_bwd, static=(3,))
 _norm_jit = jax.jit(_norm, static_argnums=(3,))
 
 

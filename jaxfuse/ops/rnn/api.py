@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_batching import custom_vmap
 
-from jaxfuse._core import registry, tuned
+from jaxfuse._core import op, registry, tuned
 from jaxfuse._core.sharding import parallel_call, replicated_sharding
 from jaxfuse._core.validation import check_array, describe, static_float, static_int
 from jaxfuse.ops.rnn import cuda as cuda_kernels
@@ -264,7 +264,6 @@ def _fused_layer(config, inputs, h0, c0, W_ih, W_hh, b_ih, b_hh, lengths):
   return _recurrence(config, xp, w_hh, b_hn, h0, c0, lengths)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _recurrence(config, xp, w_hh, b_hn, h0, c0, lengths):
   return _kernels(config, save=False).forward(xp, w_hh, b_hn, h0, c0, lengths)
 
@@ -294,7 +293,7 @@ def _recurrence_bwd(config, residuals, cotangents):
   return dxp, dw_hh, db_hn, dh0, dc0, None
 
 
-_recurrence.defvjp(_recurrence_fwd, _recurrence_bwd)
+_recurrence = op.differentiable(_recurrence, _recurrence_fwd, _recurrence_bwd, static=(0,))
 
 
 def _previous_hidden(y, h0, lengths):

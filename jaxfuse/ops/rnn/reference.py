@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxfuse._core import op
 from jaxfuse._core.sharding import replicated_sharding
 from jaxfuse._core.validation import compute_dtype
 
@@ -36,7 +37,6 @@ def _project(a, w, precision, accumulate):
 
 # Under an explicitly sharded batch the gradient of w contracts the sharded axis, and JAX asks
 # for its sharding (the recurrent product's, inside the scan): replicated, like w.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _sharded_project(a, w, precision, accumulate):
   return lax.dot_general(a, w, (((a.ndim - 1,), (1,)), ((), ())), precision=precision,
                          preferred_element_type=accumulate)
@@ -56,7 +56,8 @@ def _sharded_project_bwd(precision, accumulate, residuals, grad):
   return da.astype(a.dtype), dw.astype(w.dtype)
 
 
-_sharded_project.defvjp(_sharded_project_fwd, _sharded_project_bwd)
+_sharded_project = op.differentiable(_sharded_project, _sharded_project_fwd, _sharded_project_bwd,
+                                     static=(2, 3))
 
 
 def _lstm_step(hidden_gates, projected, state):

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_batching import custom_vmap
 
-from jaxfuse._core import registry, tuned
+from jaxfuse._core import op, registry, tuned
 from jaxfuse._core.batching import fold_into_batch
 from jaxfuse._core.sharding import parallel_call
 from jaxfuse._core.validation import (check_array, counted_labels, cross_entropy_options,
@@ -161,7 +161,6 @@ def _softmax_entry(op, log, x, axis, scale, mask, is_causal, causal_offset, impl
   return _softmax_jit(x, mask, st)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _softmax(x, mask, st):
   return _softmax_forward(x, mask, st)
 
@@ -179,7 +178,7 @@ def _softmax_bwd(st, y, dy):
   return dx, None
 
 
-_softmax.defvjp(_softmax_fwd, _softmax_bwd)
+_softmax = op.differentiable(_softmax, _softmax_fwd, _softmax_bwd, static=(2,))
 _softmax_jit = jax.jit(_softmax, static_argnums=(2,))
 
 
@@ -362,7 +361,6 @@ def _cross_entropy_jit(logits, labels, st):
 # 'mean' / 'sum': the kernel computes the gradient for a unit cotangent while the logits are
 # read for the loss, and the backward only scales it (XLA drops the scale when it is 1, as
 # it is at the end of a training step). ``scale`` is the scalar 1/count or 1.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _reduced_loss(logits, labels, scale, st):
   loss, _ = _rows(logits, labels, st)
   return jnp.sum(loss) * scale
@@ -383,10 +381,10 @@ def _reduced_loss_bwd(st, grad, g):
   return grad * g.astype(grad.dtype), None, None
 
 
-_reduced_loss.defvjp(_reduced_loss_fwd, _reduced_loss_bwd)
+_reduced_loss = op.differentiable(_reduced_loss, _reduced_loss_fwd, _reduced_loss_bwd,
+                                  static=(3,))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _per_row_loss(logits, labels, st):
   return _rows(logits, labels, st)[0]
 
@@ -407,7 +405,8 @@ def _per_row_loss_bwd(st, residuals, g):
   return grad, None
 
 
-_per_row_loss.defvjp(_per_row_loss_fwd, _per_row_loss_bwd)
+_per_row_loss = op.differentiable(_per_row_loss, _per_row_loss_fwd, _per_row_loss_bwd,
+                                  static=(2,))
 
 
 def _rows(logits, labels, st):
