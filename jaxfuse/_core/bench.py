@@ -1,4 +1,5 @@
-"""The bench harness behind ``jaxfuse bench``: timing, ceilings, errors, tables, JSON and plots.
+"""The bench harness behind ``jaxfuse bench``: timing, ceilings and checks (what it prints and
+saves is :mod:`jaxfuse._core.report`'s).
 
 Each op family supplies :class:`Case` objects. For each case and implementation the harness
 compiles the forward and the training step (output and every gradient) once, checks those
