@@ -1,7 +1,9 @@
 """jaxfuse: fused GPU kernels for JAX, with a pure-XLA path that runs anywhere.
 
 Every op takes ``implementation=``: ``'xla'`` (reference, any backend), ``'triton'`` (Pallas on
-Triton; interpreted on the CPU), and ``None`` for the fastest available on this device.
+Triton; interpreted on the CPU), ``'mosaic'`` (Pallas Mosaic GPU, Hopper), ``'cuda'`` (CUDA C++
+through XLA's FFI, built on first use), ``'cudnn'`` where cuDNN has the op, and ``None`` for
+the fastest available for this call on this device (by its tuned table).
 """
 
 from jaxfuse._core.registry import IMPLEMENTATIONS
