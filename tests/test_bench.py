@@ -94,6 +94,19 @@ def test_regret_is_the_fastest_named_time_over_nones():
   assert f"geometric mean {0.8 ** (1 / 3):.3f} over 3 points" in text
 
 
+def test_a_point_is_launch_bound_where_nones_span_passes_twice_its_busy_time():
+  rows = [_timed_row("a", "xla", 1.0), _timed_row("a", bench.DEFAULT, 3.0),
+          _timed_row("b", "xla", 1.0), _timed_row("b", bench.DEFAULT, 1.5)]
+  rows[1].forward_busy_ms = 1.4
+  rows[3].forward_busy_ms = 1.0
+  found = report.regrets(rows)
+  assert [r.launch_bound for r in found] == [True, False]
+  text = report.regret_table(found)
+  assert "a                            forward    0.333 xla" in text and "launch-bound" in text
+  assert "worst 0.667 (b forward, xla), geometric mean 0.667 over 1 points (not launch-bound)" \
+      in text
+
+
 def test_regret_runs_the_families_regret_grids(monkeypatch, capsys, tmp_path):
   monkeypatch.setattr(bench, "run", lambda cases, implementations=None, on_case=None: (
       [_timed_row(c.label, impl, 1.0, 2.0, c.op) for c in cases for impl in c.implementations],

@@ -69,12 +69,23 @@ def _rnn_args(rng, cell):
 def _rnn_call(cell):
   def call(impl, x, *rest):
     out = getattr(jaxfuse, cell)(x, *rest, input_size=8, hidden_size=16, num_layers=1,
-                                 implementation=impl)
+                                 precision=HIGHEST, implementation=impl)
     return out[0]
   return call
 
 
+def _attention(impl, q, k, v):
+  # float32 products in full precision, as the XLA reference takes them; cuDNN and Mosaic
+  # take 16-bit inputs and no precision.
+  precision = None if impl in SIXTEEN_BIT else HIGHEST
+  return jaxfuse.attention(q, k, v, is_causal=True, precision=precision, implementation=impl)
+
+
 GPU = ("cuda",)
+# float32 matrix products on a GPU default to TF32; the comparisons want full precision.
+HIGHEST = jax.lax.Precision.HIGHEST
+# cuDNN and Mosaic take 16-bit inputs.
+SIXTEEN_BIT = ("mosaic", "cudnn")
 OPS = [
     Op("rms_norm", _norm_args, lambda impl, x, w, b: jaxfuse.rms_norm(x, w, implementation=impl),
        ("xla", "triton") + GPU, wrt=(0, 1)),
@@ -93,8 +104,7 @@ OPS = [
        lambda impl, x, w, y: jaxfuse.linear_cross_entropy(x, w, y, reduction="none",
                                                          implementation=impl),
        ("xla",) + GPU, wrt=(0, 1), inner_axis=None, batch=(P("batch"), None, P("batch"))),
-    Op("attention", _attention_args,
-       lambda impl, q, k, v: jaxfuse.attention(q, k, v, is_causal=True, implementation=impl),
+    Op("attention", _attention_args, _attention,
        ("xla", "triton", "mosaic", "cudnn"), wrt=(0, 1, 2), inner_axis=2,
        batch=(P("batch"),) * 3, tolerance=1e-4),
     Op("lstm", lambda rng: _rnn_args(rng, "lstm"), _rnn_call("lstm"), ("xla",) + GPU,
@@ -103,9 +113,8 @@ OPS = [
     Op("gru", lambda rng: _rnn_args(rng, "gru"), _rnn_call("gru"), ("xla",) + GPU,
        wrt=(0, 2), inner_axis=None, batch=(P("batch"), P(None, "batch"), None, P("batch"))),
 ]
-# Implementations the CPU runs; the others are the GPU's. cuDNN and Mosaic take 16-bit inputs.
+# Implementations the CPU runs; the others are the GPU's.
 CPU_IMPLS = ("xla", "triton")
-SIXTEEN_BIT = ("mosaic", "cudnn")
 CASES = [pytest.param(op, impl, id=f"{op.name}-{impl}",
                       marks=() if impl in CPU_IMPLS else pytest.mark.gpu)
          for op in OPS for impl in op.impls]

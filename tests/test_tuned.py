@@ -2,6 +2,7 @@
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -46,9 +47,14 @@ def test_a_table_names_its_gpu_and_cites_recorded_runs(path):
   assert set(rows) == set(UNTUNED[family]())
   for rule in rows.get("rules", {"value": []})["value"]:
     assert set(rule) == {"when", "use", "source"}, rule
-    assert rule["use"] in registry.IMPLEMENTATIONS, rule
+    assert rule["use"] in ("xla", "triton", "cuda"), rule
     assert set(rule["when"]) <= FACTS[family] | BOUNDS, rule
     assert (ROOT / rule["source"]).is_file(), rule["source"]
+  for name in ("mosaic_before_cudnn_forward", "mosaic_before_cudnn_step"):
+    for key, most in rows.get(name, {"value": {}})["value"].items():
+      assert re.fullmatch(r"(causal|full)/(64|128|256)", key) and most > 0, (name, key)
+  if "order" in rows:
+    assert set(rows["order"]["value"]) <= {"xla", "cuda"}
 
 
 @pytest.fixture
@@ -98,7 +104,7 @@ def test_a_gpu_without_a_table_takes_the_computed_rows_and_says_so_once(tables, 
     assert tuned.rows("f", lambda: {"a": 7}) == {"a": 7}
   said = [r.getMessage() for r in caplog.records if "no tuned f table" in r.getMessage()]
   assert said == ["jaxfuse: no tuned f table for GPU Z (jaxfuse/ops/f/tuned/gpu_z.json); its "
-                  "choices are computed from the device's resources"]
+                  "choices are the built-in defaults"]
 
 
 def test_a_rule_holds_where_every_condition_does():

@@ -2,7 +2,7 @@
 
 Every fused op differentiates through a VJP of its own (the kernels' backward, residuals it
 chooses), built here from a primal, a forward and a backward, so that how a custom derivative
-is declared (and later, how vmap and sharding wrap it) is written once for every family.
+is declared is written once for every family.
 """
 
 from __future__ import annotations

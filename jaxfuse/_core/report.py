@@ -63,7 +63,6 @@ def table(rows: Sequence[Row], ceilings: dict) -> str:
   return "\n".join(out)
 
 
-
 def save_json(path: str, rows: Sequence[Row], ceilings: dict, **extra):
   record = dict(environment(), ceilings=ceilings, rows=[dataclasses.asdict(r) for r in rows],
                 **extra)
@@ -184,7 +183,7 @@ def save_regret_plot(path: str, found: Sequence[Regret]):
              label=direction)
     ax.axhline(1.0, color="gray", linewidth=0.8)
     ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=7)
-    ax.set_ylim(min(0.5, min(r.regret for r in found)), 1.05)
+    ax.set_ylim(min(0.5, min(r.regret for r in found)), max(1.05, max(r.regret for r in found)))
     ax.set_title(f"{op}: fastest named time / None's time")
     ax.legend(fontsize=7)
   fig.tight_layout()

@@ -8,9 +8,11 @@ GPU's name in lower case with runs of other characters as ``_`` (``nvidia_h100_8
    "rows": {"<name>": {"value": ..., "source": "benchmarks/results/<file>.json"}}}
 
 Every row names the recorded run it was read from. A table that ``inherits`` another takes
-that table's rows under its own, so a GPU measured on a few shapes overrides only those. A GPU
-without a table takes the rows its family computes from the device's resources
-(``untuned(device)``), and the ``jaxfuse`` logger says so once per family.
+that table's rows under its own, so a GPU measured on a few shapes overrides only those; a row
+is replaced whole (a table that overrides ``rules`` restates the inherited rules it keeps). A
+GPU without a table takes its family's built-in defaults (``_untuned()`` in the family's
+``api.py``: what the kernels' limits and the measured GPUs agree on), and the ``jaxfuse``
+logger says so once per family.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ def _rows_for(family: str, kind: str | None) -> dict[str, dict] | None:
 
 def rows(family: str, untuned: Callable[[], Mapping[str, Any]]) -> dict[str, Any]:
   """The values of ``family``'s rows for the default GPU: from its table, else (a GPU never
-  measured, or no GPU) from ``untuned()``, computed from the device's resources."""
+  measured, or no GPU) ``untuned()``, the family's built-in defaults."""
   kind = registry.device_kind()
   table = _rows_for(family, kind)
   if table is None:
@@ -77,8 +79,7 @@ def rows(family: str, untuned: Callable[[], Mapping[str, Any]]) -> dict[str, Any
 @functools.cache
 def _log_untuned(family: str, kind: str):
   logger.info("jaxfuse: no tuned %s table for %s (jaxfuse/ops/%s/tuned/%s.json); its choices "
-              "are computed from the device's resources", family, kind, family,
-              device_file(kind))
+              "are the built-in defaults", family, kind, family, device_file(kind))
 
 
 # A rule's conditions: facts that must be equal (or one of a list), and bounds on the row

@@ -148,6 +148,6 @@ REGRET_GRID = [
 def regret_cases() -> list[Case]:
   """``None`` against every implementation over :data:`REGRET_GRID` (the CPU cases there)."""
   if registry.platform() != "gpu":
-    return [_case(*shape, jnp.float32, ("xla",)) for shape in CPU_CASES[:1]]
+    return [_case(*shape, jnp.float32, ("xla", DEFAULT)) for shape in CPU_CASES[:1]]
   return [_case(*shape, ("xla",) + _gpu_implementations(shape[0], shape[-1]))
           for shape in REGRET_GRID]

@@ -37,8 +37,8 @@ STAGED_THREADS = 256
 STAGED_FROM_BYTES = 64 * 1024
 # Short rows (norm.cu), units per thread in order of preference, up to what fits beside the next
 # row. Measured on the H100 (benchmarks/tune.py norm_cuda): two units on 16 lanes beat one on 32
-# lanes in both directions and tie with four on 8 forward. Beside the Triton kernels only
-# LayerNorm's backward comes out ahead, which `None` takes (api._fastest).
+# lanes in both directions and tie with four on 8 forward. Where they beat the Triton kernels
+# is the tuned tables' to say (jaxfuse/ops/norm/tuned/).
 SHORT_FORWARD_UNITS = {2: (2, 4, 1), 4: (2, 1)}
 SHORT_BACKWARD_UNITS = {2: (2, 1), 4: (1,)}
 _SUPPORTED = tuple(map(jnp.dtype, (jnp.float16, jnp.bfloat16, jnp.float32)))
