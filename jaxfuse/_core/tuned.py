@@ -60,20 +60,22 @@ def read_table(family: str, stem: str, _seen: tuple[str, ...] = ()) -> dict[str,
 
 
 @functools.cache
-def _rows_for(family: str, kind: str | None) -> dict[str, dict] | None:
-  return None if kind is None else read_table(family, device_file(kind))
+def _rows_for(family: str, kind: str | None) -> dict[str, Any] | None:
+  """Row values of ``family``'s table for ``kind``, read once."""
+  table = None if kind is None else read_table(family, device_file(kind))
+  return None if table is None else {name: row["value"] for name, row in table.items()}
 
 
 def rows(family: str, untuned: Callable[[], Mapping[str, Any]]) -> dict[str, Any]:
   """The values of ``family``'s rows for the default GPU: from its table, else (a GPU never
   measured, or no GPU) ``untuned()``, the family's built-in defaults."""
   kind = registry.device_kind()
-  table = _rows_for(family, kind)
-  if table is None:
+  values = _rows_for(family, kind)
+  if values is None:
     if kind is not None:
       _log_untuned(family, kind)
     return dict(untuned())
-  return {name: row["value"] for name, row in table.items()}
+  return values
 
 
 @functools.cache

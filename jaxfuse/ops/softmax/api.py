@@ -37,22 +37,22 @@ def _untuned() -> dict:
           "cuda_from_without_triton": 16384, "rules": []}
 
 
-def _fastest(op: str, direction: str, x, cuda_refusal, extents, plain: bool = True) -> str:
+def _fastest(op: str, direction: str, n: int, x, cuda_refusal, extents,
+             plain: bool = True) -> str:
   """The fastest implementation for ``direction`` by this GPU's tuned table
   (``jaxfuse/ops/softmax/tuned/``): its ``rules``, measured exceptions matched on the call's
   facts, else 'cuda' for rows it can take from the length the table gives (``None``: never
-  while Triton runs), else 'triton' where it runs, else 'xla'. ``x`` is the array whose rows
-  are normalized (its last axis, or ``extents[1]`` for an inner axis), ``cuda_refusal()``
-  says why the CUDA kernels cannot take the call, ``extents`` is the array as the Triton
-  kernels view it, and ``plain`` says the rows are the last axis, without a mask."""
-  n = extents[1] if len(extents) == 3 else extents[-1]
+  while Triton runs), else 'triton' where it runs, else 'xla'. ``n`` is the row length, ``x``
+  the array whose rows are normalized, ``cuda_refusal()`` says why the CUDA kernels cannot
+  take the call, ``extents`` is the array as the Triton kernels view it, and ``plain`` says
+  the rows are the last axis, without a mask."""
   triton_runs = registry.runs(
       op, "triton", lambda: registry.triton_unavailable() or triton.unsupported(extents))
-  cuda_runs = lambda: (cuda_refusal() is None
-                       and registry.runs(op, "cuda", cuda_kernels.unavailable))
+  cuda_takes = cuda_refusal() is None
+  cuda_runs = lambda: cuda_takes and registry.runs(op, "cuda", cuda_kernels.unavailable)
   table = tuned.rows("softmax", _untuned)
   facts = dict(op=op, direction=direction, length=n, elements=x.size, plain=plain,
-               itemsize=jnp.dtype(x.dtype).itemsize, cuda_takes=cuda_refusal() is None)
+               itemsize=jnp.dtype(x.dtype).itemsize, cuda_takes=cuda_takes)
   runs = {"cuda": cuda_runs, "triton": lambda: triton_runs, "xla": lambda: True}
   if chosen := tuned.ruled(table["rules"], facts, lambda name: runs[name]()):
     return chosen
@@ -151,10 +151,11 @@ def _softmax_entry(op, log, x, axis, scale, mask, is_causal, causal_offset, impl
   if implementation is None and registry.platform() == "gpu":
     extents = (layout.pre, layout.n, layout.post)
     plain = axis == x.ndim - 1 and mask is None and not is_causal
-    forward_impl = _fastest(op, "forward", x, lambda: cuda_refusal(("forward",)), extents,
+    n = x.shape[axis]
+    forward_impl = _fastest(op, "forward", n, x, lambda: cuda_refusal(("forward",)), extents,
                             plain)
-    backward_impl = _fastest(op, "backward", x, lambda: cuda_refusal(("backward",)), extents,
-                             plain)
+    backward_impl = _fastest(op, "backward", n, x, lambda: cuda_refusal(("backward",)),
+                             extents, plain)
   if "triton" in (forward_impl, backward_impl):
     registry.using_triton(named=implementation == "triton")
   st = _SoftmaxStatic(op, log, layout, scale, forward_impl, backward_impl)
@@ -325,8 +326,9 @@ def softmax_cross_entropy(logits, labels, *, ignore_index: int | None = None,
                               f"{describe(logits)}: {reason}")
   loss_impl = impl
   if implementation is None and registry.platform() == "gpu":
-    impl = _fastest(op, "cross_entropy", logits, cuda_refusal, (labels.size, vocab))
-    loss_impl = _fastest(op, "cross_entropy_loss", logits, cuda_refusal, (labels.size, vocab))
+    extents = (labels.size, vocab)
+    impl = _fastest(op, "cross_entropy", vocab, logits, cuda_refusal, extents)
+    loss_impl = _fastest(op, "cross_entropy_loss", vocab, logits, cuda_refusal, extents)
   if "triton" in (impl, loss_impl):
     registry.using_triton(named=implementation == "triton")
   st = _CrossEntropyStatic(label_smoothing, z_loss, reduction, impl, ignore_index, loss_impl)

@@ -47,8 +47,7 @@ def backward(q, k, v, do, lse, out, dlse, extras, *, spec, scale, allow_tf32=Non
                      jnp.pad(delta, ((0, 0), (0, 0), (0, q_rows - t)))], axis=2)
   ids = lambda a, n: None if a is None else _pad_rows(a.astype(jnp.int32), n)
   lengths = [None if a is None else a.astype(jnp.int32) for a in (q_len, kv_len)]
-  # TMA copies of 8 x 64 tiles need T and S multiples of 8, and a tile's slice must fit its
-  # operand: a streamed operand of few tiles is padded to whole tiles.
+  # TMA wants whole row groups and a tile inside its operand: few tiles pad to whole tiles.
   def padded(a, n, tiles, block):
     few = tiles <= max(2, cfg.stages)
     return _pad_rows(a, tiles * block if few else -(-n // 8) * 8)

@@ -21,8 +21,7 @@ def forward(q, k, v, extras, *, spec, scale, allow_tf32=None, config: Config | N
   q_seg, kv_seg, q_len, kv_len = extras
   cfg = config or default_config(q.shape[3], v.shape[3], spec, q_seg is not None)
   t, s = q.shape[1], k.shape[1]
-  # TMA copies of 8 x 64 tiles need T and S multiples of 8 (the rows past them are masked or
-  # dropped); other tails TMA's bounds take care of, without a copy.
+  # TMA wants whole row groups (rows past T are masked or dropped); its bounds take other tails.
   q = _pad_rows(q, -(-t // 8) * 8)
   kv_tiles = -(-s // cfg.block_kv)
   # Where the pipeline's first loads reach the last tile, their static start must keep the
