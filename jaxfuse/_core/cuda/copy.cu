@@ -107,11 +107,14 @@ ffi::Error CopyImpl(cudaStream_t stream, ffi::AnyBuffer src, ffi::Result<ffi::An
 }  // namespace
 }  // namespace jaxfuse
 
+// These handlers launch only on XLA's stream and allocate nothing, so XLA may capture them
+// into the CUDA graphs it runs a jitted program's kernels from.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseMemcpy, jaxfuse::MemcpyImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
+                                  .Ret<ffi::AnyBuffer>(),
+    {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseCopy, jaxfuse::CopyImpl,
                               ffi::Ffi::Bind()
@@ -120,4 +123,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseCopy, jaxfuse::CopyImpl,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("unroll")
                                   .Attr<int64_t>("ctas_per_sm")
-                                  .Attr<int64_t>("streaming"));
+                                  .Attr<int64_t>("streaming"),
+    {ffi::Traits::kCmdBufferCompatible});

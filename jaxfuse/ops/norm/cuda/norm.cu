@@ -846,6 +846,8 @@ ffi::Error NormBackwardImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuff
 }  // namespace
 }  // namespace jaxfuse
 
+// These handlers launch only on XLA's stream and allocate nothing, so XLA may capture them
+// into the CUDA graphs it runs a jitted program's kernels from.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseNormForward, jaxfuse::NormForwardImpl,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
@@ -864,7 +866,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseNormForward, jaxfuse::NormForwardImpl,
                                   .Attr<int64_t>("clusters")
                                   .Attr<int64_t>("layer")
                                   .Attr<int64_t>("has_weight")
-                                  .Attr<int64_t>("has_bias"));
+                                  .Attr<int64_t>("has_bias"),
+    {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseNormBackward, jaxfuse::NormBackwardImpl,
                               xla::ffi::Ffi::Bind()
@@ -885,7 +888,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseNormBackward, jaxfuse::NormBackwardImpl,
                                   .Attr<int64_t>("clusters")
                                   .Attr<int64_t>("layer")
                                   .Attr<int64_t>("has_weight")
-                                  .Attr<int64_t>("has_bias"));
+                                  .Attr<int64_t>("has_bias"),
+    {xla::ffi::Traits::kCmdBufferCompatible});
 
 // For the Python side, which sizes the persistent grids (and the backward's partial gradients)
 // at trace time: clusters of this shape resident on the current GPU at once. Residency depends

@@ -954,6 +954,8 @@ auto with_plan(Binding binding) {
 }  // namespace
 }  // namespace jaxfuse
 
+// These handlers launch only on XLA's stream and allocate nothing, so XLA may capture them
+// into the CUDA graphs it runs a jitted program's kernels from.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxfuseRnnForward, jaxfuse::RnnForwardImpl,
     jaxfuse::with_plan(xla::ffi::Ffi::Bind()
@@ -971,7 +973,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
                            .Ret<jaxfuse::F32Buffer>()            // states
                            .Ret<xla::ffi::AnyBuffer>()           // exchange
                            .Ret<xla::ffi::Buffer<xla::ffi::DataType::U32>>())  // sync
-        .Attr<int64_t>("save"));
+        .Attr<int64_t>("save"),
+    {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxfuseRnnBackward, jaxfuse::RnnBackwardImpl,
@@ -991,7 +994,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
                            .Ret<jaxfuse::F32Buffer>()            // dh0
                            .Ret<jaxfuse::F32Buffer>()            // dc0
                            .Ret<xla::ffi::AnyBuffer>()           // exchange
-                           .Ret<xla::ffi::Buffer<xla::ffi::DataType::U32>>()));  // sync
+                           .Ret<xla::ffi::Buffer<xla::ffi::DataType::U32>>()),  // sync
+    {xla::ffi::Traits::kCmdBufferCompatible});
 
 // For the Python side, which plans launches at trace time: the SM count and the shared memory
 // a CTA may opt into on the current GPU.

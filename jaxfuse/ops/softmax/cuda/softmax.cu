@@ -521,6 +521,8 @@ ffi::Error CrossEntropyImpl(cudaStream_t stream, ffi::AnyBuffer logits,
 }  // namespace
 }  // namespace jaxfuse
 
+// These handlers launch only on XLA's stream and allocate nothing, so XLA may capture them
+// into the CUDA graphs it runs a jitted program's kernels from.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseSoftmaxForward, jaxfuse::SoftmaxForwardImpl,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
@@ -532,7 +534,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseSoftmaxForward, jaxfuse::SoftmaxForwardImpl
                                   .Attr<int64_t>("threads")
                                   .Attr<int64_t>("units")
                                   .Attr<int64_t>("stages")
-                                  .Attr<int64_t>("clusters"));
+                                  .Attr<int64_t>("clusters"),
+    {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseSoftmaxBackward, jaxfuse::SoftmaxBackwardImpl,
                               xla::ffi::Ffi::Bind()
@@ -546,7 +549,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseSoftmaxBackward, jaxfuse::SoftmaxBackwardIm
                                   .Attr<int64_t>("threads")
                                   .Attr<int64_t>("units")
                                   .Attr<int64_t>("stages")
-                                  .Attr<int64_t>("clusters"));
+                                  .Attr<int64_t>("clusters"),
+    {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseCrossEntropy, jaxfuse::CrossEntropyImpl,
                               xla::ffi::Ffi::Bind()
@@ -567,7 +571,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseCrossEntropy, jaxfuse::CrossEntropyImpl,
                                   .Attr<int64_t>("threads")
                                   .Attr<int64_t>("units")
                                   .Attr<int64_t>("stages")
-                                  .Attr<int64_t>("clusters"));
+                                  .Attr<int64_t>("clusters"),
+    {xla::ffi::Traits::kCmdBufferCompatible});
 
 // For the Python side, which sizes the persistent grids at trace time: clusters of this tiling
 // resident on the current GPU at once (kernel 0: forward, 1: backward, 2: cross-entropy).
