@@ -217,3 +217,33 @@ def test_an_integer_input_is_refused_by_name(rng, op, impl):
   args[op.mapped] = args[op.mapped].astype(jnp.int32)
   with pytest.raises(TypeError, match=rf"{op.name}: \w+ .*int32"):
     op.call(impl, *args)
+
+
+def test_mapped_axis_first_hands_a_call_its_mapped_axis_first_both_ways():
+  """JAX's cuDNN attention batches only a leading mapped axis: a probe with the same limit
+  sees axis 0 under vmap over an inner axis, and gradients go through unchanged."""
+  from jax.extend.core import Primitive
+  from jax.interpreters import batching, mlir
+
+  from jaxfuse._core.batching import mapped_axis_first
+
+  seen = []
+  probe = Primitive("leading_axis_probe")
+  probe.def_impl(lambda x: 2 * x)
+  probe.def_abstract_eval(lambda x: x)
+  mlir.register_lowering(probe, mlir.lower_fun(lambda x: 2 * x, multiple_results=False))
+
+  def rule(args, dims):
+    seen.append(dims[0])
+    return probe.bind(*args), dims[0]
+
+  batching.primitive_batchers[probe] = rule
+  x = jnp.asarray(np.random.default_rng(7).normal(size=(2, 3, 5)), jnp.float32)
+  out = jax.vmap(lambda a: probe.bind(mapped_axis_first(a)), in_axes=2)(x)
+  assert seen == [0]
+  np.testing.assert_array_equal(out, 2 * jnp.moveaxis(x, 2, 0))
+  loss = lambda a: jnp.sum(jnp.sin(mapped_axis_first(a)) ** 2)
+  grads = jax.vmap(jax.grad(loss), in_axes=2, out_axes=2)(x)
+  np.testing.assert_allclose(grads, jnp.sin(2 * x), rtol=1e-6)
+  lengths = jax.vmap(mapped_axis_first, in_axes=1)(jnp.arange(6, dtype=jnp.int32).reshape(2, 3))
+  np.testing.assert_array_equal(lengths, jnp.arange(6).reshape(2, 3).T)

@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
+from jaxfuse._core import op
+
 
 def fold_into_batch(fn):
   """``fn(*operands)`` with a batching rule that merges the mapped axis into axis 0."""
@@ -50,3 +52,34 @@ def one_example_at_a_time(fn):
 
   wrapped.def_vmap(rule)
   return wrapped
+
+
+
+@custom_vmap
+def _front(x):
+  return x
+
+
+# custom_vmap hands its rule every mapped operand with the mapped axis first.
+_front.def_vmap(lambda axis_size, in_batched, x: (x, in_batched[0]))
+
+
+def _front_fwd(x):
+  return _front(x), None
+
+
+def _front_bwd(residuals, cotangent):
+  del residuals
+  return (_front(cotangent),)
+
+
+# custom_vmap alone has no reverse mode: the VJP moves the cotangent's mapped axis too.
+_differentiable_front = op.differentiable(_front, _front_fwd, _front_bwd, static=())
+
+
+def mapped_axis_first(x):
+  """``x`` unchanged; under vmap its mapped axis moves to axis 0, and so does its cotangent's:
+  for calls whose batching rules take only a leading mapped axis (JAX's cuDNN attention)."""
+  if jnp.issubdtype(x.dtype, jnp.inexact):
+    return _differentiable_front(x)
+  return _front(x)

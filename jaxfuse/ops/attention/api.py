@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfuse._core import op, registry, tuned
-from jaxfuse._core.batching import fold_into_batch
+from jaxfuse._core.batching import fold_into_batch, mapped_axis_first
 from jaxfuse._core.sharding import parallel_call
 from jaxfuse._core.validation import check_array, describe, static_float, static_int
 from jaxfuse.ops.attention import mosaic, reference, triton
@@ -234,10 +234,13 @@ def _cudnn_unsupported(call, arrays):
 
 
 def _cudnn_call(q, k, v, bias, mask, q_len, kv_len, call):
-  return jax.nn.dot_product_attention(
+  q, k, v, bias, mask, q_len, kv_len = jax.tree.map(
+      mapped_axis_first, (q, k, v, bias, mask, q_len, kv_len))
+  out = jax.nn.dot_product_attention(
       q, k, v, bias=bias, mask=mask, scale=call.scale, is_causal=call.spec.is_causal,
       query_seq_lengths=q_len, key_value_seq_lengths=kv_len,
       local_window_size=call.spec.window, implementation="cudnn")
+  return mapped_axis_first(out)
 
 
 @functools.lru_cache(maxsize=256)
