@@ -575,3 +575,22 @@ def test_gpu_cuda_cross_entropy_labels_and_vmap(rng):
   for reduction in ("mean", "none"):
     test_cross_entropy_ignore_index_may_be_a_class(rng, "cuda", reduction)
   test_cross_entropy_vmap_is_per_example_mean(rng, "cuda")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("step,loss", [("xla", "triton"), ("triton", "xla")])
+def test_cross_entropy_evaluated_and_differentiated_may_take_different_kernels(
+    rng, step, loss, reduction):
+  """None may pick one implementation for the loss alone and another for the training step;
+  each use gives what XLA gives, ignored labels included."""
+  from jaxfuse.ops.softmax import api
+
+  logits = jnp.asarray(rng.normal(size=(13, 301)), jnp.float32)
+  labels = jnp.asarray(rng.integers(0, 301, 13), jnp.int32).at[4].set(7)
+  static = lambda impl, loss_impl: api._CrossEntropyStatic(0.1, 1e-3, reduction, impl, 7,
+                                                           loss_impl)
+  run = lambda st: lambda x: jnp.sum(api._cross_entropy_jit(x, labels, st))
+  mixed, xla = static(step, loss), static("xla", "xla")
+  np.testing.assert_allclose(run(mixed)(logits), run(xla)(logits), rtol=1e-5)
+  np.testing.assert_allclose(jax.grad(run(mixed))(logits), jax.grad(run(xla))(logits),
+                             rtol=1e-5, atol=1e-7)

@@ -350,7 +350,7 @@ def _cross_entropy_jit(logits, labels, st):
   vocab = logits.shape[-1]
   labels = labels.astype(jnp.int32)
   valid = counted_labels(labels, vocab, st.ignore_index)
-  if st.implementation == "xla":
+  if "xla" in (st.implementation, st.loss_implementation):
     labels = jnp.where(valid, labels, -1)
   # The kernels take the labels as they are and apply the same validity rule themselves: a
   # masked copy of the labels would be one more row-sized buffer in the training step.
@@ -364,18 +364,18 @@ def _cross_entropy_jit(logits, labels, st):
 # read for the loss, and the backward only scales it (XLA drops the scale when it is 1, as
 # it is at the end of a training step). ``scale`` is the scalar 1/count or 1.
 def _reduced_loss(logits, labels, scale, st):
-  loss, _ = _rows(logits, labels, st)
+  loss, _ = _rows(logits, labels, st, st.loss_implementation)
   return jnp.sum(loss) * scale
 
 
 def _reduced_loss_fwd(logits, labels, scale, st):
   if st.implementation == "xla":
-    loss, lse = _rows(logits, labels, st)
+    loss, lse = _rows(logits, labels, st, "xla")
     grad = reference.cross_entropy_grad(logits, labels, labels >= 0, lse,
                                         jnp.broadcast_to(scale, labels.shape),
                                         label_smoothing=st.label_smoothing, z_loss=st.z_loss)
   else:
-    loss, grad = _ce_kernels(st).fused(logits, labels, scale.reshape(1))
+    loss, grad = _ce_kernels(st, st.implementation).fused(logits, labels, scale.reshape(1))
   return jnp.sum(loss) * scale, grad
 
 
@@ -388,11 +388,11 @@ _reduced_loss = op.differentiable(_reduced_loss, _reduced_loss_fwd, _reduced_los
 
 
 def _per_row_loss(logits, labels, st):
-  return _rows(logits, labels, st)[0]
+  return _rows(logits, labels, st, st.loss_implementation)[0]
 
 
 def _per_row_loss_fwd(logits, labels, st):
-  loss, lse = _rows(logits, labels, st)
+  loss, lse = _rows(logits, labels, st, st.implementation)
   return loss, (logits, labels, lse)
 
 
@@ -403,7 +403,7 @@ def _per_row_loss_bwd(st, residuals, g):
     grad = reference.cross_entropy_grad(logits, labels, labels >= 0, lse, g,
                                         label_smoothing=st.label_smoothing, z_loss=st.z_loss)
   else:
-    grad = _ce_kernels(st).grad(logits, labels, lse, g)
+    grad = _ce_kernels(st, st.implementation).grad(logits, labels, lse, g)
   return grad, None
 
 
@@ -411,24 +411,25 @@ _per_row_loss = op.differentiable(_per_row_loss, _per_row_loss_fwd, _per_row_los
                                   static=(2,))
 
 
-def _rows(logits, labels, st):
-  if st.implementation == "xla":
+def _rows(logits, labels, st, impl):
+  if impl == "xla":
     return reference.cross_entropy_rows(logits, labels, labels >= 0,
                                         label_smoothing=st.label_smoothing, z_loss=st.z_loss)
-  return _ce_kernels(st).loss(logits, labels)
+  return _ce_kernels(st, impl).loss(logits, labels)
 
 
 class _CrossEntropyKernels:
-  """Kernel path: rows flattened, sharded over the row axes, vmapped by adding rows."""
+  """``impl``'s kernels: rows flattened, sharded over the row axes, vmapped by adding rows."""
 
-  def __init__(self, st):
+  def __init__(self, st, impl):
     self.st = st
+    self.kernels = _KERNELS[impl]
     self.loss = self._wrap("loss")
     self.fused = self._wrap("fused")
     self.grad = self._wrap("grad")
 
   def _wrap(self, mode):
-    st = self.st
+    st, kernels = self.st, self.kernels
 
     def call(logits, labels, *extra):
       rows = tuple(f"r{i}" for i in range(labels.ndim))
@@ -450,7 +451,6 @@ class _CrossEntropyKernels:
           kwargs = dict(row_scale=flat[2])
         else:
           kwargs = {}
-        kernels = _KERNELS[st.loss_implementation if mode == "loss" else st.implementation]
         outs = kernels.cross_entropy(flat[0], flat[1], label_smoothing=st.label_smoothing,
                                      z_loss=st.z_loss, ignore_index=st.ignore_index, mode=mode,
                                      **kwargs)
@@ -468,8 +468,8 @@ class _CrossEntropyKernels:
 
 
 @functools.cache
-def _ce_kernels(st) -> _CrossEntropyKernels:
-  return _CrossEntropyKernels(st)
+def _ce_kernels(st, impl) -> _CrossEntropyKernels:
+  return _CrossEntropyKernels(st, impl)
 
 
 # The limits the 'cuda' kernels enforce, from the constants they enforce them by.
