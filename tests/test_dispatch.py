@@ -412,15 +412,15 @@ def test_norm_cuda_takes_rows_up_to_its_limits(gpu, chosen, n, dtype, out_dtype)
 
 # ------------------------------------------------------------------------------- softmax
 
-# (row length, dtype) -> (forward, backward) on the H100's table: CUDA's forward from 16384
-# (Triton's for float32 rows), its backward from 16376, each where the kernels of
+# (row length, dtype) -> (forward, backward) on the H100's table: CUDA from 16376 both ways
+# (Triton's forward for float32 rows), each where the kernels of
 # that direction hold the row; XLA for rows of up to 256 and for 16-bit rows too long for a
 # Triton tile that CUDA cannot take.
 SOFTMAX_ON_HOPPER = [
     (256, "bfloat16", ("xla", "xla")),
     (264, "bfloat16", ("triton", "triton")),
     (16368, "bfloat16", ("triton", "triton")),
-    (16376, "bfloat16", ("triton", "cuda")),
+    (16376, "bfloat16", ("cuda", "cuda")),
     (16384, "bfloat16", ("cuda", "cuda")),
     (32760, "bfloat16", ("cuda", "cuda")),
     (32769, "bfloat16", ("xla", "xla")),
@@ -755,6 +755,11 @@ ATTENTION_BY_TABLE = [
     ("NVIDIA H200", dict(t=4096, is_causal=True), ("mosaic", "mosaic")),
     ("NVIDIA H200", dict(t=16384, is_causal=True), ("mosaic", "cudnn")),
     ("NVIDIA H200", dict(t=8192, h=256, is_causal=False), ("cudnn", "mosaic")),
+    ("NVIDIA H100 80GB HBM3", dict(t=6144, h=64, is_causal=True), ("mosaic", "mosaic")),
+    ("NVIDIA H100 80GB HBM3", dict(t=8192, h=64, is_causal=True), ("cudnn", "cudnn")),
+    ("NVIDIA H100 80GB HBM3", dict(t=16384, h=64, is_causal=False), ("mosaic", "cudnn")),
+    ("NVIDIA H100 80GB HBM3", dict(t=3072, is_causal=False), ("mosaic", "mosaic")),
+    ("NVIDIA H100 80GB HBM3", dict(t=4096, is_causal=False), ("mosaic", "cudnn")),
     ("NVIDIA H100 PCIe", dict(t=4096, is_causal=True), ("cudnn", "cudnn")),
 ]
 

@@ -444,6 +444,11 @@ def _floor_rows(floor, expected_shape):
   return floor.reshape(-1, 1)[rows]
 
 
+# A relative bound for float32 computed through TF32 (10 bits of mantissa), as a GPU's float32
+# matrix products are by default.
+TF32_TOLERANCE = 2e-3
+
+
 def error_bound(dtype, reduction_length: int = 1, roundings: int = 2) -> float:
   """The relative error a correct kernel stays within, by the worst row: ``roundings``
   roundings to ``dtype`` on the way to the output (each at most its unit roundoff, relative),

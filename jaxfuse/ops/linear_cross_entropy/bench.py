@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxfuse._core import registry
-from jaxfuse._core.bench import DEFAULT, Case, implementation_arg
+from jaxfuse._core.bench import DEFAULT, TF32_TOLERANCE, Case, implementation_arg
 from jaxfuse.ops.linear_cross_entropy.api import linear_cross_entropy
 
 # GPT-2 small's output layer at 8 x 2048 tokens (the shape issue 21 names).
@@ -54,6 +54,8 @@ def _case(tokens, width, vocab, dtype, impls):
                                     dtype=dtype),
       forward=_forward, train=_train, forward_work=flops, train_work=3 * flops,
       reduction_length=max(tokens, width, vocab),
+      tolerance=(TF32_TOLERANCE if registry.platform() == "gpu" and dtype == jnp.float32
+                 else None),
       notes={"optax": "logits x @ weight in float32 (N x V in memory), then optax's loss"},
       implementations=impls, unit="TFLOP/s")
 

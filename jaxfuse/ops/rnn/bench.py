@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxfuse._core import registry
-from jaxfuse._core.bench import DEFAULT, Case, implementation_arg, time_torch
+from jaxfuse._core.bench import DEFAULT, TF32_TOLERANCE, Case, implementation_arg, time_torch
 from jaxfuse.ops.rnn import api
 from jaxfuse.ops.rnn.weights import GATES, weight_count
 
@@ -24,10 +24,6 @@ GPU_CASES = [("lstm", 4, 1024, 512, 512, 1, False), ("lstm", 64, 256, 512, 512, 
              ("lstm", 16, 512, 256, 1024, 1, True), ("gru", 64, 256, 512, 512, 2, False),
              ("gru", 4, 1024, 512, 512, 1, False)]
 CPU_CASES = [("lstm", 4, 64, 64, 64, 1, False), ("gru", 4, 64, 64, 64, 1, True)]
-
-
-# float32 runs its products in TF32 (10 bits of mantissa), as cuDNN does by default.
-TF32_TOLERANCE = 2e-3
 
 
 def _inputs(key, cell, b, t, i, h, layers, bidirectional, dtype):
