@@ -1,17 +1,18 @@
-"""Command line: ``jaxfuse bench [family-or-op ...] [--regret] [--json PATH] [--plot PATH]``
-and ``jaxfuse build [--arch sm_90]``."""
+"""Command line: ``jaxfuse bench [family-or-op ...] [--regret] [--json PATH] [--plot PATH]``,
+``jaxfuse tune FAMILY [--write] [--json PATH]`` and ``jaxfuse build [--arch sm_90]``."""
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
 import importlib
+import json
 import sys
 
-from jaxfuse._core import bench, registry, report
+from jaxfuse._core import bench, registry, report, tune, tuned
 
-# Op families with a bench spec module exposing ``cases(quick) -> list[Case]`` and
-# ``regret_cases() -> list[Case]``.
+# Op families with a bench spec module exposing ``cases(quick) -> list[Case]``,
+# ``regret_cases() -> list[Case]``, ``tune_cases() -> list[Case]`` and ``tuned_rows(rows)``.
 FAMILIES = {
     "norm": "jaxfuse.ops.norm.bench",
     "softmax": "jaxfuse.ops.softmax.bench",
@@ -54,12 +55,21 @@ def main(argv=None) -> int:
   b.add_argument("--sizes", help="comma-separated problem sizes (the plots' x values) to keep")
   b.add_argument("--only", action="append", metavar="TEXT",
                  help="keep the cases whose label contains TEXT (repeatable)")
+  t = sub.add_parser("tune", help="time a family's implementations across its dispatch "
+                                  "thresholds on this GPU and derive its tuned-table rows")
+  t.add_argument("family", choices=tuple(FAMILIES))
+  t.add_argument("--json", metavar="PATH",
+                 help="where the run is saved (default: ./DATE-GPU-tune-FAMILY.json)")
+  t.add_argument("--write", action="store_true",
+                 help="put the rows into jaxfuse/ops/FAMILY/tuned/GPU.json, citing the run")
   c = sub.add_parser("build", help="build the CUDA kernels now (for an image to bake in), "
                                    "into $JAXFUSE_CACHE or ~/.cache/jaxfuse")
   c.add_argument("--arch", help="GPU architecture, e.g. sm_90 (default: this machine's GPU)")
   args = parser.parse_args(argv)
   if args.command == "build":
     return _build(args.arch)
+  if args.command == "tune":
+    return _tune(args.family, args.json, args.write)
 
   cases, unknown = _cases(args.ops, args.quick, args.regret)
   if unknown:
@@ -98,6 +108,31 @@ def main(argv=None) -> int:
     print(f"saved {args.plot}")
   # A jaxfuse kernel that is wrong or broke fails the job; an implementation this machine
   # lacks, or a comparator that is not installed, does not.
+  failed = [r for r in rows if r.note.startswith("FAILED")]
+  for r in failed:
+    print(f"FAILED: {r.op} {r.label} {r.implementation}: {r.note}", file=sys.stderr)
+  return 1 if failed else 0
+
+
+def _tune(family: str, path: str | None, write: bool) -> int:
+  kind = registry.device_kind()
+  if kind is None:
+    print("jaxfuse tune: tuned tables are per GPU kind, and there is no GPU here",
+          file=sys.stderr)
+    return 2
+  env = bench.environment()
+  path = path or f"{env['date'][:10]}-{tuned.device_file(kind)}-tune-{family}.json"
+  print(f"jaxfuse tune {family} on {kind} (jax {env['jax_version']}, {env['date']})")
+  rows, ceilings = bench.run(importlib.import_module(FAMILIES[family]).tune_cases())
+  print(report.table(rows, ceilings))
+  values = tune.derive(family, rows)
+  report.save_json(path, rows, ceilings, tuned_rows=values)
+  print(f"\nrows for {family} on {kind}:")
+  for name, value in values.items():
+    print(f"  {name}: {json.dumps(value)}")
+  print(f"saved {path}")
+  if write:
+    print(f"wrote {tune.write_rows(family, kind, values, tune.cited_path(path))}")
   failed = [r for r in rows if r.note.startswith("FAILED")]
   for r in failed:
     print(f"FAILED: {r.op} {r.label} {r.implementation}: {r.note}", file=sys.stderr)

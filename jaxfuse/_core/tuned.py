@@ -10,9 +10,10 @@ GPU's name in lower case with runs of other characters as ``_`` (``nvidia_h100_8
 Every row names the recorded run it was read from. A table that ``inherits`` another takes
 that table's rows under its own, so a GPU measured on a few shapes overrides only those; a row
 is replaced whole (a table that overrides ``rules`` restates the inherited rules it keeps). A
-GPU without a table takes its family's built-in defaults (``_untuned()`` in the family's
-``api.py``: what the kernels' limits and the measured GPUs agree on), and the ``jaxfuse``
-logger says so once per family.
+GPU without a table, and a row a table lacks, take the family's built-in defaults
+(``_untuned()`` in the family's ``api.py``: what the kernels' limits and the measured GPUs
+agree on); for a GPU without a table the ``jaxfuse`` logger says so once per family.
+``jaxfuse tune FAMILY --write`` (:mod:`jaxfuse._core.tune`) writes the rows it measures.
 """
 
 from __future__ import annotations
@@ -68,14 +69,14 @@ def _rows_for(family: str, kind: str | None) -> dict[str, Any] | None:
 
 def rows(family: str, untuned: Callable[[], Mapping[str, Any]]) -> dict[str, Any]:
   """The values of ``family``'s rows for the default GPU: from its table, else (a GPU never
-  measured, or no GPU) ``untuned()``, the family's built-in defaults."""
+  measured, a row its table lacks, or no GPU) ``untuned()``, the family's built-in defaults."""
   kind = registry.device_kind()
   values = _rows_for(family, kind)
   if values is None:
     if kind is not None:
       _log_untuned(family, kind)
     return dict(untuned())
-  return values
+  return {**untuned(), **values}
 
 
 @functools.cache

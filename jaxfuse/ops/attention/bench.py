@@ -12,7 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxfuse._core import registry
+from jaxfuse._core import registry, tune
 from jaxfuse._core.bench import DEFAULT, Case, implementation_arg
 from jaxfuse.ops.attention import reference
 from jaxfuse.ops.attention.api import attention
@@ -141,3 +141,34 @@ def regret_cases() -> list[Case]:
   return [_plain_case(b, t, n, h, causal,
                       (("xla",) if t <= 2048 else ()) + ("cudnn", "triton", "mosaic", DEFAULT))
           for b, t, n, h, causal in REGRET_GRID]
+
+
+# The tuning grid: for each head dim (with its head count) and mask, query counts across the
+# tables' limits, the batch keeping 16384 tokens so that every point does as much work per query.
+TUNE_HEAD_DIMS = {64: 16, 128: 16, 256: 8}
+TUNE_QUERIES = (1024, 2048, 3072, 4096, 6144, 8192, 16384)
+
+
+def tune_cases() -> list[Case]:
+  """cuDNN and 'mosaic' over :data:`TUNE_QUERIES` per head dim and mask."""
+  return [_plain_case(max(1, 16384 // t), t, n, h, causal, ("cudnn", "mosaic"))
+          for h, n in TUNE_HEAD_DIMS.items() for causal in (True, False) for t in TUNE_QUERIES]
+
+
+def _table_key(label: str) -> str:
+  """A plain case's tuned-table key: ``'4x4096x16x128 causal'`` -> ``'causal/128'``."""
+  shape, mask = label.split()[:2]
+  return f"{mask}/{shape.split('x')[3]}"
+
+
+def tuned_rows(rows) -> dict:
+  """Per mask and head dim and per use, the most queries up to which 'mosaic' was at least as
+  fast as cuDNN at every measured count (no key: cuDNN first)."""
+  out = {"mosaic_before_cudnn_forward": {}, "mosaic_before_cudnn_step": {}}
+  for key in sorted({_table_key(r.label) for r in rows}):
+    group = [r for r in rows if _table_key(r.label) == key]
+    for use in ("forward", "step"):
+      most = tune.longest_winning_prefix(tune.times_by_size(group, use, "mosaic", "cudnn"))
+      if most is not None:
+        out[f"mosaic_before_cudnn_{use}"][key] = most
+  return out

@@ -8,12 +8,13 @@ gradient.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
-from jaxfuse._core import registry
+from jaxfuse._core import registry, tune
 from jaxfuse._core.bench import DEFAULT, TF32_TOLERANCE, Case, implementation_arg
 from jaxfuse.ops.linear_cross_entropy.api import linear_cross_entropy
 
@@ -77,3 +78,16 @@ def regret_cases() -> list[Case]:
   if registry.platform() != "gpu":
     return [_case(512, 64, 32768, jnp.bfloat16, ("xla", DEFAULT))]
   return [_case(*shape, ("xla", "cuda", DEFAULT)) for shape in REGRET_GRID]
+
+
+def tune_cases() -> list[Case]:
+  """The regret grid under the named implementations only."""
+  return [dataclasses.replace(c, implementations=tuple(i for i in c.implementations
+                                                       if i != DEFAULT))
+          for c in regret_cases()]
+
+
+def tuned_rows(rows) -> dict:
+  """The order None tries the kernels in: by the geometric mean of the training step over the
+  cases both ran."""
+  return {"order": tune.order_by_geometric_mean(rows, "step", ("cuda", "xla"))}

@@ -16,7 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxfuse._core import cuda, registry
+from jaxfuse._core import cuda, registry, tune
 from jaxfuse._core.bench import DEFAULT, Case, implementation_arg
 from jaxfuse.ops.norm import cuda as cuda_kernels
 from jaxfuse.ops.norm.api import layer_norm, rms_norm
@@ -112,3 +112,24 @@ def regret_cases() -> list[Case]:
   return [_case(op, fn, with_bias, rows, n, dtype, param_dtype,
                 ("xla", "triton", "cuda", DEFAULT))
           for rows, n, dtype, param_dtype in REGRET_GRID for op, fn, with_bias in OPS]
+
+
+# The tuning grid: bfloat16 rows of these lengths, as many as make 2^26 elements (past the L2).
+TUNE_LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 12288, 16384, 24576, 32768, 65536)
+TUNE_ELEMENTS = 2**26
+
+
+def tune_cases() -> list[Case]:
+  """RMSNorm and LayerNorm rows of :data:`TUNE_LENGTHS` under Triton and CUDA."""
+  return [_case(op, fn, with_bias, TUNE_ELEMENTS // n, n, jnp.bfloat16, jnp.bfloat16,
+                ("triton", "cuda"))
+          for op, fn, with_bias in OPS for n in TUNE_LENGTHS]
+
+
+def tuned_rows(rows) -> dict:
+  """The longest rows up to which Triton's training step was at least as fast as CUDA's at
+  every measured length, in both norms (0: CUDA wherever it runs)."""
+  longest = [tune.longest_winning_prefix(
+      tune.times_by_size([r for r in rows if r.op == op], "step", "triton", "cuda"))
+      for op, _, _ in OPS]
+  return {"triton_max_features": min(n or 0 for n in longest)}

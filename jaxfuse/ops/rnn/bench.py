@@ -9,12 +9,13 @@ by default.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
-from jaxfuse._core import registry
+from jaxfuse._core import registry, tune
 from jaxfuse._core.bench import DEFAULT, TF32_TOLERANCE, Case, implementation_arg, time_torch
 from jaxfuse.ops.rnn import api
 from jaxfuse.ops.rnn.weights import GATES, weight_count
@@ -147,3 +148,16 @@ def regret_cases() -> list[Case]:
     return [_case(*shape, jnp.float32, ("xla", DEFAULT)) for shape in CPU_CASES[:1]]
   return [_case(*shape, ("xla",) + _gpu_implementations(shape[0], shape[-1]))
           for shape in REGRET_GRID]
+
+
+def tune_cases() -> list[Case]:
+  """The regret grid under the named implementations only."""
+  return [dataclasses.replace(c, implementations=tuple(i for i in c.implementations
+                                                       if i != DEFAULT))
+          for c in regret_cases()]
+
+
+def tuned_rows(rows) -> dict:
+  """The order None tries the kernels in: by the geometric mean of the training step over the
+  cases both ran."""
+  return {"order": tune.order_by_geometric_mean(rows, "step", ("cuda", "xla"))}

@@ -12,7 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxfuse._core import registry
+from jaxfuse._core import registry, tune
 from jaxfuse._core.bench import DEFAULT, Case, implementation_arg
 from jaxfuse.ops.softmax.api import softmax, softmax_cross_entropy
 
@@ -137,3 +137,31 @@ def regret_cases() -> list[Case]:
   impls = ("xla", "triton", "cuda", DEFAULT)
   return ([_softmax_case(rows, n, dtype, impls) for rows, n, dtype in REGRET_SOFTMAX]
           + [_ce_case(rows, vocab, dtype, impls) for rows, vocab, dtype in REGRET_CROSS_ENTROPY])
+
+
+# The tuning grid: bfloat16 rows of these lengths, as many as make 2^26 elements (past the L2).
+TUNE_LENGTHS = (1024, 2048, 4096, 8192, 12288, 16376, 16384, 24576, 32768, 65536, 131072,
+                262144)
+TUNE_ELEMENTS = 2**26
+
+
+def tune_cases() -> list[Case]:
+  """Softmax and cross-entropy rows of :data:`TUNE_LENGTHS` under each implementation."""
+  impls = ("xla", "triton", "cuda")
+  return ([_softmax_case(TUNE_ELEMENTS // n, n, jnp.bfloat16, impls) for n in TUNE_LENGTHS]
+          + [_ce_case(TUNE_ELEMENTS // n, n, jnp.bfloat16, impls) for n in TUNE_LENGTHS])
+
+
+def tuned_rows(rows) -> dict:
+  """The lengths from which CUDA was at least as fast as Triton (XLA where Triton is gone) at
+  every longer row it took, per direction (None: never)."""
+  by_op = {op: [r for r in rows if r.op == op] for op in ("softmax", "cross_entropy")}
+
+  def cuda_from(op, use, other):
+    return tune.shortest_winning_suffix(tune.times_by_size(by_op[op], use, "cuda", other))
+
+  return {"cuda_from_forward": cuda_from("softmax", "forward", "triton"),
+          "cuda_from_backward": cuda_from("softmax", "backward", "triton"),
+          "cuda_from_cross_entropy": cuda_from("cross_entropy", "step", "triton"),
+          "cuda_from_cross_entropy_loss": cuda_from("cross_entropy", "forward", "triton"),
+          "cuda_from_without_triton": cuda_from("softmax", "step", "xla")}

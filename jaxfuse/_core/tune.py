@@ -1,0 +1,120 @@
+"""``jaxfuse tune FAMILY [--write]``: a family's tuned-table rows measured on this GPU.
+
+A family's bench module gives ``tune_cases()``, a grid of problems that crosses its dispatch
+thresholds with only the named implementations, and ``tuned_rows(rows)``, the table rows
+those timings imply (the helpers below: the longest size up to which one implementation wins,
+the shortest from which it wins, an order by geometric mean). The bench checks every
+implementation against float64 as it times it; a failed one counts as not run. The command
+writes the run's JSON, whose path every row it writes cites, and with ``--write`` puts the
+rows into ``jaxfuse/ops/<family>/tuned/<this GPU>.json`` over the rows it had. A family's
+``rules`` (measured exceptions on dtype, element count and the like) are not derived: they
+stay as the table has them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from jaxfuse._core import tuned
+from jaxfuse._core.bench import Row
+
+def time_of(row: Row, use: str) -> float | None:
+  """``row``'s time for ``use``: its forward, its training step, or the backward alone (the
+  step less the forward). None where it did not run or failed its check."""
+  if row.note.startswith("FAILED") or row.forward_ms is None:
+    return None
+  if use == "forward":
+    return row.forward_ms
+  if row.train_ms is None:
+    return None
+  return row.train_ms if use == "step" else row.train_ms - row.forward_ms
+
+
+def times_by_size(rows: Iterable[Row], use: str, first: str,
+                  second: str) -> list[tuple[int, float, float]]:
+  """``(size, first's time, second's time)`` for each size both ran at, by size."""
+  by_case: dict[tuple[str, str], dict[str, Row]] = {}
+  for row in rows:
+    by_case.setdefault((row.op, row.label), {})[row.implementation] = row
+  points = []
+  for pair in by_case.values():
+    if first in pair and second in pair:
+      a, b = time_of(pair[first], use), time_of(pair[second], use)
+      if a is not None and b is not None:
+        points.append((pair[first].size, a, b))
+  return sorted(points)
+
+
+def longest_winning_prefix(points: Sequence[tuple[int, float, float]]) -> int | None:
+  """The largest size up to which the first implementation is at least as fast at every
+  measured size, or None where it loses at the smallest."""
+  longest = None
+  for size, first, second in sorted(points):
+    if first > second:
+      break
+    longest = size
+  return longest
+
+
+def shortest_winning_suffix(points: Sequence[tuple[int, float, float]]) -> int | None:
+  """The smallest size from which the first implementation is at least as fast at every
+  measured size, or None where it loses at the largest."""
+  shortest = None
+  for size, first, second in sorted(points, reverse=True):
+    if first > second:
+      break
+    shortest = size
+  return shortest
+
+
+def order_by_geometric_mean(rows: Iterable[Row], use: str, names: Sequence[str]) -> list[str]:
+  """``names`` fastest first by the geometric mean of their times over the cases every one of
+  them ran; an order kept as given where no case ran them all."""
+  by_case: dict[tuple[str, str], dict[str, float]] = {}
+  for row in rows:
+    t = time_of(row, use)
+    if t is not None:
+      by_case.setdefault((row.op, row.label), {})[row.implementation] = t
+  shared = [times for times in by_case.values() if all(n in times for n in names)]
+  if not shared:
+    return list(names)
+  mean = {n: math.fsum(math.log(times[n]) for times in shared) / len(shared) for n in names}
+  return sorted(names, key=lambda n: (mean[n], names.index(n)))
+
+
+def family_module(family: str, part: str):
+  return importlib.import_module(f"jaxfuse.ops.{family}.{part}")
+
+
+def write_rows(family: str, kind: str, values: Mapping[str, Any], source: str) -> str:
+  """Puts ``values`` into ``family``'s table for GPU ``kind`` (a new one where it has none),
+  each row citing ``source``, and returns the table's path."""
+  path = tuned.table_path(family, tuned.device_file(kind))
+  table = (json.loads(path.read_text()) if path.is_file()
+           else {"device": kind, "inherits": None, "rows": {}})
+  for name, value in values.items():
+    table["rows"][name] = {"value": value, "source": source}
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps(table, indent=1) + "\n")
+  return str(path)
+
+
+def cited_path(path: str) -> str:
+  """``path`` as a row cites it: relative to the repository where it lies in it."""
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  full = os.path.abspath(path)
+  return os.path.relpath(full, root) if full.startswith(root + os.sep) else full
+
+
+def derive(family: str, rows: Sequence[Row]) -> dict[str, Any]:
+  """The table rows ``family``'s bench module reads from a tuning run's ``rows``."""
+  derived = family_module(family, "bench").tuned_rows(rows)
+  unknown = set(derived) - set(family_module(family, "api")._untuned())
+  if unknown:
+    raise ValueError(f"{family}'s tuned_rows gave rows its api does not read: {sorted(unknown)}")
+  return derived
