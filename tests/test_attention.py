@@ -15,6 +15,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxfuse
+from jaxfuse._core import op
 from jaxfuse._core.testing import assert_close, random, x64
 from jaxfuse.ops.attention import reference
 
@@ -544,7 +545,9 @@ def test_default_takes_mosaic_before_cudnn_where_it_measured_faster(monkeypatch)
     v = jax.ShapeDtypeStruct((2, t, 4, hv or h), jnp.bfloat16)
     call = api._Call(api.MaskSpec(causal, 0, None, None), 0.1, None, False, False, False,
                      False, False, False, jnp.bfloat16)
-    return api._resolve(implementation, call, (q, q, v, None, None, None, None))
+    plan = api._resolve(implementation, call, (q, q, v, None, None, None, None))
+    assert plan.forward == plan.backward
+    return plan.evaluated, plan.forward
 
   h100 = "NVIDIA H100 80GB HBM3"
   mosaic, cudnn = ("mosaic",) * 2, ("cudnn",) * 2
@@ -587,13 +590,13 @@ def test_evaluated_and_differentiated_by_different_kernels(rng, monkeypatch):
   lengths = jnp.array([37, 20], jnp.int32)
   call = api._Call(api.MaskSpec(True, 0, None, None), 32 ** -0.5, None, False, False, False,
                    True, True, False, q.dtype)
-  impls = ("xla", "triton")
+  plan = op.Plan("xla", "triton", "triton")
   attend = lambda q, k, v: api._attention_jit(q, k, v, None, None, None, None, lengths,
-                                              lengths, impls, call)[0]
+                                              lengths, plan, call)[0]
   ref_out, _, ref_grads = dense_reference(q, k, v, causal=True, q_len=lengths,
                                           kv_len=lengths, do=do)
   try:
-    out, lse = api._attention_jit(q, k, v, None, None, None, None, lengths, lengths, impls,
+    out, lse = api._attention_jit(q, k, v, None, None, None, None, lengths, lengths, plan,
                                   call)
     assert traced == ["xla"] and lse is None
     assert_close(out, ref_out, name="out")
@@ -805,9 +808,10 @@ def test_gpu_default_evaluates_and_differentiates_by_measurement(rng, causal, h)
   kw = dict(is_causal=causal, query_seq_lengths=lengths, key_value_seq_lengths=lengths)
   call = api._Call(api.MaskSpec(causal, 0, None, None), h ** -0.5, None, False, False, False,
                    True, True, False, q.dtype)
-  impls = api._resolve(None, call, (q, k, v, None, None, lengths, lengths))
+  plan = api._resolve(None, call, (q, k, v, None, None, lengths, lengths))
   if jax.devices()[0].device_kind == "NVIDIA H100 80GB HBM3":
-    assert impls == (("mosaic", "cudnn") if causal else ("cudnn", "mosaic"))
+    assert (plan.evaluated, plan.forward) == (("mosaic", "cudnn") if causal
+                                              else ("cudnn", "mosaic"))
   ref_kw = dict(causal=causal, q_len=lengths, kv_len=lengths)
   r_out, _, r_grads = dense_reference(q, k, v, do=do, **ref_kw)
   valid = np.arange(200)[None, :, None, None] < np.asarray(lengths)[:, None, None, None]

@@ -127,9 +127,14 @@ def _rows(rows, n):
   return jax.ShapeDtypeStruct((rows, n), jnp.bfloat16)
 
 
+def _norm_directions(*args):
+  plan = norm_api._plan(*args)
+  return plan.forward, plan.backward
+
+
 def test_none_moves_on_from_a_failed_build(failing_build):
   for _ in range(3):
-    assert norm_api._implementations("rms_norm", "rms", None, 32768, 64, jnp.bfloat16,
+    assert _norm_directions("rms_norm", "rms", None, 32768, 64, jnp.bfloat16,
                                      jnp.bfloat16, [jnp.bfloat16],
                                      lambda: "x") == ("triton", "xla")
     assert softmax_api._fastest("softmax", "forward", 131072, _rows(64, 131072), lambda: None,
@@ -144,19 +149,19 @@ def test_none_moves_on_from_a_failed_build(failing_build):
 
 def test_none_without_triton_takes_cuda_then_xla(failing_build, monkeypatch):
   monkeypatch.setattr(registry, "triton_unavailable", lambda: "no Triton here")
-  assert norm_api._implementations("layer_norm", "layer", None, 1024, 64, jnp.bfloat16,
+  assert _norm_directions("layer_norm", "layer", None, 1024, 64, jnp.bfloat16,
                                    jnp.bfloat16, [jnp.bfloat16], lambda: "x") == ("xla", "xla")
   assert softmax_api._fastest("softmax", "forward", 1024, _rows(64, 1024), lambda: None,
                               (64, 1024, 1)) == "xla"
   monkeypatch.setattr(norm_cuda, "unavailable", lambda: None)
-  assert norm_api._implementations("layer_norm", "layer", None, 1024, 64, jnp.bfloat16,
+  assert _norm_directions("layer_norm", "layer", None, 1024, 64, jnp.bfloat16,
                                    jnp.bfloat16, [jnp.bfloat16], lambda: "x") == ("cuda", "cuda")
 
 
 def test_none_passes_over_triton_for_a_dimension_past_int32(failing_build):
   assert softmax_api._fastest("softmax", "forward", 8, _rows(2**31, 8), lambda: None,
                               (1, 8, 2**31)) == "xla"
-  assert norm_api._implementations("rms_norm", "rms", None, 8, 2**31, jnp.bfloat16,
+  assert _norm_directions("rms_norm", "rms", None, 8, 2**31, jnp.bfloat16,
                                    jnp.bfloat16, [], lambda: "x") == ("xla", "xla")
 
 
@@ -173,3 +178,21 @@ def test_cudnn_refusal_of_any_kind_is_a_reason(monkeypatch):
   finally:
     attention_api._cudnn_rejects.cache_clear()
   assert "RuntimeError: cuDNN is not installed" in reason
+
+
+def test_a_plan_names_one_implementation_per_use(monkeypatch):
+  """A named implementation runs every use; None takes the first of its preference that runs,
+  or on a GPU the family's fastest per use."""
+  from jaxfuse._core import op
+  backends = {"xla": registry.xla_available, "cuda": lambda: "no CUDA here",
+              "triton": lambda: None}
+  assert op.resolve_plan("f", "xla", backends, ("triton", "xla")) == op.Plan("xla", "xla", "xla")
+  assert "triton" in op.resolve_plan("f", None, backends, ("cuda", "triton", "xla"))
+  with pytest.raises(NotImplementedError, match=r"f\(implementation='cuda'\) .*no CUDA here"):
+    op.resolve_plan("f", "cuda", backends, ("xla",))
+  by_use = {"evaluated": "triton", "forward": "xla", "backward": "xla"}
+  fastest = by_use.__getitem__
+  assert op.resolve_plan("f", None, backends, ("xla",), fastest) == op.Plan("xla", "xla", "xla")
+  monkeypatch.setattr(registry, "platform", lambda: "gpu")
+  assert op.resolve_plan("f", None, backends, ("xla",), fastest) == op.Plan(**by_use)
+  assert op.resolve_plan("f", "xla", backends, ("xla",), fastest) == op.Plan("xla", "xla", "xla")

@@ -117,13 +117,22 @@ def chosen(monkeypatch):
       return result(*args) if result else None
     monkeypatch.setattr(module, name, record)
 
-  directions = lambda *args: (args[-1].forward_impl, args[-1].backward_impl)
+  def directions(*args):
+    plan = args[-1].plan
+    assert plan.evaluated == plan.forward  # an evaluated call runs the forward's kernel
+    return plan.forward, plan.backward
+
+  def one(plan):
+    assert plan.evaluated == plan.forward == plan.backward
+    return plan.forward
+
   spy(norm_api, "_norm_jit", directions)
   spy(softmax_api, "_softmax_jit", directions)
   spy(softmax_api, "_cross_entropy_jit",
-      lambda *args: (args[-1].implementation, args[-1].loss_implementation))
-  spy(linear_cross_entropy_api, "_linear_cross_entropy_jit", lambda *args: args[-1].implementation)
-  spy(attention_api, "_attention_jit", lambda *args: args[-2], lambda *args: (None, None))
+      lambda *args: (args[-1].plan.forward, args[-1].plan.evaluated))
+  spy(linear_cross_entropy_api, "_linear_cross_entropy_jit", lambda *args: one(args[-1].plan))
+  spy(attention_api, "_attention_jit", lambda *args: (args[-2].evaluated, args[-2].forward),
+      lambda *args: (None, None))
   # The RNN picks among three calls, which return its output and final state; the weights
   # are abstract, so they are not unpacked.
   monkeypatch.setattr(rnn_api, "unpack", lambda *args: None)

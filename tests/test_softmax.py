@@ -583,12 +583,13 @@ def test_cross_entropy_evaluated_and_differentiated_may_take_different_kernels(
     rng, step, loss, reduction):
   """None may pick one implementation for the loss alone and another for the training step;
   each use gives what XLA gives, ignored labels included."""
+  from jaxfuse._core import op
   from jaxfuse.ops.softmax import api
 
   logits = jnp.asarray(rng.normal(size=(13, 301)), jnp.float32)
   labels = jnp.asarray(rng.integers(0, 301, 13), jnp.int32).at[4].set(7)
-  static = lambda impl, loss_impl: api._CrossEntropyStatic(0.1, 1e-3, reduction, impl, 7,
-                                                           loss_impl)
+  static = lambda impl, loss_impl: api._CrossEntropyStatic(
+      0.1, 1e-3, reduction, 7, op.Plan(loss_impl, impl, impl))
   run = lambda st: lambda x: jnp.sum(api._cross_entropy_jit(x, labels, st))
   mixed, xla = static(step, loss), static("xla", "xla")
   np.testing.assert_allclose(run(mixed)(logits), run(xla)(logits), rtol=1e-5)

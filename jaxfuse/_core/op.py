@@ -1,4 +1,9 @@
-"""The op layer: where jaxfuse's functions get their derivatives.
+"""The op layer: how a jaxfuse function picks its implementations and gets its derivatives.
+
+A call's :class:`Plan` names the implementation for each use: only evaluated, the forward of a
+differentiated call, and its backward. A named implementation runs every use; ``None`` may find
+a different fastest one for each (cuDNN attention for inference and Mosaic's for training, a
+Triton forward beside a CUDA backward), by the family's measurements (its tuned tables).
 
 Every fused op differentiates through a VJP of its own (the kernels' backward, residuals it
 chooses), built here from a primal, a forward and a backward, so that how a custom derivative
@@ -7,9 +12,41 @@ is declared is written once for every family.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
+
+from jaxfuse._core import registry
+
+USES = ("evaluated", "forward", "backward")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """The implementations of one call, per use (see :data:`USES`). A forward saves what its
+  plan's backward reads."""
+  evaluated: str
+  forward: str
+  backward: str
+
+  def __contains__(self, name: str) -> bool:
+    return name in (self.evaluated, self.forward, self.backward)
+
+
+def resolve_plan(op: str, implementation: str | None, backends: Mapping[str, registry.Availability],
+         preference: Sequence[str], fastest: Callable[[str], str] | None = None) -> Plan:
+  """Validates ``implementation`` for ``op`` (see :func:`registry.resolve`) and plans the call:
+  the named implementation for every use; for ``None`` the first of ``preference`` that runs,
+  or on a GPU ``fastest(use)`` per use where the family measured one."""
+  impl = registry.resolve(op, implementation, backends, preference)
+  if implementation is None and fastest is not None and registry.platform() == "gpu":
+    chosen = Plan(*(fastest(use) for use in USES))
+  else:
+    chosen = Plan(impl, impl, impl)
+  if "triton" in chosen:
+    registry.using_triton(named=implementation == "triton")
+  return chosen
 
 
 def differentiable(primal: Callable, forward: Callable, backward: Callable, *,

@@ -105,8 +105,8 @@ def attention(query, key, value, bias=None, mask=None, *, scale: float | None = 
   spec = MaskSpec(bool(is_causal), causal_offset, window, logits_soft_cap)
   call = _Call(spec, scale, precision, bias is not None, mask is not None, q_seg is not None,
                q_len is not None, kv_len is not None, return_lse, q.dtype)
-  impls = _resolve(implementation, call, (q, k, v, bias, mask, q_len, kv_len))
-  out, lse = _attention_jit(q, k, v, bias, mask, q_seg, kv_seg, q_len, kv_len, impls, call)
+  plan = _resolve(implementation, call, (q, k, v, bias, mask, q_len, kv_len))
+  out, lse = _attention_jit(q, k, v, bias, mask, q_seg, kv_seg, q_len, kv_len, plan, call)
   if not batched:
     out, lse = out[0], None if lse is None else lse[0]
   return (out, lse) if return_lse else out
@@ -307,9 +307,9 @@ def _mosaic_before_cudnn(call, arrays, use: str) -> bool:
   return most is not None and q.shape[1] <= most
 
 
-def _resolve(implementation, call, arrays):
-  """``(evaluated, differentiated)``: the implementation a call runs when only evaluated and
-  when differentiated. A named one runs both ways; None may find different fastest ones."""
+def _resolve(implementation, call, arrays) -> op.Plan:
+  """The call's plan: a named implementation runs every use; None may find one fastest when
+  only evaluated and another when differentiated (forward and backward alike)."""
   checks = {"triton": _triton_unsupported,
             "cudnn": functools.partial(_cudnn_unsupported, arrays=arrays),
             "mosaic": functools.partial(_mosaic_unsupported, arrays=arrays)}
@@ -330,21 +330,21 @@ def _resolve(implementation, call, arrays):
       return ("mosaic", "cudnn", "triton", "xla")
     return ("cudnn", "mosaic", "triton", "xla")
 
-  impls = tuple(registry.resolve(OP, implementation, backends, preference(use))
-                for use in ("forward", "step"))
-  if "triton" in impls:
-    registry.using_triton(named=implementation == "triton")
-  return impls
+  def fastest(use):
+    return registry.resolve(OP, None, backends,
+                            preference("forward" if use == "evaluated" else "step"))
+
+  return op.resolve_plan(OP, implementation, backends, preference("step"), fastest)
 
 
 @functools.partial(jax.jit, static_argnums=(9, 10))
-def _attention_jit(q, k, v, bias, mask, q_seg, kv_seg, q_len, kv_len, impls, call):
-  evaluated, differentiated = impls
-  if evaluated == differentiated:
-    return _implementation(evaluated, q, k, v, bias, mask, q_seg, kv_seg, q_len, kv_len, call)
+def _attention_jit(q, k, v, bias, mask, q_seg, kv_seg, q_len, kv_len, plan, call):
+  if plan.evaluated == plan.forward:
+    return _implementation(plan.forward, q, k, v, bias, mask, q_seg, kv_seg, q_len, kv_len,
+                           call)
   # They differ only as cuDNN and 'mosaic': no bias or mask (Mosaic takes none), no segments
   # and no lse (cuDNN takes none).
-  return _by_use(q, k, v, q_len, kv_len, impls, call), None
+  return _by_use(q, k, v, q_len, kv_len, plan, call), None
 
 
 def _implementation(impl, q, k, v, bias, mask, q_seg, kv_seg, q_len, kv_len, call):
@@ -356,20 +356,22 @@ def _implementation(impl, q, k, v, bias, mask, q_seg, kv_seg, q_len, kv_len, cal
   return _flash(q, k, v, (q_seg, kv_seg, q_len, kv_len), (impl, call))
 
 
-def _by_use(q, k, v, q_len, kv_len, impls, call):
-  """The output of ``impls[0]``, differentiated as ``impls[1]`` (its forward and backward):
-  the fastest for inference and for training where those differ."""
-  return _implementation(impls[0], q, k, v, None, None, None, None, q_len, kv_len, call)[0]
+def _by_use(q, k, v, q_len, kv_len, plan, call):
+  """The output of ``plan.evaluated``, differentiated as ``plan.forward`` (its forward and
+  backward): the fastest for inference and for training where those differ."""
+  return _implementation(plan.evaluated, q, k, v, None, None, None, None, q_len, kv_len,
+                         call)[0]
 
 
-def _by_use_fwd(q, k, v, q_len, kv_len, impls, call):
+def _by_use_fwd(q, k, v, q_len, kv_len, plan, call):
   def differentiated(q, k, v):
-    return _implementation(impls[1], q, k, v, None, None, None, None, q_len, kv_len, call)[0]
+    return _implementation(plan.forward, q, k, v, None, None, None, None, q_len, kv_len,
+                           call)[0]
   return jax.vjp(differentiated, q, k, v)  # the vjp function holds the residuals
 
 
-def _by_use_bwd(impls, call, vjp, do):
-  del impls, call
+def _by_use_bwd(plan, call, vjp, do):
+  del plan, call
   return vjp(do) + (None, None)
 
 

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from jaxfuse._core import op, registry, tuned
 from jaxfuse._core.batching import one_example_at_a_time
+from jaxfuse._core.op import resolve_plan
 from jaxfuse._core.sharding import parallel_call
 from jaxfuse._core.validation import (check_array, counted_labels, cross_entropy_options,
                                       describe, reduction_scale)
@@ -79,17 +80,17 @@ def linear_cross_entropy(x, weight, labels, *, bias=None, ignore_index: int | No
       raise ValueError(f"{op}: bias must be (vocabulary,) = ({vocab},), got {describe(bias)}")
   ignore_index, label_smoothing, z_loss = cross_entropy_options(
       op, ignore_index, label_smoothing, z_loss, reduction)
-  impl = registry.resolve(op, implementation, _BACKENDS,
-                          tuple(tuned.rows("linear_cross_entropy", _untuned)["order"]))
-  if impl == "cuda":
-    operand = jnp.result_type(x, weight, *(() if bias is None else (bias,)))
-    reason = cuda.unsupported(reference.padded_vocab(vocab), operand)
-    if reason and implementation == "cuda":
-      raise NotImplementedError(f"{op}(implementation='cuda') cannot take x {describe(x)} "
-                                f"and weight {describe(weight)}: {reason}")
-    if not registry.runs(op, "cuda", lambda: reason):
-      impl = "xla"
-  st = _Static(label_smoothing, z_loss, reduction, ignore_index, reference.CHUNK_ELEMENTS, impl)
+  operand = jnp.result_type(x, weight, *(() if bias is None else (bias,)))
+  cuda_refusal = lambda: cuda.unsupported(reference.padded_vocab(vocab), operand)
+  # None passes over the CUDA row pass where it cannot take these shapes; naming it raises.
+  backends = (_BACKENDS if implementation is not None
+              else dict(_BACKENDS, cuda=lambda: cuda.unavailable() or cuda_refusal()))
+  plan = resolve_plan(op, implementation, backends,
+                      tuple(tuned.rows("linear_cross_entropy", _untuned)["order"]))
+  if implementation == "cuda" and (reason := cuda_refusal()):
+    raise NotImplementedError(f"{op}(implementation='cuda') cannot take x {describe(x)} "
+                              f"and weight {describe(weight)}: {reason}")
+  st = _Static(label_smoothing, z_loss, reduction, ignore_index, reference.CHUNK_ELEMENTS, plan)
   return _linear_cross_entropy_jit(x, weight, bias, labels, st)
 
 
@@ -100,7 +101,7 @@ class _Static:
   reduction: str
   ignore_index: int | None
   chunk_elements: int
-  implementation: str
+  plan: op.Plan  # one implementation for every use: the walk computes the loss and gradients
 
 
 @functools.partial(jax.jit, static_argnums=(4,))
@@ -133,7 +134,7 @@ def _walk(x, weight, bias, labels, st, row_grad=None, lse=None):
         x, weight, given.get("bias"), labels, label_smoothing=st.label_smoothing,
         z_loss=st.z_loss, row_grad=given.get("row_grad"), lse=given.get("lse"),
         chunk_elements=st.chunk_elements,
-        row_pass=cuda.rows if st.implementation == "cuda" else None)
+        row_pass=cuda.rows if st.plan.forward == "cuda" else None)
     return (loss, lse) + (tuple(g for g in grads if g is not None) if with_grads else ())
 
   out_dims = [("t",), ("t",)]

@@ -123,8 +123,7 @@ class _Static:
   norm_ndim: int
   out_dtype: jnp.dtype
   bias_dtype: jnp.dtype | None
-  forward_impl: str
-  backward_impl: str
+  plan: op.Plan
   group_ndim: int = 0
 
 
@@ -159,79 +158,82 @@ def _normalize(op, kind, x, weight, bias, eps, normalized_ndim, out_dtype, imple
   out_dtype = canonical_dtype(op, "out_dtype", out_dtype) or \
       jnp.result_type(x, *(p for _, p in params))
   n = math.prod(x.shape[x.ndim - norm_ndim:])
-  forward_impl, backward_impl = _implementations(
-      op, kind, implementation, n, x.size // n, x.dtype, out_dtype, [p.dtype for _, p in params],
-      lambda: f"x {describe(x)}")
+  plan = _plan(op, kind, implementation, n, x.size // n, x.dtype, out_dtype,
+               [p.dtype for _, p in params], lambda: f"x {describe(x)}")
   st = _Static(op, kind, eps, norm_ndim, jnp.dtype(out_dtype),
-               None if bias is None else jnp.dtype(bias.dtype), forward_impl, backward_impl)
+               None if bias is None else jnp.dtype(bias.dtype), plan)
   return _norm_jit(x, weight, bias, st)
 
 
-def _implementations(op, kind, implementation, n, rows, x_dtype, out_dtype, param_dtypes, what):
-  """The (forward, backward) implementations for ``rows`` rows of ``n`` features: the named
-  one, or by measurement for ``None`` among those that run here (see :func:`_fastest`)."""
-  impl = registry.resolve(op, implementation, _BACKENDS, _preference())
+def _plan(op_name, kind, implementation, n, rows, x_dtype, out_dtype, param_dtypes, what):
+  """The call's plan for ``rows`` rows of ``n`` features: the named implementation, or by
+  measurement for ``None`` among those that run here (see :func:`_fastest`), the evaluated
+  call as the forward."""
   cuda_refusal = lambda: cuda_kernels.unsupported(n, x_dtype, out_dtype, param_dtypes)
-  if impl == "cuda" and (reason := cuda_refusal()):
-    raise NotImplementedError(f"{op}(implementation='cuda') cannot take {what()}: {reason}")
-  forward_impl = backward_impl = impl
-  if implementation is None and registry.platform() == "gpu":
-    cuda_runs = lambda: (cuda_refusal() is None
-                         and registry.runs(op, "cuda", cuda_kernels.unavailable))
-    triton_runs = lambda: registry.runs(
-        op, "triton", lambda: registry.triton_unavailable() or triton.unsupported((1, rows, n)))
-    facts = dict(op=kind, length=n, elements=rows * n, itemsize=jnp.dtype(x_dtype).itemsize,
-                 out_itemsize=jnp.dtype(out_dtype).itemsize,
-                 cuda_short_rows=(jnp.dtype(x_dtype).itemsize == 2
-                                  and jnp.dtype(out_dtype) == x_dtype
-                                  and getattr(cuda_kernels.backward_tiling(n, x_dtype), "lanes",
-                                              0) > 0))
-    forward_impl = _fastest(dict(facts, direction="forward"), cuda_runs, triton_runs)
-    backward_impl = _fastest(dict(facts, direction="backward"), cuda_runs, triton_runs)
-  if "triton" in (forward_impl, backward_impl):
-    registry.using_triton(named=implementation == "triton")
-  return forward_impl, backward_impl
+  cuda_runs = lambda: (cuda_refusal() is None
+                       and registry.runs(op_name, "cuda", cuda_kernels.unavailable))
+  triton_runs = lambda: registry.runs(
+      op_name, "triton",
+      lambda: registry.triton_unavailable() or triton.unsupported((1, rows, n)))
+
+  @functools.cache
+  def facts():
+    return dict(op=kind, length=n, elements=rows * n, itemsize=jnp.dtype(x_dtype).itemsize,
+                out_itemsize=jnp.dtype(out_dtype).itemsize,
+                cuda_short_rows=(jnp.dtype(x_dtype).itemsize == 2
+                                 and jnp.dtype(out_dtype) == x_dtype
+                                 and getattr(cuda_kernels.backward_tiling(n, x_dtype), "lanes",
+                                             0) > 0))
+
+  def fastest(use):
+    direction = "backward" if use == "backward" else "forward"
+    return _fastest(dict(facts(), direction=direction), cuda_runs, triton_runs)
+
+  chosen = op.resolve_plan(op_name, implementation, _BACKENDS, _preference(), fastest)
+  if implementation == "cuda" and (reason := cuda_refusal()):
+    raise NotImplementedError(f"{op_name}(implementation='cuda') cannot take {what()}: {reason}")
+  return chosen
 
 
 def _norm(x, weight, bias, st):
-  return _forward(x, weight, bias, st)[0]
+  return _forward(x, weight, bias, st, st.plan.evaluated)[0]
 
 
 def _norm_fwd(x, weight, bias, st):
-  y, mean, rstd = _forward(x, weight, bias, st)
+  y, mean, rstd = _forward(x, weight, bias, st, st.plan.forward)
   return y, (x, weight, mean, rstd)
 
 
 def _norm_bwd(st, residuals, dy):
   x, weight, mean, rstd = residuals
-  return _backward(dy, x, weight, mean, rstd, st)
+  return _backward(dy, x, weight, mean, rstd, st, st.plan.backward)
 
 
 _norm = op.differentiable(_norm, _norm_fwd, _norm_bwd, static=(3,))
 _norm_jit = jax.jit(_norm, static_argnums=(3,))
 
 
-def _forward(x, weight, bias, st):
-  if st.forward_impl == "xla" or x.size == 0:
+def _forward(x, weight, bias, st, impl):
+  if impl == "xla" or x.size == 0:
     return reference.forward(x, weight, bias, kind=st.kind, eps=st.eps, norm_ndim=st.norm_ndim,
                              group_ndim=st.group_ndim, out_dtype=st.out_dtype)
-  return _kernels(st).forward(x, weight, bias)
+  return _kernels(st, impl).forward(x, weight, bias)
 
 
-def _backward(dy, x, weight, mean, rstd, st):
-  if st.backward_impl == "xla" or x.size == 0:
+def _backward(dy, x, weight, mean, rstd, st, impl):
+  if impl == "xla" or x.size == 0:
     return reference.backward(dy, x, weight, mean, rstd, kind=st.kind,
                               has_bias=st.bias_dtype is not None, norm_ndim=st.norm_ndim,
                               group_ndim=st.group_ndim, bias_dtype=st.bias_dtype)
-  return _kernels(st).backward(dy, x, weight, mean, rstd)
+  return _kernels(st, impl).backward(dy, x, weight, mean, rstd)
 
 
 class _Kernels:
-  """The kernel path (Triton or CUDA) for one static configuration: vmap rules around sharded
-  kernel calls."""
+  """One implementation's kernels (Triton or CUDA) for one static configuration: vmap rules
+  around sharded kernel calls."""
 
-  def __init__(self, st: _Static):
-    self.st = st
+  def __init__(self, st: _Static, impl: str):
+    self.st, self.impl = st, impl
     self.forward = custom_vmap(self._sharded_forward)
     self.forward.def_vmap(self._forward_rule)
     self.backward = custom_vmap(self._sharded_backward)
@@ -260,7 +262,7 @@ class _Kernels:
     def local(x, *params):
       w, b = self._unpack(weight, bias, params)
       x3, flat_param, _ = self._flat(x)
-      y, mean, rstd = _KERNELS[st.forward_impl].forward(
+      y, mean, rstd = _KERNELS[self.impl].forward(
           x3, None if w is None else flat_param(w), None if b is None else flat_param(b),
           kind=st.kind, eps=st.eps, out_dtype=st.out_dtype)
       stats = (rstd,) if mean is None else (mean, rstd)
@@ -296,7 +298,7 @@ class _Kernels:
     def local(dy, x, *rest):
       w, m, r = split(list(rest))
       x3, flat_param, flat_stat = self._flat(x)
-      dx, dw, db = _KERNELS[st.backward_impl].backward(
+      dx, dw, db = _KERNELS[self.impl].backward(
           dy.reshape(x3.shape), x3, None if w is None else flat_param(w),
           None if m is None else flat_stat(m), flat_stat(r), kind=st.kind, has_bias=has_bias,
           bias_dtype=st.bias_dtype)
@@ -331,12 +333,15 @@ class _Kernels:
       return self._all_batched(self.forward(x, weight, bias))
     args = [a if b or a is None else _broadcast(a, axis_size)
             for a, b in zip((x, weight, bias), in_batched)]
-    return self._all_batched(_grouped(self.st).forward(*args))
+    return self._all_batched(self._grouped().forward(*args))
 
   def _backward_rule(self, axis_size, in_batched, dy, x, weight, mean, rstd):
     args = [a if b or a is None else _broadcast(a, axis_size)
             for a, b in zip((dy, x, weight, mean, rstd), in_batched)]
-    return self._all_batched(_grouped(self.st).backward(*args))
+    return self._all_batched(self._grouped().backward(*args))
+
+  def _grouped(self) -> _Kernels:
+    return _kernels(dataclasses.replace(self.st, group_ndim=self.st.group_ndim + 1), self.impl)
 
   @staticmethod
   def _all_batched(outs):
@@ -348,9 +353,5 @@ def _broadcast(a, axis_size):
 
 
 @functools.cache
-def _kernels(st: _Static) -> _Kernels:
-  return _Kernels(st)
-
-
-def _grouped(st: _Static) -> _Kernels:
-  return _kernels(dataclasses.replace(st, group_ndim=st.group_ndim + 1))
+def _kernels(st: _Static, impl: str) -> _Kernels:
+  return _Kernels(st, impl)

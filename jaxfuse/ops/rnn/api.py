@@ -12,6 +12,7 @@ import numpy as np
 from jax.custom_batching import custom_vmap
 
 from jaxfuse._core import op, registry, tuned
+from jaxfuse._core.op import resolve_plan
 from jaxfuse._core.sharding import parallel_call, replicated_sharding
 from jaxfuse._core.validation import check_array, describe, static_float, static_int
 from jaxfuse.ops.rnn import cuda as cuda_kernels
@@ -134,7 +135,8 @@ def _run(cell, x, initial_state, weights, seq_lengths, input_size, hidden_size, 
               "cuda": functools.partial(_cuda_unavailable, layer),
               "cudnn": functools.partial(_cudnn_unavailable, layer, x, initial_state, weights,
                                          dropout)}
-  impl = registry.resolve(op, implementation, backends, _preference())
+  # One implementation for every use: each path brings its own derivatives.
+  impl = resolve_plan(op, implementation, backends, _preference()).forward
   if impl == "cudnn":
     return _cudnn(x, initial_state, weights, seq_lengths, input_size, hidden_size, num_layers,
                   bidirectional, precision)

@@ -12,6 +12,7 @@ from jax.custom_batching import custom_vmap
 
 from jaxfuse._core import op, registry, tuned
 from jaxfuse._core.batching import fold_into_batch
+from jaxfuse._core.op import resolve_plan
 from jaxfuse._core.sharding import parallel_call
 from jaxfuse._core.validation import (check_array, counted_labels, cross_entropy_options,
                                       describe, reduction_scale, static_float, static_int)
@@ -103,8 +104,7 @@ class _SoftmaxStatic:
   log: bool
   layout: triton.Layout
   scale: float
-  forward_impl: str
-  backward_impl: str
+  plan: op.Plan
 
 
 def _softmax_entry(op, log, x, axis, scale, mask, is_causal, causal_offset, implementation):
@@ -137,45 +137,39 @@ def _softmax_entry(op, log, x, axis, scale, mask, is_causal, causal_offset, impl
     dense = np.cumprod((1,) + mask.shape[:0:-1])[::-1]
     strides = tuple(int(s) if m > 1 else 0 for s, m in zip(dense, mask.shape))
   layout = triton.Layout(tuple(x.shape), axis, strides, bool(is_causal), causal_offset)
-  impl = registry.resolve(op, implementation, _BACKENDS, _preference())
-
   def cuda_refusal(directions=("forward", "backward")):
     if axis != x.ndim - 1 or mask is not None or is_causal:
       return "the 'cuda' kernels take the softmax over the last axis, without a mask"
     return cuda_kernels.unsupported(x.shape[-1], x.dtype, directions=directions)
 
-  if impl == "cuda" and (reason := cuda_refusal()):
+  def fastest(use):
+    direction = "backward" if use == "backward" else "forward"
+    plain = axis == x.ndim - 1 and mask is None and not is_causal
+    return _fastest(op, direction, x.shape[axis], x, lambda: cuda_refusal((direction,)),
+                    (layout.pre, layout.n, layout.post), plain)
+
+  plan = resolve_plan(op, implementation, _BACKENDS, _preference(), fastest)
+  if implementation == "cuda" and (reason := cuda_refusal()):
     raise NotImplementedError(f"{op}(implementation='cuda') cannot take x {describe(x)} over "
                               f"axis {axis}{'' if mask is None else ' with a mask'}: {reason}")
-  forward_impl = backward_impl = impl
-  if implementation is None and registry.platform() == "gpu":
-    extents = (layout.pre, layout.n, layout.post)
-    plain = axis == x.ndim - 1 and mask is None and not is_causal
-    n = x.shape[axis]
-    forward_impl = _fastest(op, "forward", n, x, lambda: cuda_refusal(("forward",)), extents,
-                            plain)
-    backward_impl = _fastest(op, "backward", n, x, lambda: cuda_refusal(("backward",)),
-                             extents, plain)
-  if "triton" in (forward_impl, backward_impl):
-    registry.using_triton(named=implementation == "triton")
-  st = _SoftmaxStatic(op, log, layout, scale, forward_impl, backward_impl)
+  st = _SoftmaxStatic(op, log, layout, scale, plan)
   return _softmax_jit(x, mask, st)
 
 
 def _softmax(x, mask, st):
-  return _softmax_forward(x, mask, st)
+  return _softmax_forward(x, mask, st, st.plan.evaluated)
 
 
 def _softmax_fwd(x, mask, st):
-  y = _softmax_forward(x, mask, st)
+  y = _softmax_forward(x, mask, st, st.plan.forward)
   return y, y
 
 
 def _softmax_bwd(st, y, dy):
-  if st.backward_impl == "xla" or y.size == 0:
+  if st.plan.backward == "xla" or y.size == 0:
     dx = reference.softmax_backward(y, dy, axis=st.layout.axis, scale=st.scale, log=st.log)
   else:
-    dx = _softmax_kernels(st).backward(y, dy)
+    dx = _softmax_kernels(st, st.plan.backward).backward(y, dy)
   return dx, None
 
 
@@ -183,19 +177,20 @@ _softmax = op.differentiable(_softmax, _softmax_fwd, _softmax_bwd, static=(2,))
 _softmax_jit = jax.jit(_softmax, static_argnums=(2,))
 
 
-def _softmax_forward(x, mask, st):
-  if st.forward_impl == "xla" or x.size == 0:
+def _softmax_forward(x, mask, st, impl):
+  if impl == "xla" or x.size == 0:
     layout = st.layout
     keep = reference.keep_mask(x.shape, layout.axis, mask, layout.causal, layout.causal_offset)
     return reference.softmax_forward(x, keep, axis=layout.axis, scale=st.scale, log=st.log)
-  return _softmax_kernels(st).forward(x, mask)
+  return _softmax_kernels(st, impl).forward(x, mask)
 
 
 class _SoftmaxKernels:
-  """Kernel path for one static configuration: sharding over the non-softmax axes, vmap."""
+  """One implementation's kernels (Triton or CUDA) for one static configuration: sharding
+  over the non-softmax axes, vmap."""
 
-  def __init__(self, st):
-    self.st = st
+  def __init__(self, st, impl):
+    self.st, self.impl = st, impl
     self.forward = custom_vmap(self._sharded_forward)
     self.forward.def_vmap(self._forward_rule)
     self.backward = custom_vmap(self._sharded_backward)
@@ -219,7 +214,7 @@ class _SoftmaxKernels:
       args, in_dims = [x, mask], [dims, mask_dims]
 
     def local(x, *mask):
-      if st.forward_impl == "cuda":
+      if self.impl == "cuda":
         return (cuda_kernels.softmax_forward(x, scale=st.scale, log=st.log),)
       layout = dataclasses.replace(st.layout, shape=tuple(x.shape))
       flat = None
@@ -239,7 +234,7 @@ class _SoftmaxKernels:
     dims, parallel = self._dims(y.ndim)
 
     def local(y, dy):
-      if st.backward_impl == "cuda":
+      if self.impl == "cuda":
         return (cuda_kernels.softmax_backward(y, dy, scale=st.scale, log=st.log),)
       layout = dataclasses.replace(st.layout, shape=tuple(y.shape), mask_strides=None)
       return (triton.softmax_backward(y, dy, layout, scale=st.scale, log=st.log),)
@@ -252,7 +247,8 @@ class _SoftmaxKernels:
     layout = self.st.layout
     return _softmax_kernels(dataclasses.replace(self.st, layout=dataclasses.replace(
         layout, shape=(0,) + layout.shape, axis=layout.axis + 1,
-        mask_strides=None if layout.mask_strides is None else (0,) + layout.mask_strides)))
+        mask_strides=None if layout.mask_strides is None else (0,) + layout.mask_strides)),
+        self.impl)
 
   def _forward_rule(self, axis_size, in_batched, x, mask):
     if not in_batched[0]:
@@ -268,8 +264,8 @@ class _SoftmaxKernels:
 
 
 @functools.cache
-def _softmax_kernels(st) -> _SoftmaxKernels:
-  return _SoftmaxKernels(st)
+def _softmax_kernels(st, impl) -> _SoftmaxKernels:
+  return _SoftmaxKernels(st, impl)
 
 
 # --------------------------------------------------------------------------- cross-entropy
@@ -318,20 +314,20 @@ def softmax_cross_entropy(logits, labels, *, ignore_index: int | None = None,
     raise ValueError(f"{op}: logits have no classes ({describe(logits)})")
   ignore_index, label_smoothing, z_loss = cross_entropy_options(
       op, ignore_index, label_smoothing, z_loss, reduction)
-  impl = registry.resolve(op, implementation, _BACKENDS, _preference())
   vocab = logits.shape[-1]
   cuda_refusal = lambda: cuda_kernels.unsupported(vocab, logits.dtype)
-  if impl == "cuda" and (reason := cuda_refusal()):
+
+  # The loss and its gradient come from one pass (the training step's kernel), or the loss
+  # alone where the call is only evaluated.
+  def fastest(use):
+    direction = "cross_entropy_loss" if use == "evaluated" else "cross_entropy"
+    return _fastest(op, direction, vocab, logits, cuda_refusal, (labels.size, vocab))
+
+  plan = resolve_plan(op, implementation, _BACKENDS, _preference(), fastest)
+  if implementation == "cuda" and (reason := cuda_refusal()):
     raise NotImplementedError(f"{op}(implementation='cuda') cannot take logits "
                               f"{describe(logits)}: {reason}")
-  loss_impl = impl
-  if implementation is None and registry.platform() == "gpu":
-    extents = (labels.size, vocab)
-    impl = _fastest(op, "cross_entropy", vocab, logits, cuda_refusal, extents)
-    loss_impl = _fastest(op, "cross_entropy_loss", vocab, logits, cuda_refusal, extents)
-  if "triton" in (impl, loss_impl):
-    registry.using_triton(named=implementation == "triton")
-  st = _CrossEntropyStatic(label_smoothing, z_loss, reduction, impl, ignore_index, loss_impl)
+  st = _CrossEntropyStatic(label_smoothing, z_loss, reduction, ignore_index, plan)
   return _cross_entropy_jit(logits, labels, st)
 
 
@@ -340,9 +336,8 @@ class _CrossEntropyStatic:
   label_smoothing: float
   z_loss: float
   reduction: str
-  implementation: str
   ignore_index: int | None
-  loss_implementation: str  # the loss without its gradient (None may pick another kernel)
+  plan: op.Plan  # the forward and backward: one pass for the loss and its gradient
 
 
 @functools.partial(jax.jit, static_argnums=(2,))
@@ -350,7 +345,7 @@ def _cross_entropy_jit(logits, labels, st):
   vocab = logits.shape[-1]
   labels = labels.astype(jnp.int32)
   valid = counted_labels(labels, vocab, st.ignore_index)
-  if "xla" in (st.implementation, st.loss_implementation):
+  if "xla" in st.plan:
     labels = jnp.where(valid, labels, -1)
   # The kernels take the labels as they are and apply the same validity rule themselves: a
   # masked copy of the labels would be one more row-sized buffer in the training step.
@@ -364,18 +359,18 @@ def _cross_entropy_jit(logits, labels, st):
 # read for the loss, and the backward only scales it (XLA drops the scale when it is 1, as
 # it is at the end of a training step). ``scale`` is the scalar 1/count or 1.
 def _reduced_loss(logits, labels, scale, st):
-  loss, _ = _rows(logits, labels, st, st.loss_implementation)
+  loss, _ = _rows(logits, labels, st, st.plan.evaluated)
   return jnp.sum(loss) * scale
 
 
 def _reduced_loss_fwd(logits, labels, scale, st):
-  if st.implementation == "xla":
+  if st.plan.forward == "xla":
     loss, lse = _rows(logits, labels, st, "xla")
     grad = reference.cross_entropy_grad(logits, labels, labels >= 0, lse,
                                         jnp.broadcast_to(scale, labels.shape),
                                         label_smoothing=st.label_smoothing, z_loss=st.z_loss)
   else:
-    loss, grad = _ce_kernels(st, st.implementation).fused(logits, labels, scale.reshape(1))
+    loss, grad = _ce_kernels(st, st.plan.forward).fused(logits, labels, scale.reshape(1))
   return jnp.sum(loss) * scale, grad
 
 
@@ -388,22 +383,22 @@ _reduced_loss = op.differentiable(_reduced_loss, _reduced_loss_fwd, _reduced_los
 
 
 def _per_row_loss(logits, labels, st):
-  return _rows(logits, labels, st, st.loss_implementation)[0]
+  return _rows(logits, labels, st, st.plan.evaluated)[0]
 
 
 def _per_row_loss_fwd(logits, labels, st):
-  loss, lse = _rows(logits, labels, st, st.implementation)
+  loss, lse = _rows(logits, labels, st, st.plan.forward)
   return loss, (logits, labels, lse)
 
 
 def _per_row_loss_bwd(st, residuals, g):
   logits, labels, lse = residuals
   g = g.astype(lse.dtype)
-  if st.implementation == "xla":
+  if st.plan.backward == "xla":
     grad = reference.cross_entropy_grad(logits, labels, labels >= 0, lse, g,
                                         label_smoothing=st.label_smoothing, z_loss=st.z_loss)
   else:
-    grad = _ce_kernels(st, st.implementation).grad(logits, labels, lse, g)
+    grad = _ce_kernels(st, st.plan.backward).grad(logits, labels, lse, g)
   return grad, None
 
 
