@@ -7,6 +7,7 @@ import argparse
 import concurrent.futures
 import importlib
 import json
+import os
 import sys
 
 from jaxfuse._core import bench, registry, report, tune, tuned
@@ -55,6 +56,9 @@ def main(argv=None) -> int:
   b.add_argument("--sizes", help="comma-separated problem sizes (the plots' x values) to keep")
   b.add_argument("--only", action="append", metavar="TEXT",
                  help="keep the cases whose label contains TEXT (repeatable)")
+  b.add_argument("--graph-every-program", action="store_true",
+                 help="let XLA run every timed program as a CUDA graph, as the steps of a "
+                      "model are (XLA graphs only programs of several kernels by default)")
   t = sub.add_parser("tune", help="time a family's implementations across its dispatch "
                                   "thresholds on this GPU and derive its tuned-table rows")
   t.add_argument("family", choices=tuple(FAMILIES))
@@ -71,6 +75,10 @@ def main(argv=None) -> int:
   if args.command == "tune":
     return _tune(args.family, args.json, args.write)
 
+  if args.graph_every_program:
+    # Read when JAX starts its GPU backend, which nothing above has asked for yet.
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_gpu_graph_min_graph_size=1").strip()
   cases, unknown = _cases(args.ops, args.quick, args.regret)
   if unknown:
     parser.error(f"unknown op or family: {', '.join(unknown)}")

@@ -77,6 +77,16 @@ def test_only_keeps_the_cases_whose_label_has_the_text(monkeypatch):
   assert ran == ["4x4096 causal", "4x4096 window (256, 256)"]
 
 
+def test_graph_every_program_asks_xla_to_graph_every_program_and_is_recorded(monkeypatch):
+  monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/nowhere")
+  monkeypatch.setattr(cli, "_cases", lambda names, quick, regret: ([], []))
+  monkeypatch.setattr(bench, "run", lambda cases, implementations=None, on_case=None: ([], {}))
+  monkeypatch.setattr(report, "table", lambda rows, ceilings: "")
+  assert cli.main(["bench", "--graph-every-program"]) == 0
+  flags = "--xla_dump_to=/nowhere --xla_gpu_graph_min_graph_size=1"
+  assert bench.environment()["xla_flags"] == flags
+
+
 def _timed_row(label, impl, forward_ms, train_ms=None, op="probe"):
   return bench.Row(op, label, 16, impl, "GB/s", forward_ms=forward_ms, train_ms=train_ms)
 

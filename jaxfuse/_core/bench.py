@@ -20,6 +20,7 @@ import datetime
 import functools
 import glob
 import math
+import os
 import platform as host_platform
 import statistics
 import sys
@@ -683,6 +684,7 @@ def environment(program: str = "jaxfuse") -> dict:
       "jaxlib_version": getattr(jax.lib, "__version__", None) or _jaxlib_version(),
       "python": host_platform.python_version(),
       "command": " ".join([program] + sys.argv[1:]),
+      "xla_flags": os.environ.get("XLA_FLAGS", ""),
       "timing": timing_method(),
       "gpu": dataclasses.asdict(gpu) if (gpu := device.describe()) else None,
   }
