@@ -126,6 +126,14 @@ def test_custom_vjp_is_written_only_in_the_op_layer():
   assert writers == ["jaxfuse/_core/op.py"]
 
 
+def test_vmap_rules_are_declared_only_in_the_op_layer():
+  """Every kernel call JAX cannot batch by itself gets its rule through op.vmappable."""
+  writers = sorted(path.relative_to(ROOT).as_posix()
+                   for path in (ROOT / "jaxfuse").rglob("*.py")
+                   if "custom_vmap" in path.read_text())
+  assert writers == ["jaxfuse/_core/op.py"]
+
+
 def test_no_python_file_in_jaxfuse_passes_700_lines():
   long = {path.relative_to(ROOT).as_posix(): n for path in (ROOT / "jaxfuse").rglob("*.py")
           if (n := len(path.read_text().splitlines())) > 700}

@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.custom_batching import custom_vmap
 
 from jaxfuse._core import op
 
 
 def fold_into_batch(fn):
   """``fn(*operands)`` with a batching rule that merges the mapped axis into axis 0."""
-  wrapped = custom_vmap(fn)
-
   def rule(axis_size, in_batched, *args):
     def merge(a, batched):
       if not batched:
@@ -30,14 +27,12 @@ def fold_into_batch(fn):
     outs = jax.tree.map(lambda o: o.reshape((axis_size, -1) + o.shape[1:]), outs)
     return outs, jax.tree.map(lambda _: True, outs)
 
-  wrapped.def_vmap(rule)
+  wrapped = op.vmappable(fn, rule)
   return wrapped
 
 
 def one_example_at_a_time(fn):
   """``fn(*operands)`` with a batching rule that calls it on each mapped example in a loop."""
-  wrapped = custom_vmap(fn)
-
   def rule(axis_size, in_batched, *args):
     mapped = [i for i, batched in enumerate(in_batched) if batched]
 
@@ -50,18 +45,12 @@ def one_example_at_a_time(fn):
     outs = jax.lax.map(one, [args[i] for i in mapped])
     return outs, jax.tree.map(lambda _: True, outs)
 
-  wrapped.def_vmap(rule)
+  wrapped = op.vmappable(fn, rule)
   return wrapped
 
 
-
-@custom_vmap
-def _front(x):
-  return x
-
-
-# custom_vmap hands its rule every mapped operand with the mapped axis first.
-_front.def_vmap(lambda axis_size, in_batched, x: (x, in_batched[0]))
+# A vmap rule receives every mapped operand with the mapped axis first.
+_front = op.vmappable(lambda x: x, lambda axis_size, in_batched, x: (x, in_batched[0]))
 
 
 def _front_fwd(x):
@@ -73,7 +62,7 @@ def _front_bwd(residuals, cotangent):
   return (_front(cotangent),)
 
 
-# custom_vmap alone has no reverse mode: the VJP moves the cotangent's mapped axis too.
+# A vmap rule alone has no reverse mode: the VJP moves the cotangent's mapped axis too.
 _differentiable_front = op.differentiable(_front, _front_fwd, _front_bwd, static=())
 
 

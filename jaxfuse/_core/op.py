@@ -1,4 +1,5 @@
-"""The op layer: how a jaxfuse function picks its implementations and gets its derivatives.
+"""The op layer: how a jaxfuse function picks its implementations, gets its derivatives and
+is batched.
 
 A call's :class:`Plan` names the implementation for each use: only evaluated, the forward of a
 differentiated call, and its backward. A named implementation runs every use; ``None`` may find
@@ -6,8 +7,9 @@ a different fastest one for each (cuDNN attention for inference and Mosaic's for
 Triton forward beside a CUDA backward), by the family's measurements (its tuned tables).
 
 Every fused op differentiates through a VJP of its own (the kernels' backward, residuals it
-chooses), built here from a primal, a forward and a backward, so that how a custom derivative
-is declared is written once for every family.
+chooses), built here from a primal, a forward and a backward, and kernel calls that JAX cannot
+batch by itself take a vmap rule of the family's, declared here too, so that how a custom
+derivative or batching rule is declared is written once for every family.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
+from jax.custom_batching import custom_vmap
 
 from jaxfuse._core import registry
 
@@ -61,4 +64,12 @@ def differentiable(primal: Callable, forward: Callable, backward: Callable, *,
   """
   function = jax.custom_vjp(primal, nondiff_argnums=tuple(static))
   function.defvjp(forward, backward)
+  return function
+
+
+def vmappable(fn: Callable, rule: Callable) -> Callable:
+  """``fn`` batched by ``rule(axis_size, in_batched, *args)``, which returns the outputs and
+  which of them are mapped; JAX hands it every mapped operand with the mapped axis first."""
+  function = custom_vmap(fn)
+  function.def_vmap(rule)
   return function

@@ -8,7 +8,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.custom_batching import custom_vmap
 
 from jaxfuse._core import op, registry, tuned
 from jaxfuse._core.sharding import parallel_call
@@ -234,10 +233,8 @@ class _Kernels:
 
   def __init__(self, st: _Static, impl: str):
     self.st, self.impl = st, impl
-    self.forward = custom_vmap(self._sharded_forward)
-    self.forward.def_vmap(self._forward_rule)
-    self.backward = custom_vmap(self._sharded_backward)
-    self.backward.def_vmap(self._backward_rule)
+    self.forward = op.vmappable(self._sharded_forward, self._forward_rule)
+    self.backward = op.vmappable(self._sharded_backward, self._backward_rule)
 
   # Factor names for parallel_call: groups and rows are parallel, features are reduced over.
   def _dims(self, ndim):

@@ -9,7 +9,6 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.custom_batching import custom_vmap
 
 from jaxfuse._core import op, registry, tuned
 from jaxfuse._core.op import resolve_plan
@@ -362,8 +361,6 @@ def _mapped(fn, in_axes, out_axes):
   """``fn`` with a vmap rule. A mapped axis on the batch-carrying operands only is more batch:
   it is folded into their batch axis and ``fn`` runs once. Mapped shared operands (per-example
   weights) run ``fn`` once per example."""
-  wrapped = custom_vmap(fn)
-
   def rule(axis_size, in_batched, *args):
     args = [a if batched else jnp.broadcast_to(a, (axis_size,) + a.shape)
             for a, batched in zip(args, in_batched)]
@@ -374,7 +371,7 @@ def _mapped(fn, in_axes, out_axes):
       outs = tuple(_unfold(o, axis, axis_size) for o, axis in zip(wrapped(*folded), out_axes))
     return tuple(outs), tuple(True for _ in outs)
 
-  wrapped.def_vmap(rule)
+  wrapped = op.vmappable(fn, rule)
   return wrapped
 
 

@@ -8,7 +8,6 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.custom_batching import custom_vmap
 
 from jaxfuse._core import op, registry, tuned
 from jaxfuse._core.batching import fold_into_batch
@@ -191,10 +190,8 @@ class _SoftmaxKernels:
 
   def __init__(self, st, impl):
     self.st, self.impl = st, impl
-    self.forward = custom_vmap(self._sharded_forward)
-    self.forward.def_vmap(self._forward_rule)
-    self.backward = custom_vmap(self._sharded_backward)
-    self.backward.def_vmap(self._backward_rule)
+    self.forward = op.vmappable(self._sharded_forward, self._forward_rule)
+    self.backward = op.vmappable(self._sharded_backward, self._backward_rule)
 
   def _dims(self, ndim):
     axis = self.st.layout.axis
