@@ -6,9 +6,9 @@
 A stack of LayerNorm, softmax and RMSNorm layers between matrix products, ending in a
 cross-entropy, per implementation, and a one-layer LSTM, at token counts from launch-bound to
 memory-bound. Each row gives the wall clock per step (the median of 7 windows of back-to-back
-steps) and a digest of the first step's loss and gradients. ``nographs`` turns XLA's command
-buffers off (``--xla_gpu_enable_command_buffer=``): where jaxfuse's custom calls join XLA's
-CUDA graphs, a launch-bound step is faster with them on.
+steps), and a digest of the first step's loss and gradients and their norms. ``nographs``
+turns XLA's command buffers off (``--xla_gpu_enable_command_buffer=``): where jaxfuse's custom
+calls join XLA's CUDA graphs, a launch-bound step is faster with them on.
 """
 
 import datetime
@@ -34,6 +34,14 @@ def digest(tree):
   for leaf in jax.tree.leaves(tree):
     h.update(np.asarray(jax.device_get(leaf)).tobytes())
   return h.hexdigest()[:16]
+
+
+def norms(tree):
+  """Each output's float64 norm: the on and off runs compare by these within rounding (XLA's
+  own kernels need not give the same bits with graphs on and off)."""
+  return [float(np.linalg.norm(np.asarray(jax.device_get(leaf), np.float64)))
+          for leaf in jax.tree.leaves(tree)]
+
 
 def wall_per_step(f, args, steps=50, windows=7):
   jax.block_until_ready(f(*args))
@@ -88,7 +96,7 @@ for tokens, width, layers in [(8, 768, 12), (256, 768, 12), (8192, 1024, 12)]:
     except Exception as e:  # noqa: BLE001
       rows.append(dict(model="mlp", tokens=tokens, impl=name, error=str(e)[:300])); continue
     rows.append(dict(model="mlp", tokens=tokens, width=width, layers=layers, impl=name,
-                     ms=ms, digest=digest(val)))
+                     ms=ms, digest=digest(val), norms=norms(val)))
     print(rows[-1], flush=True)
 
 for batch, hidden, steps in [(4, 256, 64), (64, 512, 128)]:
@@ -107,7 +115,7 @@ for batch, hidden, steps in [(4, 256, 64), (64, 512, 128)]:
     except Exception as e:  # noqa: BLE001
       rows.append(dict(model="lstm", batch=batch, impl=impl, error=str(e)[:300])); continue
     rows.append(dict(model="lstm", batch=batch, hidden=hidden, steps=steps, impl=impl, ms=ms,
-                     digest=digest(val)))
+                     digest=digest(val), norms=norms(val)))
     print(rows[-1], flush=True)
 json.dump(dict(mode=mode, device=jax.devices()[0].device_kind, jax=jax.__version__,
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -63,7 +63,8 @@ def main(argv=None) -> int:
                                   "thresholds on this GPU and derive its tuned-table rows")
   t.add_argument("family", choices=tuple(FAMILIES))
   t.add_argument("--json", metavar="PATH",
-                 help="where the run is saved (default: ./DATE-GPU-tune-FAMILY.json)")
+                 help="where the run is saved (default: DATE-GPU-tune-FAMILY.json in the "
+                      "checkout's benchmarks/results/, else here)")
   t.add_argument("--write", action="store_true",
                  help="put the rows into jaxfuse/ops/FAMILY/tuned/GPU.json, citing the run")
   c = sub.add_parser("build", help="build the CUDA kernels now (for an image to bake in), "
@@ -129,21 +130,30 @@ def _tune(family: str, path: str | None, write: bool) -> int:
           file=sys.stderr)
     return 2
   env = bench.environment()
-  path = path or f"{env['date'][:10]}-{tuned.device_file(kind)}-tune-{family}.json"
+  name = f"{env['date'][:10]}-{tuned.device_file(kind)}-tune-{family}.json"
+  path = path or os.path.join(tune.results_dir() or ".", name)
+  if write and tune.cited_path(path) is None:
+    print(f"jaxfuse tune --write: a table cites a run in the checkout's benchmarks/results/ "
+          f"(jaxfuse run from a git checkout); {path} is not there", file=sys.stderr)
+    return 2
   print(f"jaxfuse tune {family} on {kind} (jax {env['jax_version']}, {env['date']})")
   rows, ceilings = bench.run(importlib.import_module(FAMILIES[family]).tune_cases())
   print(report.table(rows, ceilings))
+  report.save_json(path, rows, ceilings)  # kept should reading its rows fail
   values = tune.derive(family, rows)
   report.save_json(path, rows, ceilings, tuned_rows=values)
   print(f"\nrows for {family} on {kind}:")
   for name, value in values.items():
     print(f"  {name}: {json.dumps(value)}")
   print(f"saved {path}")
-  if write:
-    print(f"wrote {tune.write_rows(family, kind, values, tune.cited_path(path))}")
-  failed = [r for r in rows if r.note.startswith("FAILED")]
+  failed = [r for r in rows if tune.failed(r)]
   for r in failed:
     print(f"FAILED: {r.op} {r.label} {r.implementation}: {r.note}", file=sys.stderr)
+  if write and failed:
+    print("jaxfuse tune --write: not written, an implementation failed its check",
+          file=sys.stderr)
+  elif write:
+    print(f"wrote {tune.write_rows(family, kind, values, tune.cited_path(path))}")
   return 1 if failed else 0
 
 

@@ -221,7 +221,8 @@ def test_an_integer_input_is_refused_by_name(rng, op, impl):
 
 def test_mapped_axis_first_hands_a_call_its_mapped_axis_first_both_ways():
   """JAX's cuDNN attention batches only a leading mapped axis: a probe with the same limit
-  sees axis 0 under vmap over an inner axis, and gradients go through unchanged."""
+  sees axis 0 under vmap over an inner axis, at every level of nested vmaps, and gradients go
+  through unchanged."""
   from jax.extend.core import Primitive
   from jax.interpreters import batching, mlir
 
@@ -242,6 +243,10 @@ def test_mapped_axis_first_hands_a_call_its_mapped_axis_first_both_ways():
   out = jax.vmap(lambda a: probe.bind(mapped_axis_first(a)), in_axes=2)(x)
   assert seen == [0]
   np.testing.assert_array_equal(out, 2 * jnp.moveaxis(x, 2, 0))
+  seen.clear()
+  nested = jax.vmap(jax.vmap(lambda a: probe.bind(mapped_axis_first(a)), in_axes=0), in_axes=2)
+  np.testing.assert_array_equal(nested(x), 2 * jnp.moveaxis(x, 2, 0))
+  assert seen == [0, 0]
   loss = lambda a: jnp.sum(jnp.sin(mapped_axis_first(a)) ** 2)
   grads = jax.vmap(jax.grad(loss), in_axes=2, out_axes=2)(x)
   np.testing.assert_allclose(grads, jnp.sin(2 * x), rtol=1e-6)

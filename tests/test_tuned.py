@@ -2,6 +2,7 @@
 
 import json
 import logging
+import math
 import re
 from pathlib import Path
 
@@ -62,8 +63,10 @@ def tables(tmp_path, monkeypatch):
   """Tables of a family ``f`` written to a scratch tree."""
   monkeypatch.setattr(tuned, "_OPS", tmp_path)
   tuned._rows_for.cache_clear()
+  tuned._merged.cache_clear()
   yield lambda stem, **table: _write(tmp_path / "f" / "tuned" / f"{stem}.json", table)
   tuned._rows_for.cache_clear()
+  tuned._merged.cache_clear()
 
 
 def _write(path, table):
@@ -147,8 +150,11 @@ def test_tune_reads_wins_from_the_timings():
           _timed("op", "b", 16, "cuda", 1.0, 4.0), _timed("op", "b", 16, "xla", 1.0, 1.5),
           _timed("op", "c", 32, "cuda", 1.0, 1.0), _timed("op", "c", 32, "xla", 0.1, 0.1,
                                                            note="FAILED: relative error")]
-  # The backward alone is the step less the forward; a failed check counts as not run.
-  assert tune.times_by_size(rows, "backward", "cuda", "xla") == [(8, 2.0, 1.5), (16, 3.0, 0.5)]
+  # The backward alone is the step less the forward; a failed check is infinitely slow.
+  assert tune.times_by_size(rows, "backward", "cuda", "xla") == [
+      (8, 2.0, 1.5), (16, 3.0, 0.5), (32, 0.0, math.inf)]
+  assert tune.times_by_size(rows, "forward", "xla", "cuda")[-1] == (32, math.inf, 1.0)
+  assert tune.longest_winning_prefix([(1, 1.0, 2.0), (2, math.inf, 1.0), (3, 1.0, 2.0)]) == 1
   assert tune.order_by_geometric_mean(rows, "step", ("cuda", "xla")) == ["xla", "cuda"]
   assert tune.order_by_geometric_mean(rows[:2], "step", ("xla", "cuda")) == ["cuda", "xla"]
   assert tune.order_by_geometric_mean([], "step", ("xla", "cuda")) == ["xla", "cuda"]
@@ -181,21 +187,30 @@ def test_each_family_reads_its_rows_from_a_tuning_run():
 
 def test_tune_writes_the_rows_citing_its_run(tmp_path, monkeypatch, capsys):
   from jaxfuse import cli
-  from jaxfuse._core import bench
-  ops = tmp_path / "ops"
+  from jaxfuse._core import bench, tune
+  ops, results = tmp_path / "ops", tmp_path / "benchmarks" / "results"
+  results.mkdir(parents=True)
   monkeypatch.setattr(tuned, "_OPS", ops)
+  monkeypatch.setattr(tune, "results_dir", lambda: results)
   monkeypatch.setattr(registry, "device_kind", lambda: "NVIDIA Test GPU")
   rows = [_timed("linear_cross_entropy", "a", 1, "cuda", 1.0, 3.0),
           _timed("linear_cross_entropy", "a", 1, "xla", 1.0, 2.0)]
   monkeypatch.setattr(bench, "run", lambda cases, **_: (rows, {}))
-  run = tmp_path / "run.json"
+  run = results / "run.json"
   assert cli.main(["tune", "linear_cross_entropy", "--json", str(run), "--write"]) == 0
   assert json.loads(run.read_text())["tuned_rows"] == {"order": ["xla", "cuda"]}
-  table = json.loads((ops / "linear_cross_entropy" / "tuned" / "nvidia_test_gpu.json")
-                     .read_text())
-  assert table == {"device": "NVIDIA Test GPU", "inherits": None,
-                   "rows": {"order": {"value": ["xla", "cuda"], "source": str(run)}}}
+  path = ops / "linear_cross_entropy" / "tuned" / "nvidia_test_gpu.json"
+  table = {"device": "NVIDIA Test GPU", "inherits": None,
+           "rows": {"order": {"value": ["xla", "cuda"], "source": "benchmarks/results/run.json"}}}
+  assert json.loads(path.read_text()) == table
   assert 'order: ["xla", "cuda"]' in capsys.readouterr().out
+  # A run a table could not cite, or one with a failed check, is not written.
+  assert cli.main(["tune", "linear_cross_entropy", "--json", str(tmp_path / "x.json"),
+                   "--write"]) == 2
+  rows[1] = _timed("linear_cross_entropy", "a", 1, "xla", 0.5, 0.5, note="FAILED: error")
+  assert cli.main(["tune", "linear_cross_entropy", "--json", str(run), "--write"]) == 1
+  assert json.loads(path.read_text()) == table
+  assert "not written" in capsys.readouterr().err
   monkeypatch.setattr(registry, "device_kind", lambda: None)
   assert cli.main(["tune", "norm"]) == 2
 

@@ -49,8 +49,9 @@ def one_example_at_a_time(fn):
   return wrapped
 
 
-# A vmap rule receives every mapped operand with the mapped axis first.
-_front = op.vmappable(lambda x: x, lambda axis_size, in_batched, x: (x, in_batched[0]))
+# A vmap rule receives this level's mapped axis first; the call inside it hands the operand on
+# to the rules of the levels around it, which move theirs in front of it in turn.
+_front = op.vmappable(lambda x: x, lambda axis_size, in_batched, x: (_front(x), in_batched[0]))
 
 
 def _front_fwd(x):

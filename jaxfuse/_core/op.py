@@ -37,8 +37,9 @@ class Plan:
     return name in (self.evaluated, self.forward, self.backward)
 
 
-def resolve_plan(op: str, implementation: str | None, backends: Mapping[str, registry.Availability],
-         preference: Sequence[str], fastest: Callable[[str], str] | None = None) -> Plan:
+def resolve_plan(op: str, implementation: str | None,
+                 backends: Mapping[str, registry.Availability], preference: Sequence[str],
+                 fastest: Callable[[str], str] | None = None) -> Plan:
   """Validates ``implementation`` for ``op`` (see :func:`registry.resolve`) and plans the call:
   the named implementation for every use; for ``None`` the first of ``preference`` that runs,
   or on a GPU ``fastest(use)`` per use where the family measured one."""

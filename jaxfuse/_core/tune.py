@@ -4,9 +4,10 @@ A family's bench module gives ``tune_cases()``, a grid of problems that crosses 
 thresholds with only the named implementations, and ``tuned_rows(rows)``, the table rows
 those timings imply (the helpers below: the longest size up to which one implementation wins,
 the shortest from which it wins, an order by geometric mean). The bench checks every
-implementation against float64 as it times it; a failed one counts as not run. The command
-writes the run's JSON, whose path every row it writes cites, and with ``--write`` puts the
-rows into ``jaxfuse/ops/<family>/tuned/<this GPU>.json`` over the rows it had. A family's
+implementation against float64 as it times it; one that fails counts as infinitely slow
+there, and ``--write`` refuses such a run. The command saves the run (in the checkout's
+``benchmarks/results/``), and with ``--write`` puts the rows, each citing it, into
+``jaxfuse/ops/<family>/tuned/<this GPU>.json`` over the rows it had. A family's
 ``rules`` (measured exceptions on dtype, element count and the like) are not derived: they
 stay as the table has them.
 """
@@ -16,17 +17,18 @@ from __future__ import annotations
 import importlib
 import json
 import math
-import os
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from jaxfuse._core import tuned
 from jaxfuse._core.bench import Row
 
+
 def time_of(row: Row, use: str) -> float | None:
   """``row``'s time for ``use``: its forward, its training step, or the backward alone (the
   step less the forward). None where it did not run or failed its check."""
-  if row.note.startswith("FAILED") or row.forward_ms is None:
+  if failed(row) or row.forward_ms is None:
     return None
   if use == "forward":
     return row.forward_ms
@@ -37,17 +39,25 @@ def time_of(row: Row, use: str) -> float | None:
 
 def times_by_size(rows: Iterable[Row], use: str, first: str,
                   second: str) -> list[tuple[int, float, float]]:
-  """``(size, first's time, second's time)`` for each size both ran at, by size."""
+  """``(size, first's time, second's time)`` for each size both ran at, by size. An
+  implementation that failed its check there counts as infinitely slow: no threshold is read
+  across a wrong result."""
   by_case: dict[tuple[str, str], dict[str, Row]] = {}
   for row in rows:
     by_case.setdefault((row.op, row.label), {})[row.implementation] = row
   points = []
   for pair in by_case.values():
-    if first in pair and second in pair:
-      a, b = time_of(pair[first], use), time_of(pair[second], use)
-      if a is not None and b is not None:
-        points.append((pair[first].size, a, b))
+    if first not in pair or second not in pair:
+      continue
+    times = [math.inf if failed(pair[name]) else time_of(pair[name], use)
+             for name in (first, second)]
+    if None not in times:
+      points.append((pair[first].size, *times))
   return sorted(points)
+
+
+def failed(row: Row) -> bool:
+  return row.note.startswith("FAILED")
 
 
 def longest_winning_prefix(points: Sequence[tuple[int, float, float]]) -> int | None:
@@ -104,11 +114,21 @@ def write_rows(family: str, kind: str, values: Mapping[str, Any], source: str) -
   return str(path)
 
 
-def cited_path(path: str) -> str:
-  """``path`` as a row cites it: relative to the repository where it lies in it."""
-  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  full = os.path.abspath(path)
-  return os.path.relpath(full, root) if full.startswith(root + os.sep) else full
+def results_dir() -> Path | None:
+  """``benchmarks/results/`` of the checkout jaxfuse runs from, where tables cite their runs;
+  None for an installed copy, whose tables are not written."""
+  results = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+  return results if results.is_dir() else None
+
+
+def cited_path(path: str) -> str | None:
+  """``path`` as a table row cites it (relative to the checkout), or None where it does not
+  lie in the checkout's ``benchmarks/results/``."""
+  results = results_dir()
+  full = Path(path).resolve()
+  if results is None or results not in full.parents:
+    return None
+  return full.relative_to(results.parent.parent).as_posix()
 
 
 def derive(family: str, rows: Sequence[Row]) -> dict[str, Any]:

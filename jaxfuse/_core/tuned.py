@@ -71,12 +71,15 @@ def rows(family: str, untuned: Callable[[], Mapping[str, Any]]) -> dict[str, Any
   """The values of ``family``'s rows for the default GPU: from its table, else (a GPU never
   measured, a row its table lacks, or no GPU) ``untuned()``, the family's built-in defaults."""
   kind = registry.device_kind()
-  values = _rows_for(family, kind)
-  if values is None:
-    if kind is not None:
-      _log_untuned(family, kind)
-    return dict(untuned())
-  return {**untuned(), **values}
+  if _rows_for(family, kind) is None and kind is not None:
+    _log_untuned(family, kind)
+  return _merged(family, kind, untuned)
+
+
+@functools.cache
+def _merged(family: str, kind: str | None, untuned: Callable[[], Mapping[str, Any]]):
+  """``untuned()`` under the table's rows, built once per family, GPU and defaults."""
+  return {**untuned(), **(_rows_for(family, kind) or {})}
 
 
 @functools.cache

@@ -334,7 +334,7 @@ class _CrossEntropyStatic:
   z_loss: float
   reduction: str
   ignore_index: int | None
-  plan: op.Plan  # the forward and backward: one pass for the loss and its gradient
+  plan: op.Plan  # a step's forward and backward are one pass: the loss and its gradient
 
 
 @functools.partial(jax.jit, static_argnums=(2,))
