@@ -13,7 +13,9 @@ import sys
 from jaxfuse._core import bench, registry, report, tune, tuned
 
 # Op families with a bench spec module exposing ``cases(quick) -> list[Case]``,
-# ``regret_cases() -> list[Case]``, ``tune_cases() -> list[Case]`` and ``tuned_rows(rows)``.
+# ``regret_cases() -> list[Case]``, ``tune_cases() -> list[Case]`` and ``tuned_rows(rows)``;
+# one with a grid against other libraries adds ``grid_cases()``, ``grid_place(label)`` and
+# its ``COMPARATORS``.
 FAMILIES = {
     "norm": "jaxfuse.ops.norm.bench",
     "softmax": "jaxfuse.ops.softmax.bench",
@@ -26,11 +28,14 @@ CUDA_LIBRARIES = ("jaxfuse.ops.norm.cuda", "jaxfuse.ops.softmax.cuda", "jaxfuse.
                   "jaxfuse._core.cuda.copies")
 
 
-def _cases(names, quick, regret):
+def _cases(names, quick, mode):
   cases = []
   for family, module in FAMILIES.items():
     spec = importlib.import_module(module)
-    family_cases = spec.regret_cases() if regret else spec.cases(quick)
+    if mode == "grid":
+      family_cases = spec.grid_cases() if hasattr(spec, "grid_cases") else []
+    else:
+      family_cases = spec.regret_cases() if mode == "regret" else spec.cases(quick)
     if not names or family in names:
       cases += family_cases
     else:
@@ -56,6 +61,10 @@ def main(argv=None) -> int:
   b.add_argument("--sizes", help="comma-separated problem sizes (the plots' x values) to keep")
   b.add_argument("--only", action="append", metavar="TEXT",
                  help="keep the cases whose label contains TEXT (repeatable)")
+  b.add_argument("--grid", action="store_true",
+                 help="a family's grid against other libraries (rnn: batch x hidden per "
+                      "cell, dtype and layout): None's ratio to the faster comparator per "
+                      "point, the worst and the geometric mean (--plot draws heat maps)")
   b.add_argument("--graph-every-program", action="store_true",
                  help="let XLA run every timed program as a CUDA graph, as the steps of a "
                       "model are (XLA graphs only programs of several kernels by default)")
@@ -80,9 +89,14 @@ def main(argv=None) -> int:
     # Read when JAX starts its GPU backend, which nothing above has asked for yet.
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_gpu_graph_min_graph_size=1").strip()
-  cases, unknown = _cases(args.ops, args.quick, args.regret)
+  if args.regret and args.grid:
+    parser.error("--regret and --grid are two different reports: ask for one")
+  mode = "regret" if args.regret else "grid" if args.grid else "cases"
+  cases, unknown = _cases(args.ops, args.quick, mode)
   if unknown:
     parser.error(f"unknown op or family: {', '.join(unknown)}")
+  if mode == "grid" and not cases:
+    parser.error("--grid: only rnn has a grid")
   if args.sizes:
     keep = {int(v) for v in args.sizes.split(",")}
     cases = [c for c in cases if c.size in keep]
@@ -96,21 +110,36 @@ def main(argv=None) -> int:
     print("No GPU here: XLA is timed, the Pallas kernels are only checked in the interpreter. "
           "Kernel timings need a GPU.")
   impls = args.impl.split(",") if args.impl else None
+  grids = [spec for spec in map(importlib.import_module, FAMILIES.values())
+           if hasattr(spec, "grid_cases")]
+  comparators = {name for spec in grids for name in spec.COMPARATORS}
+
+  def regrets(rows):
+    if mode == "grid":
+      return report.regrets(rows, against=comparators.__contains__)
+    return report.regrets(rows) if mode == "regret" else []
+
   def save(rows, ceilings):
-    found = report.regrets(rows) if args.regret else []
+    found = regrets(rows)
     report.save_json(args.json, rows, ceilings,
-                     **({"regrets": [vars(r) for r in found]} if args.regret else {}))
+                     **({"regrets": [vars(r) for r in found]} if mode != "cases" else {}))
 
   rows, ceilings = bench.run(cases, implementations=impls, on_case=save if args.json else None)
   print(report.table(rows, ceilings))
-  found = report.regrets(rows) if args.regret else None
-  if args.regret:
+  found = regrets(rows)
+  if mode == "grid":
+    print(f"\nNone against the faster of {', '.join(sorted(comparators))}: that one's time "
+          f"over None's (above 1: None faster)")
+  if mode != "cases":
     print("\n" + report.regret_table(found))
   if args.json:
     save(rows, ceilings)
     print(f"saved {args.json}")
   if args.plot:
-    if args.regret:
+    if mode == "grid":
+      places = {c.op: spec.grid_place for spec in grids for c in spec.grid_cases()}
+      report.save_heatmaps(args.plot, found, lambda r: places[r.op](r.label))
+    elif mode == "regret":
       report.save_regret_plot(args.plot, found)
     else:
       report.save_plot(args.plot, rows, ceilings)

@@ -52,6 +52,14 @@ def test_wrong_or_crashing_kernel_fails():
   assert _notes(rows)["triton"].startswith("FAILED: RuntimeError")
 
 
+def test_a_comparator_may_report_its_training_steps_temporary_memory():
+  timing = bench.Timing(1.0, 1.0, 1.0, 1)
+  case = dataclasses.replace(_case(_forward()), implementations=(), external={
+      "torch": lambda inputs: (timing, timing, 12.5), "other": lambda inputs: (timing, timing)})
+  rows, _ = bench.run([case])
+  assert {r.implementation: r.train_temp_mib for r in rows} == {"torch": 12.5, "other": None}
+
+
 def test_exit_code_counts_only_jaxfuse_failures(monkeypatch, capsys):
   monkeypatch.setattr(cli, "_cases", lambda names, quick, regret: (
       [_case(_forward(missing=("optax",)))], []))
@@ -102,6 +110,22 @@ def test_regret_is_the_fastest_named_time_over_nones():
   text = report.regret_table(found)
   assert "probe                    worst 0.800 (a forward, triton)" in text
   assert f"geometric mean {0.8 ** (1 / 3):.3f} over 3 points" in text
+
+
+def test_a_grid_weighs_none_against_the_faster_comparator_and_draws_heat_maps(tmp_path):
+  rows = [_timed_row("LSTM 4x8x64x64 L1 float32", impl, f, s, op="lstm")
+          for impl, f, s in (("torch", 2.0, 4.0), ("cudnn", 3.0, 3.0), ("xla", 0.5, 0.5),
+                             (bench.DEFAULT, 1.0, 6.0))]
+  found = report.regrets(rows, against=("torch", "cudnn").__contains__)
+  assert [(r.direction, r.regret, r.fastest) for r in found] == [
+      ("forward", 2.0, "torch"), ("step", 0.5, "cudnn")]
+  from jaxfuse.ops.rnn import bench as rnn_bench
+  assert rnn_bench.grid_place("LSTM 4x8x64x64 L2 bi bfloat16") == ("LSTM L2 bi bfloat16", 4, 64)
+  path = tmp_path / "grid.png"
+  report.save_heatmaps(str(path), found, lambda r: rnn_bench.grid_place(r.label))
+  assert path.stat().st_size > 0
+  with pytest.raises(SystemExit):
+    cli.main(["bench", "norm", "--grid"])
 
 
 def test_a_point_is_launch_bound_where_nones_span_passes_twice_its_busy_time():

@@ -879,3 +879,15 @@ def test_kernel_path_under_checkpoint(rng, monkeypatch):
   remat = jax.grad(jax.checkpoint(loss), (0, 1))(args[0], args[3])
   for a, b in zip(plain, remat):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_the_grid_keeps_each_points_saved_activations_within_its_budget():
+  from jaxfuse.ops.rnn import bench as rnn_bench
+  assert rnn_bench.grid_steps("lstm", 4, 512, 1, False) == rnn_bench.GRID_STEPS
+  for cell in ("lstm", "gru"):
+    for b in rnn_bench.GRID_BATCHES:
+      for h in rnn_bench.GRID_HIDDEN:
+        for layers, bidirectional in rnn_bench.GRID_LAYOUTS:
+          t = rnn_bench.grid_steps(cell, b, h, layers, bidirectional)
+          saved = t * b * h * (rnn_bench.GATES[cell] + 2) * 4 * layers * (1 + bidirectional)
+          assert t >= 16 and (saved <= rnn_bench.GRID_SAVED_BYTES or t == 16)

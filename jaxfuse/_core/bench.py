@@ -59,8 +59,8 @@ class Case:
   # Implementations checked for correctness but not timed (the Pallas interpreter on the CPU).
   check_only: Sequence[str] = ()
   # Comparators outside JAX (PyTorch), each timing itself on the inputs with
-  # :func:`time_torch`: ``fn(inputs) -> (forward Timing, train Timing)``. Their outputs are
-  # not checked.
+  # :func:`time_torch`: ``fn(inputs) -> (forward Timing, train Timing[, train temp MiB])``.
+  # Their outputs are not checked.
   external: Mapping[str, Callable[[tuple], tuple[float, float]]] = dataclasses.field(
       default_factory=dict)
   # What a row of an implementation should say beside its numbers (how a comparator computes).
@@ -650,7 +650,8 @@ def _run_external(case, impls, inputs, ceilings, progress):
               ceiling_name="matmul TFLOP/s" if case.unit == "TFLOP/s" else "copy GB/s",
               cache_resident=_cache_resident(case))
     try:
-      forward, train = case.external[impl](inputs)
+      forward, train, *temp_mib = case.external[impl](inputs)
+      row.train_temp_mib = temp_mib[0] if temp_mib else None
       _set_timing(row, "forward", forward)
       _set_timing(row, "train", train)
       _set_rates(row, case, ceilings)

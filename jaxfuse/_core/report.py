@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from jaxfuse._core import device
 from jaxfuse._core.bench import DEFAULT, L2_MULTIPLE, Row, environment, is_comparator, timing_method
@@ -117,8 +117,12 @@ class Regret:
   launch_bound: bool
 
 
-def regrets(rows: Sequence[Row]) -> list[Regret]:
-  """None's regret at every case and direction where it and a named implementation ran."""
+def regrets(rows: Sequence[Row],
+            against: Callable[[str], bool] | None = None) -> list[Regret]:
+  """None's regret at every case and direction where it and a named implementation ran, or
+  where ``against`` is given, one of the implementations it accepts (comparators)."""
+  if against is None:
+    against = lambda impl: impl != DEFAULT and not is_comparator(impl)
   out = []
   busy = {"forward": "forward_busy_ms", "step": "train_busy_ms"}
   for key in dict.fromkeys((r.op, r.label) for r in rows):
@@ -128,8 +132,7 @@ def regrets(rows: Sequence[Row]) -> list[Regret]:
       continue
     for direction, field in (("forward", "forward_ms"), ("step", "train_ms")):
       named = {r.implementation: getattr(r, field) for r in case_rows
-               if r.implementation != DEFAULT and not is_comparator(r.implementation)
-               and getattr(r, field) is not None}
+               if against(r.implementation) and getattr(r, field) is not None}
       ms = getattr(default, field)
       if named and ms is not None:
         fastest = min(named, key=named.get)
@@ -186,5 +189,43 @@ def save_regret_plot(path: str, found: Sequence[Regret]):
     ax.set_ylim(min(0.5, min(r.regret for r in found)), max(1.05, max(r.regret for r in found)))
     ax.set_title(f"{op}: fastest named time / None's time")
     ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+
+
+def save_heatmaps(path: str, found: Sequence[Regret], place: Callable[[Regret], tuple]):
+  """One heat map per panel and use: ``place(point)`` gives a point's panel, row (batch) and
+  column (hidden); the colour is its regret (above 1: None faster)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  import numpy as np
+  maps = {}
+  for r in found:
+    panel, row, col = place(r)
+    maps.setdefault((panel, r.direction), {})[row, col] = r.regret
+  if not maps:
+    return
+  columns = 2
+  fig, axes = plt.subplots(-(-len(maps) // columns), columns, squeeze=False,
+                           figsize=(6 * columns, 4.2 * -(-len(maps) // columns)))
+  for ax in axes.flat[len(maps):]:
+    ax.set_visible(False)
+  for ax, ((panel, direction), points) in zip(axes.flat, maps.items()):
+    rows = sorted({r for r, _ in points})
+    cols = sorted({c for _, c in points})
+    grid = np.full((len(rows), len(cols)), np.nan)
+    for (r, c), value in points.items():
+      grid[rows.index(r), cols.index(c)] = value
+    image = ax.imshow(np.log2(grid), cmap="RdYlGn", vmin=-2, vmax=2, origin="lower")
+    for (i, j), value in np.ndenumerate(grid):
+      if not np.isnan(value):
+        ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=7)
+    ax.set_xticks(range(len(cols)), cols)
+    ax.set_yticks(range(len(rows)), rows)
+    ax.set_xlabel("hidden")
+    ax.set_ylabel("batch")
+    ax.set_title(f"{panel} {direction}", fontsize=9)
+    fig.colorbar(image, ax=ax, label="log2 ratio")
   fig.tight_layout()
   fig.savefig(path, dpi=110)

@@ -1,6 +1,11 @@
 """Bench cases for ``lstm`` and ``gru``: the forward and a training step (a loss over y, the
 gradients for x and the weights), with jax.experimental.rnn (the ``'cudnn'`` row) and PyTorch's
-cuDNN RNNs (``torch``, timed from its profiler's trace as JAX's rows are) side by side.
+cuDNN RNNs (``torch``, timed from its profiler's trace as JAX's rows are, its training step's
+temporary memory its peak over what the module and inputs hold) side by side.
+
+``jaxfuse bench rnn --grid`` sweeps :data:`GRID_BATCHES` x :data:`GRID_HIDDEN` for both cells,
+float32 and bfloat16, one layer and two bidirectional ones, and reports None's ratio to the
+faster of the comparators (:data:`COMPARATORS`) per point, with heat maps.
 
 FLOPs count the matrix products: per layer and direction ``2 * B * T * G * H * (I_layer + H)``;
 the training step counts three times the forward. float32 allows TF32, as both comparators do
@@ -86,7 +91,15 @@ def _torch_timer(cell, i, h, layers, bidirectional, dtype, inputs):
     y, _ = module(x)
     y.backward(dy)
 
-  return time_torch(forward), time_torch(train)
+  # The training step's temporary memory: its peak over what the module and inputs hold.
+  train(0)
+  torch.cuda.synchronize()
+  torch.cuda.reset_peak_memory_stats()
+  held = torch.cuda.memory_allocated()
+  train(0)
+  torch.cuda.synchronize()
+  temp_mib = (torch.cuda.max_memory_allocated() - held) / 2**20
+  return time_torch(forward), time_torch(train), temp_mib
 
 
 def _flops(cell, b, t, i, h, layers, bidirectional) -> float:
@@ -161,3 +174,54 @@ def tuned_rows(rows) -> dict:
   """The order None tries the kernels in: by the geometric mean of the training step over the
   cases both ran."""
   return {"order": tune.order_by_geometric_mean(rows, "step", ("cuda", "xla"))}
+
+
+# The grid: batch x hidden (input = hidden), each cell, dtype and layout (layers,
+# bidirectional), T = GRID_STEPS or fewer where the training step's saved activations would
+# pass GRID_SAVED_BYTES.
+GRID_BATCHES = (1, 4, 16, 64, 256, 1024)
+GRID_HIDDEN = (128, 256, 512, 1024, 2048)
+GRID_LAYOUTS = ((1, False), (2, True))
+GRID_STEPS = 256
+GRID_SAVED_BYTES = 8 << 30
+# What None is weighed against on the grid: PyTorch's cuDNN RNNs and jax.experimental.rnn.
+COMPARATORS = ("torch", "cudnn")
+
+
+def grid_steps(cell, b, h, layers, bidirectional) -> int:
+  """T for a grid point: the saved gates and states (float32) of every layer and direction
+  within :data:`GRID_SAVED_BYTES`, halving from :data:`GRID_STEPS`."""
+  per_step = b * h * (GATES[cell] + 2) * 4 * layers * (2 if bidirectional else 1)
+  t = GRID_STEPS
+  while t > 16 and t * per_step > GRID_SAVED_BYTES:
+    t //= 2
+  return t
+
+
+def grid_cases() -> list[Case]:
+  """None, the named implementations and the comparators at every grid point (on the CPU, the
+  smallest points, checked)."""
+  on_gpu = registry.platform() == "gpu"
+  batches, hidden = (GRID_BATCHES, GRID_HIDDEN) if on_gpu else ((1, 4), (128,))
+  out = []
+  for cell in GATES:
+    for dtype in (jnp.float32, jnp.bfloat16):
+      for layers, bidirectional in GRID_LAYOUTS:
+        for b in batches:
+          for h in hidden:
+            t = grid_steps(cell, b, h, layers, bidirectional) if on_gpu else 8
+            impls, external = (DEFAULT, "xla"), {}
+            if on_gpu:
+              impls = ("xla",) + _gpu_implementations(cell, dtype)
+              external = {"torch": functools.partial(_torch_timer, cell, h, h, layers,
+                                                     bidirectional, dtype)}
+            out.append(_case(cell, b, t, h, h, layers, bidirectional, dtype, impls, external))
+  return out
+
+
+def grid_place(label: str) -> tuple[str, int, int]:
+  """A grid case's heat map and cell in it: ``'LSTM 4x256x512x512 L2 bi float32'`` ->
+  ``('LSTM L2 bi float32', 4, 512)``."""
+  cell, shape, *rest = label.split()
+  b, _, _, h = (int(v) for v in shape.split("x"))
+  return " ".join([cell] + rest), b, h
