@@ -669,6 +669,20 @@ def test_rnn_none_takes_cuda_up_to_the_largest_hidden_size(gpu, chosen, cell, dt
   assert chosen() == "xla"
 
 
+def test_rnn_none_passes_cuda_over_past_the_work_its_table_measured_it_faster(
+    gpu, chosen, monkeypatch):
+  monkeypatch.setattr(rnn_api, "_untuned", lambda: {"order": ["cuda", "xla"],
+                                                    "cuda_most_work": {"lstm/bfloat16": 4096}})
+  recurrent("lstm", 64, batch=64)
+  assert chosen() == "cuda"
+  recurrent("lstm", 64, batch=65)
+  assert chosen() == "xla"
+  recurrent("lstm", 64, "float32", batch=65)
+  assert chosen() == "cuda"
+  recurrent("lstm", 64, batch=65, implementation="cuda")
+  assert chosen() == "cuda"
+
+
 @pytest.mark.parametrize("cell,dtype,largest", RNN_LARGEST)
 def test_rnn_cuda_refuses_a_hidden_size_that_does_not_fit(gpu, chosen, cell, dtype, largest):
   recurrent(cell, largest, dtype, implementation="cuda")

@@ -185,6 +185,17 @@ def test_each_family_reads_its_rows_from_a_tuning_run():
   assert norm_bench.tuned_rows(norm) == {"triton_max_features": 1024}
 
 
+def test_the_rnn_tuning_run_gives_the_fused_kernels_most_work_per_cell_and_dtype():
+  from jaxfuse.ops.rnn import bench as rnn_bench
+  steps = {(1, 256): (1.0, 2.0), (64, 256): (1.0, 1.0), (256, 1024): (3.0, 2.0)}
+  rows = [_timed(cell, f"{cell.upper()} {b}x64x{h}x{h} L1 {dtype}", b, impl, 1.0,
+                 step if impl == "cuda" or cell == "lstm" else 9.0)
+          for cell in ("lstm", "gru") for dtype in ("float32", "bfloat16")
+          for (b, h), times in steps.items() for impl, step in zip(("cuda", "xla"), times)]
+  assert rnn_bench.tuned_rows(rows)["cuda_most_work"] == {"lstm/float32": 16384,
+                                                          "lstm/bfloat16": 16384}
+
+
 def test_tune_writes_the_rows_citing_its_run(tmp_path, monkeypatch, capsys):
   from jaxfuse import cli
   from jaxfuse._core import bench, tune

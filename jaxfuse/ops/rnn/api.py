@@ -22,14 +22,22 @@ from jaxfuse.ops.rnn.weights import unpack, weight_count
 
 def _untuned() -> dict:
   # 'cudnn' is never chosen unasked: jax.experimental.rnn's forward and backward copy the
-  # lengths to the host and wait for the stream, which stalls the program around them.
-  return {"order": ["cuda", "xla"]}
+  # lengths to the host and wait for the stream, which stalls the program around them. No
+  # limit on the fused kernels' work per step where none was measured.
+  return {"order": ["cuda", "xla"], "cuda_most_work": {}}
 
 
-def _preference():
+def _preference(cell: str, dtype, work: int):
+  """The order None tries: the table's, with 'cuda' last where a step's work (batch x hidden)
+  passes the most at which the fused kernels measured faster for this cell and dtype."""
   if registry.platform() != "gpu":
     return ("xla",)
-  return tuple(tuned.rows("rnn", _untuned)["order"])
+  rows = tuned.rows("rnn", _untuned)
+  order = tuple(rows["order"])
+  most = rows["cuda_most_work"].get(f"{cell}/{jnp.dtype(dtype).name}")
+  if most is not None and work > most:
+    order = tuple(name for name in order if name != "cuda") + ("cuda",)
+  return order
 
 
 def lstm(x, h_0, c_0, weights, seq_lengths, *, input_size: int, hidden_size: int,
@@ -53,7 +61,8 @@ def lstm(x, h_0, c_0, weights, seq_lengths, *, input_size: int, hidden_size: int
     implementation: ``'xla'`` (``lax.scan``, runs anywhere), ``'cuda'`` (the persistent
       fused kernels: {cuda_limits}), ``'cudnn'`` (``jax.experimental.rnn``: float32, no
       dropout; its backward synchronizes with the host) or ``None``: ``'cuda'`` where it
-      runs, else ``'xla'``.
+      runs, up to the work per step (batch x hidden) the GPU's tuned table measured it
+      faster, else ``'xla'``.
 
   Returns:
     ``(y, h_n, c_n)``: ``y`` ``(B, T, directions * hidden_size)``, zero past each sequence's
@@ -135,7 +144,8 @@ def _run(cell, x, initial_state, weights, seq_lengths, input_size, hidden_size, 
               "cudnn": functools.partial(_cudnn_unavailable, layer, x, initial_state, weights,
                                          dropout)}
   # One implementation for every use: each path brings its own derivatives.
-  impl = resolve_plan(op, implementation, backends, _preference()).forward
+  impl = resolve_plan(op, implementation, backends,
+                      _preference(cell, op_dtype, batch * hidden_size)).forward
   if impl == "cudnn":
     return _cudnn(x, initial_state, weights, seq_lengths, input_size, hidden_size, num_layers,
                   bidirectional, precision)

@@ -163,17 +163,42 @@ def regret_cases() -> list[Case]:
           for shape in REGRET_GRID]
 
 
+# The tuning grid: one layer, one direction, TUNE_STEPS steps, batch x hidden across the
+# fused kernels' range, each cell and dtype.
+TUNE_BATCHES = (1, 4, 16, 64, 256, 1024)
+TUNE_HIDDEN = (256, 512, 1024, 2048)
+TUNE_STEPS = 64
+
+
 def tune_cases() -> list[Case]:
-  """The regret grid under the named implementations only."""
-  return [dataclasses.replace(c, implementations=tuple(i for i in c.implementations
-                                                       if i != DEFAULT))
-          for c in regret_cases()]
+  """The fused kernels and XLA's scan over the tuning grid, each cell and dtype."""
+  return [_case(cell, b, TUNE_STEPS, h, h, 1, False, dtype, ("cuda", "xla"))
+          for cell in GATES for dtype in (jnp.float32, jnp.bfloat16)
+          for b in TUNE_BATCHES for h in TUNE_HIDDEN]
 
 
 def tuned_rows(rows) -> dict:
-  """The order None tries the kernels in: by the geometric mean of the training step over the
-  cases both ran."""
-  return {"order": tune.order_by_geometric_mean(rows, "step", ("cuda", "xla"))}
+  """The order None tries the kernels in (by the geometric mean of the training step over the
+  cases both ran) and, per cell and dtype, the most work per step (batch x hidden) up to which
+  the fused kernels' step was at least as fast as XLA's at every measured work (no key: they
+  were everywhere)."""
+  most = {}
+  for op in GATES:
+    for dtype in ("float32", "bfloat16"):
+      group = [dataclasses.replace(r, size=_work(r.label)) for r in rows
+               if r.op == op and r.label.endswith(dtype)]
+      points = tune.times_by_size(group, "step", "cuda", "xla")
+      longest = tune.longest_winning_prefix(points)
+      if points and longest != points[-1][0]:
+        most[f"{op}/{dtype}"] = longest or 0
+  return {"order": tune.order_by_geometric_mean(rows, "step", ("cuda", "xla")),
+          "cuda_most_work": most}
+
+
+def _work(label: str) -> int:
+  """Batch x hidden of a case: ``'LSTM 4x64x256x256 L1 float32'`` -> 1024."""
+  b, _, _, h = (int(v) for v in label.split()[1].split("x"))
+  return b * h
 
 
 # The grid: batch x hidden (input = hidden), each cell, dtype and layout (layers,
