@@ -171,9 +171,15 @@ def _tune(family: str, path: str | None, write: bool) -> int:
   report.save_json(path, rows, ceilings)  # kept should reading its rows fail
   values = tune.derive(family, rows)
   report.save_json(path, rows, ceilings, tuned_rows=values)
+  # What the GPU's table (with what it inherits) holds now, beside each new row.
+  before = {name: row["value"] for name, row in
+            (tuned.read_table(family, tuned.device_file(kind)) or {}).items()}
   print(f"\nrows for {family} on {kind}:")
   for name, value in values.items():
-    print(f"  {name}: {json.dumps(value)}")
+    was = ("(the same as the table's)" if before.get(name) == value
+           else f"(the table's: {json.dumps(before[name])})" if name in before
+           else "(not in the table)")
+    print(f"  {name}: {json.dumps(value)} {was}")
   print(f"saved {path}")
   failed = [r for r in rows if tune.failed(r)]
   for r in failed:
