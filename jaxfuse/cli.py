@@ -93,10 +93,10 @@ def main(argv=None) -> int:
     parser.error("--regret and --grid are two different reports: ask for one")
   mode = "regret" if args.regret else "grid" if args.grid else "cases"
   cases, unknown = _cases(args.ops, args.quick, mode)
+  if mode == "grid" and not cases:
+    parser.error("--grid: only rnn (lstm, gru) has a grid")
   if unknown:
     parser.error(f"unknown op or family: {', '.join(unknown)}")
-  if mode == "grid" and not cases:
-    parser.error("--grid: only rnn has a grid")
   if args.sizes:
     keep = {int(v) for v in args.sizes.split(",")}
     cases = [c for c in cases if c.size in keep]
@@ -121,8 +121,10 @@ def main(argv=None) -> int:
 
   def save(rows, ceilings):
     found = regrets(rows)
-    report.save_json(args.json, rows, ceilings,
-                     **({"regrets": [vars(r) for r in found]} if mode != "cases" else {}))
+    extra = {"regrets": [vars(r) for r in found]} if mode != "cases" else {}
+    if mode == "grid":
+      extra["against"] = sorted(comparators)
+    report.save_json(args.json, rows, ceilings, **extra)
 
   rows, ceilings = bench.run(cases, implementations=impls, on_case=save if args.json else None)
   print(report.table(rows, ceilings))
@@ -138,12 +140,12 @@ def main(argv=None) -> int:
   if args.plot:
     if mode == "grid":
       places = {c.op: spec.grid_place for spec in grids for c in spec.grid_cases()}
-      report.save_heatmaps(args.plot, found, lambda r: places[r.op](r.label))
+      drawn = report.save_heatmaps(args.plot, found, lambda r: places[r.op](r.label))
     elif mode == "regret":
-      report.save_regret_plot(args.plot, found)
+      drawn = report.save_regret_plot(args.plot, found)
     else:
-      report.save_plot(args.plot, rows, ceilings)
-    print(f"saved {args.plot}")
+      drawn = report.save_plot(args.plot, rows, ceilings)
+    print(f"saved {args.plot}" if drawn else f"nothing to plot: {args.plot} not written")
   # A jaxfuse kernel that is wrong or broke fails the job; an implementation this machine
   # lacks, or a comparator that is not installed, does not.
   failed = [r for r in rows if r.note.startswith("FAILED")]

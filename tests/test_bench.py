@@ -112,7 +112,8 @@ def test_regret_is_the_fastest_named_time_over_nones():
   assert f"geometric mean {0.8 ** (1 / 3):.3f} over 3 points" in text
 
 
-def test_a_grid_weighs_none_against_the_faster_comparator_and_draws_heat_maps(tmp_path):
+def test_a_grid_weighs_none_against_the_faster_comparator_and_draws_heat_maps(tmp_path,
+                                                                              capsys):
   rows = [_timed_row("LSTM 4x8x64x64 L1 float32", impl, f, s, op="lstm")
           for impl, f, s in (("torch", 2.0, 4.0), ("cudnn", 3.0, 3.0), ("xla", 0.5, 0.5),
                              (bench.DEFAULT, 1.0, 6.0))]
@@ -124,8 +125,11 @@ def test_a_grid_weighs_none_against_the_faster_comparator_and_draws_heat_maps(tm
   path = tmp_path / "grid.png"
   report.save_heatmaps(str(path), found, lambda r: rnn_bench.grid_place(r.label))
   assert path.stat().st_size > 0
-  with pytest.raises(SystemExit):
-    cli.main(["bench", "norm", "--grid"])
+  assert report.save_heatmaps(str(tmp_path / "none.png"), [], lambda r: ("", 0, 0)) is False
+  for args in (["norm", "--grid"], ["rms_norm", "--grid"], ["rnn", "--grid", "--regret"]):
+    with pytest.raises(SystemExit):
+      cli.main(["bench", *args])
+    assert "--grid" in capsys.readouterr().err
 
 
 def test_a_point_is_launch_bound_where_nones_span_passes_twice_its_busy_time():

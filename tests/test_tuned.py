@@ -194,6 +194,14 @@ def test_the_rnn_tuning_run_gives_the_fused_kernels_most_work_per_cell_and_dtype
           for (b, h), times in steps.items() for impl, step in zip(("cuda", "xla"), times)]
   assert rnn_bench.tuned_rows(rows)["cuda_most_work"] == {"lstm/float32": 16384,
                                                           "lstm/bfloat16": 16384}
+  # Two points of one work (1 x 1024, 4 x 256): won only where both are.
+  rows = [_timed("lstm", f"LSTM {b}x64x{h}x{h} L1 float32", b, impl, 1.0, step)
+          for (b, h), times in {(1, 256): (1.0, 2.0), (1, 1024): (0.1, 2.0),
+                                (4, 256): (3.0, 2.0), (4, 1024): (1.0, 2.0)}.items()
+          for impl, step in zip(("cuda", "xla"), times)]
+  assert rnn_bench.tuned_rows(rows)["cuda_most_work"] == {"lstm/float32": 256}
+  rows[0] = _timed("lstm", "LSTM 1x64x256x256 L1 float32", 1, "cuda", 1.0, 5.0)
+  assert rnn_bench.tuned_rows(rows)["cuda_most_work"] == {"lstm/float32": 0}
 
 
 def test_tune_writes_the_rows_citing_its_run(tmp_path, monkeypatch, capsys):

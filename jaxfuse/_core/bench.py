@@ -61,7 +61,7 @@ class Case:
   # Comparators outside JAX (PyTorch), each timing itself on the inputs with
   # :func:`time_torch`: ``fn(inputs) -> (forward Timing, train Timing[, train temp MiB])``.
   # Their outputs are not checked.
-  external: Mapping[str, Callable[[tuple], tuple[float, float]]] = dataclasses.field(
+  external: Mapping[str, Callable[[tuple], tuple]] = dataclasses.field(
       default_factory=dict)
   # What a row of an implementation should say beside its numbers (how a comparator computes).
   notes: Mapping[str, str] = dataclasses.field(default_factory=dict)

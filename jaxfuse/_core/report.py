@@ -70,14 +70,15 @@ def save_json(path: str, rows: Sequence[Row], ceilings: dict, **extra):
     json.dump(record, f, indent=1)
 
 
-def save_plot(path: str, rows: Sequence[Row], ceilings: dict):
-  """Rate against problem size per implementation, forward and training step, one row per op."""
+def save_plot(path: str, rows: Sequence[Row], ceilings: dict) -> bool:
+  """Rate against problem size per implementation, forward and training step, one row per op;
+  False where there is nothing to draw (no file written)."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   ops = list(dict.fromkeys(r.op for r in rows if r.forward_rate is not None))
   if not ops:
-    return
+    return False
   fig, axes = plt.subplots(len(ops), 2, figsize=(11, 3.6 * len(ops)), squeeze=False)
   for (ax_f, ax_t), op in zip(axes, ops):
     op_rows = [r for r in rows if r.op == op and r.forward_rate is not None]
@@ -99,6 +100,7 @@ def save_plot(path: str, rows: Sequence[Row], ceilings: dict):
       ax.grid(alpha=0.3)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
+  return True
 
 
 # None's span over its busy time past which a point is launch-bound.
@@ -146,7 +148,7 @@ def regret_table(found: Sequence[Regret]) -> str:
   """Each point's regret, then per op and over all, of every point and of those not
   launch-bound: the worst point and the geometric mean."""
   if not found:
-    return "regret: no point where None and a named implementation both ran"
+    return "regret: no point where None and an implementation it is weighed against both ran"
   header = (f"{'op':<24} {'shape':<28} {'use':<8} {'regret':>7} {'fastest':<8} {'ms':>9} "
             f"{'None ms':>9}")
   out = [header, "-" * len(header)]
@@ -168,14 +170,14 @@ def regret_table(found: Sequence[Regret]) -> str:
   return "\n".join(out)
 
 
-def save_regret_plot(path: str, found: Sequence[Regret]):
+def save_regret_plot(path: str, found: Sequence[Regret]) -> bool:
   """Regret per point, one panel per op, forward and step side by side."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   ops = list(dict.fromkeys(r.op for r in found))
   if not ops:
-    return
+    return False
   fig, axes = plt.subplots(len(ops), 1, figsize=(11, 3.2 * len(ops)), squeeze=False)
   for (ax,), op in zip(axes, ops):
     labels = list(dict.fromkeys(r.label for r in found if r.op == op))
@@ -191,9 +193,11 @@ def save_regret_plot(path: str, found: Sequence[Regret]):
     ax.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
+  return True
 
 
-def save_heatmaps(path: str, found: Sequence[Regret], place: Callable[[Regret], tuple]):
+def save_heatmaps(path: str, found: Sequence[Regret],
+                  place: Callable[[Regret], tuple]) -> bool:
   """One heat map per panel and use: ``place(point)`` gives a point's panel, row (batch) and
   column (hidden); the colour is its regret (above 1: None faster)."""
   import matplotlib
@@ -205,7 +209,7 @@ def save_heatmaps(path: str, found: Sequence[Regret], place: Callable[[Regret], 
     panel, row, col = place(r)
     maps.setdefault((panel, r.direction), {})[row, col] = r.regret
   if not maps:
-    return
+    return False
   columns = 2
   fig, axes = plt.subplots(-(-len(maps) // columns), columns, squeeze=False,
                            figsize=(6 * columns, 4.2 * -(-len(maps) // columns)))
@@ -229,3 +233,4 @@ def save_heatmaps(path: str, found: Sequence[Regret], place: Callable[[Regret], 
     fig.colorbar(image, ax=ax, label="log2 ratio")
   fig.tight_layout()
   fig.savefig(path, dpi=110)
+  return True

@@ -29,13 +29,15 @@ def _untuned() -> dict:
 
 def _preference(cell: str, dtype, work: int):
   """The order None tries: the table's, with 'cuda' last where a step's work (batch x hidden)
-  passes the most at which the fused kernels measured faster for this cell and dtype."""
+  passes the most at which the fused kernels measured faster for this cell and dtype (a
+  dtype without a row has no bound). The work is the call's, before sharding splits its
+  batch or vmap adds to it: the table was measured on one GPU, unmapped."""
   if registry.platform() != "gpu":
     return ("xla",)
   rows = tuned.rows("rnn", _untuned)
   order = tuple(rows["order"])
   most = rows["cuda_most_work"].get(f"{cell}/{jnp.dtype(dtype).name}")
-  if most is not None and work > most:
+  if "cuda" in order and most is not None and work > most:
     order = tuple(name for name in order if name != "cuda") + ("cuda",)
   return order
 

@@ -180,14 +180,19 @@ def tune_cases() -> list[Case]:
 def tuned_rows(rows) -> dict:
   """The order None tries the kernels in (by the geometric mean of the training step over the
   cases both ran) and, per cell and dtype, the most work per step (batch x hidden) up to which
-  the fused kernels' step was at least as fast as XLA's at every measured work (no key: they
-  were everywhere)."""
+  the fused kernels' step was at least as fast as XLA's at every measured point (no key: they
+  were everywhere; 0: not even at the least work)."""
   most = {}
   for op in GATES:
     for dtype in ("float32", "bfloat16"):
       group = [dataclasses.replace(r, size=_work(r.label)) for r in rows
                if r.op == op and r.label.endswith(dtype)]
-      points = tune.times_by_size(group, "step", "cuda", "xla")
+      # Points of equal work (batch 4 x hidden 256, batch 1 x hidden 1024) count as won only
+      # where the fused kernels won at each of them.
+      won = {}
+      for work, cuda_ms, xla_ms in tune.times_by_size(group, "step", "cuda", "xla"):
+        won[work] = won.get(work, True) and cuda_ms <= xla_ms
+      points = [(work, 0.0 if win else 1.0, 0.5) for work, win in sorted(won.items())]
       longest = tune.longest_winning_prefix(points)
       if points and longest != points[-1][0]:
         most[f"{op}/{dtype}"] = longest or 0
