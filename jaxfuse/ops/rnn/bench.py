@@ -1,7 +1,8 @@
 """Bench cases for ``lstm`` and ``gru``: the forward and a training step (a loss over y, the
 gradients for x and the weights), with jax.experimental.rnn (the ``'cudnn'`` row) and PyTorch's
 cuDNN RNNs (``torch``, timed from its profiler's trace as JAX's rows are, its training step's
-temporary memory its peak over what the module and inputs hold) side by side.
+temporary memory counted as JAX's: the peak over what the module and inputs hold, less the
+outputs) side by side.
 
 ``jaxfuse bench rnn --grid`` sweeps :data:`GRID_BATCHES` x :data:`GRID_HIDDEN` for both cells,
 float32 and bfloat16, one layer and two bidirectional ones, and reports None's ratio to the
@@ -91,14 +92,19 @@ def _torch_timer(cell, i, h, layers, bidirectional, dtype, inputs):
     y, _ = module(x)
     y.backward(dy)
 
-  # The training step's temporary memory: its peak over what the module and inputs hold.
+  # The training step's temporary memory as JAX counts it: its peak over what the module and
+  # inputs hold, less its outputs (y and the gradients).
   train(0)
+  module.zero_grad(set_to_none=True)
+  x.grad = None
   torch.cuda.synchronize()
   torch.cuda.reset_peak_memory_stats()
   held = torch.cuda.memory_allocated()
   train(0)
   torch.cuda.synchronize()
-  temp_mib = (torch.cuda.max_memory_allocated() - held) / 2**20
+  outputs = ((dy.numel() + x.numel()) * x.element_size()
+             + sum(p.numel() * p.element_size() for p in module.parameters()))
+  temp_mib = (torch.cuda.max_memory_allocated() - held - outputs) / 2**20
   return time_torch(forward), time_torch(train), temp_mib
 
 
