@@ -149,10 +149,11 @@ def regret_table(found: Sequence[Regret]) -> str:
   launch-bound: the worst point and the geometric mean."""
   if not found:
     return "regret: no point where None and an implementation it is weighed against both ran"
-  header = (f"{'op':<24} {'shape':<28} {'use':<8} {'regret':>7} {'fastest':<8} {'ms':>9} "
+  width = max(28, *(len(r.label) for r in found))
+  header = (f"{'op':<24} {'shape':<{width}} {'use':<8} {'regret':>7} {'fastest':<8} {'ms':>9} "
             f"{'None ms':>9}")
   out = [header, "-" * len(header)]
-  out += [f"{r.op:<24} {r.label:<28} {r.direction:<8} {r.regret:7.3f} {r.fastest:<8} "
+  out += [f"{r.op:<24} {r.label:<{width}} {r.direction:<8} {r.regret:7.3f} {r.fastest:<8} "
           f"{r.fastest_ms:9.4f} {r.default_ms:9.4f}{'  launch-bound' if r.launch_bound else ''}"
           for r in found]
   out.append("")
