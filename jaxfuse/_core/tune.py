@@ -60,12 +60,21 @@ def failed(row: Row) -> bool:
   return row.note.startswith("FAILED")
 
 
+def _wins_by_size(points: Sequence[tuple[int, float, float]]) -> list[tuple[int, bool]]:
+  """Each measured size, ascending, and whether the first implementation was at least as fast
+  at every point of that size (several cases may share one)."""
+  won: dict[int, bool] = {}
+  for size, first, second in points:
+    won[size] = won.get(size, True) and first <= second
+  return sorted(won.items())
+
+
 def longest_winning_prefix(points: Sequence[tuple[int, float, float]]) -> int | None:
   """The largest size up to which the first implementation is at least as fast at every
-  measured size, or None where it loses at the smallest."""
+  measured point, or None where it loses at the smallest."""
   longest = None
-  for size, first, second in sorted(points):
-    if first > second:
+  for size, won in _wins_by_size(points):
+    if not won:
       break
     longest = size
   return longest
@@ -73,10 +82,10 @@ def longest_winning_prefix(points: Sequence[tuple[int, float, float]]) -> int | 
 
 def shortest_winning_suffix(points: Sequence[tuple[int, float, float]]) -> int | None:
   """The smallest size from which the first implementation is at least as fast at every
-  measured size, or None where it loses at the largest."""
+  measured point, or None where it loses at the largest."""
   shortest = None
-  for size, first, second in sorted(points, reverse=True):
-    if first > second:
+  for size, won in reversed(_wins_by_size(points)):
+    if not won:
       break
     shortest = size
   return shortest

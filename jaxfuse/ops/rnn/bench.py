@@ -193,12 +193,7 @@ def tuned_rows(rows) -> dict:
     for dtype in ("float32", "bfloat16"):
       group = [dataclasses.replace(r, size=_work(r.label)) for r in rows
                if r.op == op and r.label.endswith(dtype)]
-      # Points of equal work (batch 4 x hidden 256, batch 1 x hidden 1024) count as won only
-      # where the fused kernels won at each of them.
-      won = {}
-      for work, cuda_ms, xla_ms in tune.times_by_size(group, "step", "cuda", "xla"):
-        won[work] = won.get(work, True) and cuda_ms <= xla_ms
-      points = [(work, 0.0 if win else 1.0, 0.5) for work, win in sorted(won.items())]
+      points = tune.times_by_size(group, "step", "cuda", "xla")
       longest = tune.longest_winning_prefix(points)
       if points and longest != points[-1][0]:
         most[f"{op}/{dtype}"] = longest or 0
