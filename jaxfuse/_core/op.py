@@ -43,10 +43,10 @@ def resolve_plan(op: str, implementation: str | None,
   """Validates ``implementation`` for ``op`` (see :func:`registry.resolve`) and plans the call:
   the named implementation for every use; for ``None`` the first of ``preference`` that runs,
   or on a GPU ``fastest(use)`` per use where the family measured one."""
-  impl = registry.resolve(op, implementation, backends, preference)
   if implementation is None and fastest is not None and registry.platform() == "gpu":
     chosen = Plan(*(fastest(use) for use in USES))
   else:
+    impl = registry.resolve(op, implementation, backends, preference)
     chosen = Plan(impl, impl, impl)
   if "triton" in chosen:
     registry.using_triton(named=implementation == "triton")
