@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import functools
 import importlib
 import json
 import os
 import sys
+from pathlib import Path
 
 from jaxfuse._core import bench, registry, report, tune, tuned
 
@@ -76,6 +78,12 @@ def main(argv=None) -> int:
                       "checkout's benchmarks/results/, else here)")
   t.add_argument("--write", action="store_true",
                  help="put the rows into jaxfuse/ops/FAMILY/tuned/GPU.json, citing the run")
+  t.add_argument("--only", action="append", metavar="TEXT",
+                 help="time only the cases whose label contains TEXT (repeatable), to split a "
+                      "long run; --from derives the rows from the parts together")
+  t.add_argument("--from", dest="recorded", action="append", metavar="RUN",
+                 help="derive the rows from saved tuning runs of this family (repeatable; no "
+                      "GPU needed) instead of timing one")
   c = sub.add_parser("build", help="build the CUDA kernels now (for an image to bake in), "
                                    "into $JAXFUSE_CACHE or ~/.cache/jaxfuse")
   c.add_argument("--arch", help="GPU architecture, e.g. sm_90 (default: this machine's GPU)")
@@ -83,7 +91,11 @@ def main(argv=None) -> int:
   if args.command == "build":
     return _build(args.arch)
   if args.command == "tune":
-    return _tune(args.family, args.json, args.write)
+    if args.recorded:
+      if args.json or args.only:
+        parser.error("--from reads saved runs: --json and --only choose what to time")
+      return _tune_from(args.family, args.recorded, args.write)
+    return _tune(args.family, args.json, args.write, args.only)
 
   if args.graph_every_program:
     # Read when JAX starts its GPU backend, which nothing above has asked for yet.
@@ -154,26 +166,64 @@ def main(argv=None) -> int:
   return 1 if failed else 0
 
 
-def _tune(family: str, path: str | None, write: bool) -> int:
+def _tune(family: str, path: str | None, write: bool, only: list[str] | None) -> int:
   kind = registry.device_kind()
   if kind is None:
     print("jaxfuse tune: tuned tables are per GPU kind, and there is no GPU here",
           file=sys.stderr)
     return 2
   env = bench.environment()
-  name = f"{env['date'][:10]}-{tuned.device_file(kind)}-tune-{family}.json"
+  part = "-part" if only else ""
+  name = f"{env['date'][:10]}-{tuned.device_file(kind)}-tune-{family}{part}.json"
   path = path or os.path.join(tune.results_dir() or ".", name)
   if write and tune.cited_path(path) is None:
-    print(f"jaxfuse tune --write: a table cites a run in the checkout's benchmarks/results/ "
-          f"(jaxfuse run from a git checkout); {path} is not there", file=sys.stderr)
-    return 2
+    return _uncitable(path)
+  cases = importlib.import_module(FAMILIES[family]).tune_cases()
+  if only:
+    cases = [c for c in cases if any(text in c.label for text in only)]
   print(f"jaxfuse tune {family} on {kind} (jax {env['jax_version']}, {env['date']})")
-  rows, ceilings = bench.run(importlib.import_module(FAMILIES[family]).tune_cases())
+  # Saved after each case: a run cut short still gives its rows to --from.
+  save = functools.partial(report.save_json, path, tune_family=family, device_kind=kind)
+  rows, ceilings = bench.run(cases, on_case=save)
   print(report.table(rows, ceilings))
-  report.save_json(path, rows, ceilings)  # kept should reading its rows fail
   values = tune.derive(family, rows)
-  report.save_json(path, rows, ceilings, tuned_rows=values)
-  # What the GPU's table (with what it inherits) holds now, beside each new row.
+  save(rows, ceilings, tuned_rows=values)
+  print(f"saved {path}")
+  return _tuned_rows(family, kind, rows, values, [path], write)
+
+
+def _tune_from(family: str, paths: list[str], write: bool) -> int:
+  rows, kinds = [], set()
+  for path in paths:
+    record = json.loads(Path(path).read_text())
+    names = set(record.get("tuned_rows") or ())
+    if record.get("tune_family", family if names == set(tune.derive_names(family)) else None) \
+        != family:
+      print(f"jaxfuse tune --from: {path} is not a tuning run of {family}", file=sys.stderr)
+      return 2
+    if write and tune.cited_path(path) is None:
+      return _uncitable(path)
+    kinds.add(record.get("device_kind") or record["gpu"]["kind"])
+    rows += [bench.Row(**row) for row in record["rows"]]
+    print(f"jaxfuse tune {family} from {path} ({record['device']}, jax "
+          f"{record['jax_version']}, {record['date']})")
+  if len(kinds) != 1:
+    print(f"jaxfuse tune --from: the runs are of several GPUs: {sorted(kinds)}",
+          file=sys.stderr)
+    return 2
+  return _tuned_rows(family, kinds.pop(), rows, tune.derive(family, rows), paths, write)
+
+
+def _uncitable(path: str) -> int:
+  print(f"jaxfuse tune --write: a table cites a run in the checkout's benchmarks/results/ "
+        f"(jaxfuse run from a git checkout); {path} is not there", file=sys.stderr)
+  return 2
+
+
+def _tuned_rows(family: str, kind: str, rows, values: dict, paths: list[str],
+                write: bool) -> int:
+  """Prints the rows beside what ``kind``'s table holds now and, with ``write``, puts them in
+  it unless an implementation failed its check in ``rows``."""
   before = {name: row["value"] for name, row in
             (tuned.read_table(family, tuned.device_file(kind)) or {}).items()}
   print(f"\nrows for {family} on {kind}:")
@@ -182,7 +232,6 @@ def _tune(family: str, path: str | None, write: bool) -> int:
            else f"(the table's: {json.dumps(before[name])})" if name in before
            else "(not in the table)")
     print(f"  {name}: {json.dumps(value)} {was}")
-  print(f"saved {path}")
   failed = [r for r in rows if tune.failed(r)]
   for r in failed:
     print(f"FAILED: {r.op} {r.label} {r.implementation}: {r.note}", file=sys.stderr)
@@ -190,7 +239,8 @@ def _tune(family: str, path: str | None, write: bool) -> int:
     print("jaxfuse tune --write: not written, an implementation failed its check",
           file=sys.stderr)
   elif write:
-    print(f"wrote {tune.write_rows(family, kind, values, tune.cited_path(path))}")
+    cited = [tune.cited_path(path) for path in paths]
+    print(f"wrote {tune.write_rows(family, kind, values, cited[0] if len(cited) == 1 else cited)}")
   return 1 if failed else 0
 
 

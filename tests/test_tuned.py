@@ -141,11 +141,23 @@ def _timed(op, label, size, impl, forward, step, note=""):
 
 def test_tune_reads_wins_from_the_timings():
   from jaxfuse._core import tune
+  # The first wins at 1 and 4, ties at 2 and loses at 3: using it everywhere costs 1.5x at
+  # 3, stopping before 4 costs 2x there.
   points = [(1, 1.0, 2.0), (2, 1.0, 1.0), (3, 3.0, 2.0), (4, 1.0, 2.0)]
-  assert tune.longest_winning_prefix(points) == 2
-  assert tune.shortest_winning_suffix(points) == 4
-  assert tune.longest_winning_prefix([(1, 2.0, 1.0)]) is None
-  assert tune.shortest_winning_suffix([(1, 1.0, 2.0), (2, 2.0, 1.0)]) is None
+  assert tune.least_regret_prefix(points) == 4
+  assert tune.least_regret_suffix(points) == 1
+  # Ties go to the first.
+  assert tune.least_regret_prefix([(1, 1.0, 2.0), (2, 1.0, 1.0), (3, 5.0, 2.0)]) == 2
+  assert tune.least_regret_suffix([(1, 5.0, 2.0), (2, 1.0, 1.0), (3, 1.0, 2.0)]) == 2
+  # One loss at the smallest size no longer hides the wins above it.
+  assert tune.least_regret_prefix([(1, 1.1, 1.0), (2, 1.0, 2.0), (3, 1.0, 2.0),
+                                   (4, 3.0, 1.0)]) == 3
+  assert tune.least_regret_suffix([(1, 1.0, 1.1), (2, 2.0, 1.0), (3, 2.0, 1.0)]) is None
+  assert tune.least_regret_prefix([(1, 2.0, 1.0)]) is None
+  assert tune.least_regret_suffix([(1, 1.0, 2.0), (2, 3.0, 1.0)]) is None
+  assert tune.least_regret_suffix([(1, 1.0, 2.0), (2, 1.0, 2.0)]) == 1
+  # Several cases of one size: it is used there only where that costs least over all of them.
+  assert tune.least_regret_prefix([(1, 1.0, 2.0), (1, 3.0, 1.0)]) is None
   rows = [_timed("op", "a", 8, "cuda", 1.0, 3.0), _timed("op", "a", 8, "xla", 2.0, 3.5),
           _timed("op", "b", 16, "cuda", 1.0, 4.0), _timed("op", "b", 16, "xla", 1.0, 1.5),
           _timed("op", "c", 32, "cuda", 1.0, 1.0), _timed("op", "c", 32, "xla", 0.1, 0.1,
@@ -154,7 +166,9 @@ def test_tune_reads_wins_from_the_timings():
   assert tune.times_by_size(rows, "backward", "cuda", "xla") == [
       (8, 2.0, 1.5), (16, 3.0, 0.5), (32, 0.0, math.inf)]
   assert tune.times_by_size(rows, "forward", "xla", "cuda")[-1] == (32, math.inf, 1.0)
-  assert tune.longest_winning_prefix([(1, 1.0, 2.0), (2, math.inf, 1.0), (3, 1.0, 2.0)]) == 1
+  # A failed check is never chosen, whatever it would save elsewhere.
+  assert tune.least_regret_prefix([(1, 1.0, 2.0), (2, math.inf, 1.0), (3, 1.0, 2.0)]) == 1
+  assert tune.least_regret_prefix([(1, math.inf, math.inf), (2, 1.0, 2.0)]) == 2
   assert tune.order_by_geometric_mean(rows, "step", ("cuda", "xla")) == ["xla", "cuda"]
   assert tune.order_by_geometric_mean(rows[:2], "step", ("xla", "cuda")) == ["cuda", "xla"]
   assert tune.order_by_geometric_mean([], "step", ("xla", "cuda")) == ["xla", "cuda"]
@@ -194,10 +208,11 @@ def test_the_rnn_tuning_run_gives_the_fused_kernels_most_work_per_cell_and_dtype
           for (b, h), times in steps.items() for impl, step in zip(("cuda", "xla"), times)]
   assert rnn_bench.tuned_rows(rows)["cuda_most_work"] == {"lstm/float32": 16384,
                                                           "lstm/bfloat16": 16384}
-  # Two points of one work (1 x 1024, 4 x 256): won only where both are.
+  # Two points of one work (1 x 1024, 4 x 256) weigh together: a small win at one does not
+  # outweigh a large loss at the other.
   rows = [_timed("lstm", f"LSTM {b}x64x{h}x{h} L1 float32", b, impl, 1.0, step)
-          for (b, h), times in {(1, 256): (1.0, 2.0), (1, 1024): (0.1, 2.0),
-                                (4, 256): (3.0, 2.0), (4, 1024): (1.0, 2.0)}.items()
+          for (b, h), times in {(1, 256): (1.0, 2.0), (1, 1024): (1.0, 1.1),
+                                (4, 256): (4.0, 2.0), (4, 1024): (4.0, 2.0)}.items()
           for impl, step in zip(("cuda", "xla"), times)]
   assert rnn_bench.tuned_rows(rows)["cuda_most_work"] == {"lstm/float32": 256}
   rows[0] = _timed("lstm", "LSTM 1x64x256x256 L1 float32", 1, "cuda", 1.0, 5.0)
@@ -207,6 +222,7 @@ def test_the_rnn_tuning_run_gives_the_fused_kernels_most_work_per_cell_and_dtype
 def test_tune_writes_the_rows_citing_its_run(tmp_path, monkeypatch, capsys):
   from jaxfuse import cli
   from jaxfuse._core import bench, tune
+  from jaxfuse.ops.linear_cross_entropy import bench as lce_bench
   ops, results = tmp_path / "ops", tmp_path / "benchmarks" / "results"
   results.mkdir(parents=True)
   monkeypatch.setattr(tuned, "_OPS", ops)
@@ -223,6 +239,27 @@ def test_tune_writes_the_rows_citing_its_run(tmp_path, monkeypatch, capsys):
            "rows": {"order": {"value": ["xla", "cuda"], "source": "benchmarks/results/run.json"}}}
   assert json.loads(path.read_text()) == table
   assert 'order: ["xla", "cuda"] (not in the table)' in capsys.readouterr().out
+  # A saved run gives the same rows again without a GPU, for its own family only.
+  path.unlink()
+  monkeypatch.setattr(registry, "device_kind", lambda: None)
+  assert cli.main(["tune", "linear_cross_entropy", "--from", str(run), "--write"]) == 0
+  assert json.loads(path.read_text()) == table
+  assert cli.main(["tune", "norm", "--from", str(run)]) == 2
+  # A run split by --only: each part saved as it goes, the rows derived from the parts together.
+  monkeypatch.setattr(registry, "device_kind", lambda: "NVIDIA Test GPU")
+  seen = []
+  monkeypatch.setattr(bench, "run", lambda cases, **_: (seen.extend(cases), (rows, {}))[1])
+  part, label = results / "part.json", lce_bench.tune_cases()[-1].label
+  assert cli.main(["tune", "linear_cross_entropy", "--only", label, "--json", str(part)]) == 0
+  assert [c.label for c in seen] == [label]
+  assert json.loads(part.read_text())["tune_family"] == "linear_cross_entropy"
+  monkeypatch.setattr(registry, "device_kind", lambda: None)
+  assert cli.main(["tune", "linear_cross_entropy", "--from", str(run), "--from", str(part),
+                   "--write"]) == 0
+  assert json.loads(path.read_text())["rows"]["order"]["source"] == [
+      "benchmarks/results/run.json", "benchmarks/results/part.json"]
+  path.write_text(json.dumps(table))
+  monkeypatch.setattr(registry, "device_kind", lambda: "NVIDIA Test GPU")
   # A run a table could not cite, or one with a failed check, is not written.
   assert cli.main(["tune", "linear_cross_entropy", "--json", str(tmp_path / "x.json"),
                    "--write"]) == 2

@@ -2,8 +2,8 @@
 
 A family's bench module gives ``tune_cases()``, a grid of problems that crosses its dispatch
 thresholds with only the named implementations, and ``tuned_rows(rows)``, the table rows
-those timings imply (the helpers below: the longest size up to which one implementation wins,
-the shortest from which it wins, an order by geometric mean). The bench checks every
+those timings imply (the helpers below: the size up to which, or from which, one
+implementation is used at the least regret against the faster, an order by geometric mean). The bench checks every
 implementation against float64 as it times it; one that fails counts as infinitely slow
 there, and ``--write`` refuses such a run. The command saves the run (in the checkout's
 ``benchmarks/results/``), and with ``--write`` puts the rows, each citing it, into
@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib
 import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,35 +60,41 @@ def failed(row: Row) -> bool:
   return row.note.startswith("FAILED")
 
 
-def _wins_by_size(points: Sequence[tuple[int, float, float]]) -> list[tuple[int, bool]]:
-  """Each measured size, ascending, and whether the first implementation was at least as fast
-  at every point of that size (several cases may share one)."""
-  won: dict[int, bool] = {}
-  for size, first, second in points:
-    won[size] = won.get(size, True) and first <= second
-  return sorted(won.items())
+def _least_regret(points: Sequence[tuple[int, float, float]], candidates: Sequence[Any],
+                  uses_first: Callable[[Any, int], bool]) -> Any:
+  """The candidate whose choice per point costs least against the faster of the two there:
+  the least worst ratio, then the least geometric mean of the ratios, then the earliest (the
+  callers list those that give the first implementation more points first)."""
+  # Times clamped above zero: a backward read as the step less the forward can be nil.
+  clamped = [(size, max(first, 1e-9), max(second, 1e-9)) for size, first, second in points
+             if min(first, second) < math.inf]
+
+  def regret(candidate):
+    ratios = [(first if uses_first(candidate, size) else second) / min(first, second)
+              for size, first, second in clamped]
+    worst = max(ratios, default=1.0)
+    mean = (math.fsum(map(math.log, ratios)) / len(ratios) if ratios and math.isfinite(worst)
+            else math.inf)
+    return worst, mean
+
+  return min(candidates, key=regret)
 
 
-def longest_winning_prefix(points: Sequence[tuple[int, float, float]]) -> int | None:
-  """The largest size up to which the first implementation is at least as fast at every
-  measured point, or None where it loses at the smallest."""
-  longest = None
-  for size, won in _wins_by_size(points):
-    if not won:
-      break
-    longest = size
-  return longest
+def least_regret_prefix(points: Sequence[tuple[int, float, float]]) -> int | None:
+  """The size up to which the first implementation is used (the second past it) at the least
+  regret, as :func:`_least_regret` weighs it; None: the second everywhere. A loss at one size
+  does not hide wins above it, and a failed check (infinitely slow) is never chosen."""
+  sizes = sorted({size for size, _, _ in points})
+  return _least_regret(points, [*reversed(sizes), None],
+                       lambda limit, size: limit is not None and size <= limit)
 
 
-def shortest_winning_suffix(points: Sequence[tuple[int, float, float]]) -> int | None:
-  """The smallest size from which the first implementation is at least as fast at every
-  measured point, or None where it loses at the largest."""
-  shortest = None
-  for size, won in reversed(_wins_by_size(points)):
-    if not won:
-      break
-    shortest = size
-  return shortest
+def least_regret_suffix(points: Sequence[tuple[int, float, float]]) -> int | None:
+  """The size from which the first implementation is used (the second below it) at the least
+  regret; None: the second everywhere."""
+  sizes = sorted({size for size, _, _ in points})
+  return _least_regret(points, [*sizes, None],
+                       lambda start, size: start is not None and size >= start)
 
 
 def order_by_geometric_mean(rows: Iterable[Row], use: str, names: Sequence[str]) -> list[str]:
@@ -110,7 +116,8 @@ def family_module(family: str, part: str):
   return importlib.import_module(f"jaxfuse.ops.{family}.{part}")
 
 
-def write_rows(family: str, kind: str, values: Mapping[str, Any], source: str) -> str:
+def write_rows(family: str, kind: str, values: Mapping[str, Any],
+               source: str | list[str]) -> str:
   """Puts ``values`` into ``family``'s table for GPU ``kind`` (a new one where it has none),
   each row citing ``source``, and returns the table's path."""
   path = tuned.table_path(family, tuned.device_file(kind))
@@ -138,6 +145,11 @@ def cited_path(path: str) -> str | None:
   if results is None or results not in full.parents:
     return None
   return full.relative_to(results.parent.parent).as_posix()
+
+
+def derive_names(family: str) -> list[str]:
+  """The names of the rows a tuning run of ``family`` derives (those of an empty run)."""
+  return list(family_module(family, "bench").tuned_rows([]))
 
 
 def derive(family: str, rows: Sequence[Row]) -> dict[str, Any]:

@@ -162,13 +162,13 @@ def _table_key(label: str) -> str:
 
 
 def tuned_rows(rows) -> dict:
-  """Per mask and head dim and per use, the most queries up to which 'mosaic' was at least as
-  fast as cuDNN at every measured count (no key: cuDNN first)."""
+  """Per mask and head dim and per use, the most queries up to which 'mosaic' goes before
+  cuDNN at the least regret (no key: cuDNN first)."""
   out = {"mosaic_before_cudnn_forward": {}, "mosaic_before_cudnn_step": {}}
   for key in sorted({_table_key(r.label) for r in rows}):
     group = [r for r in rows if _table_key(r.label) == key]
     for use in ("forward", "step"):
-      most = tune.longest_winning_prefix(tune.times_by_size(group, use, "mosaic", "cudnn"))
+      most = tune.least_regret_prefix(tune.times_by_size(group, use, "mosaic", "cudnn"))
       if most is not None:
         out[f"mosaic_before_cudnn_{use}"][key] = most
   return out

@@ -186,15 +186,15 @@ def tune_cases() -> list[Case]:
 def tuned_rows(rows) -> dict:
   """The order None tries the kernels in (by the geometric mean of the training step over the
   cases both ran) and, per cell and dtype, the most work per step (batch x hidden) up to which
-  the fused kernels' step was at least as fast as XLA's at every measured point (no key: they
-  were everywhere; 0: not even at the least work)."""
+  the fused kernels go before XLA's scan at the least regret in the step (no key: everywhere;
+  0: not even at the least work)."""
   most = {}
   for op in GATES:
     for dtype in ("float32", "bfloat16"):
       group = [dataclasses.replace(r, size=_work(r.label)) for r in rows
                if r.op == op and r.label.endswith(dtype)]
       points = tune.times_by_size(group, "step", "cuda", "xla")
-      longest = tune.longest_winning_prefix(points)
+      longest = tune.least_regret_prefix(points)
       if points and longest != points[-1][0]:
         most[f"{op}/{dtype}"] = longest or 0
   return {"order": tune.order_by_geometric_mean(rows, "step", ("cuda", "xla")),

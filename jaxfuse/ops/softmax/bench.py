@@ -153,12 +153,12 @@ def tune_cases() -> list[Case]:
 
 
 def tuned_rows(rows) -> dict:
-  """The lengths from which CUDA was at least as fast as Triton (XLA where Triton is gone) at
-  every longer row it took, per direction (None: never)."""
+  """The lengths from which CUDA goes before Triton (XLA where Triton is gone) at the least
+  regret, per direction (None: never)."""
   by_op = {op: [r for r in rows if r.op == op] for op in ("softmax", "cross_entropy")}
 
   def cuda_from(op, use, other):
-    return tune.shortest_winning_suffix(tune.times_by_size(by_op[op], use, "cuda", other))
+    return tune.least_regret_suffix(tune.times_by_size(by_op[op], use, "cuda", other))
 
   return {"cuda_from_forward": cuda_from("softmax", "forward", "triton"),
           "cuda_from_backward": cuda_from("softmax", "backward", "triton"),
