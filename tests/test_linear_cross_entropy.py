@@ -102,7 +102,7 @@ def test_options(rng, impl, chunk, options, reduction):
   """Every value out of the op: each row's loss or the reduced one, dx, dweight and dbias, for
   a random cotangent, with rows that are not counted."""
   x, weight, bias, labels = make(rng, (29,), 12, 300, jnp.float32)
-  labels = labels.at[:4].set(jnp.asarray([3, -1, 300, 7]))  # ignored and out-of-range rows
+  labels = labels.at[:4].set(jnp.asarray([3, 3, 299, 0]))  # ignored rows and the edge classes
   cotangent = random(rng, labels.shape if reduction == "none" else (), jnp.float32)
   loss = lambda x, w, b: jaxfuse.linear_cross_entropy(x, w, labels, bias=b, implementation=impl,
                                                       reduction=reduction, **options)
@@ -123,8 +123,8 @@ def test_equals_optax(rng, impl):
   optax = pytest.importorskip("optax")
   x, weight, bias, labels = make(rng, (23,), 10, 130, jnp.float32)
   labels = np.array(labels)
-  labels[[2, 9, 17]] = -100, 130, -5
-  counted = (labels >= 0) & (labels < 130)
+  labels[[2, 9, 17]] = -100
+  counted = labels != -100
   with x64():
     wide = [jnp.asarray(np.asarray(a, np.float64)) for a in (x, weight, bias)]
 
@@ -201,9 +201,27 @@ def test_without_bias_and_with_a_tied_embedding(rng, impl, chunk):
 def test_nothing_counted_gives_zero_mean(rng, impl):
   x, weight, bias, labels = make(rng, (6,), 4, 9, jnp.float32)
   loss = lambda x: jaxfuse.linear_cross_entropy(x, weight, jnp.full_like(labels, -1), bias=bias,
-                                                 implementation=impl)
+                                                 ignore_index=-1, implementation=impl)
   assert float(loss(x)) == 0.0
   assert not np.any(np.asarray(jax.grad(loss)(x)))
+
+
+def test_a_label_of_no_class_makes_its_loss_nan(rng, impl):
+  x, weight, bias, labels = make(rng, (7,), 4, 9, jnp.float32)
+  labels = labels.at[2:4].set(jnp.asarray([9, -2]))
+  stray = np.isin(np.arange(7), [2, 3])
+  loss = lambda x, labels, reduction: jaxfuse.linear_cross_entropy(
+      x, weight, labels, bias=bias, reduction=reduction, implementation=impl)
+  rows = loss(x, labels, "none")
+  assert np.array_equal(np.isnan(np.asarray(rows)), stray)
+  ignored = jnp.where(jnp.asarray(stray), -1, labels)
+  kept = lambda x, reduction: jaxfuse.linear_cross_entropy(
+      x, weight, ignored, bias=bias, ignore_index=-1, reduction=reduction, implementation=impl)
+  assert_close(np.where(stray, 0.0, rows)[:, None], kept(x, "none")[:, None])
+  for reduction in ("mean", "sum"):
+    assert np.isnan(float(loss(x, labels, reduction)))
+    # The counted rows' gradients stay those of the loss without the stray rows.
+    assert_close(jax.grad(loss)(x, labels, reduction), jax.grad(kept)(x, reduction))
 
 
 def test_nan_propagates_to_its_row(rng, impl):

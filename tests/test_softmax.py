@@ -268,9 +268,9 @@ def test_cross_entropy_matches_float64(rng, impl, shape, smoothing, z_loss):
   logits = random(rng, shape, jnp.float32, scale=3.0)
   labels = np.asarray(rng.integers(0, vocab, shape[:-1]), np.int32)
   if labels.size > 2:
-    # An ignored and an out-of-range row: no loss, no gradient, and not counted by 'mean'.
-    labels.flat[[1, labels.size - 1]] = -100, vocab
-  valid = (labels >= 0) & (labels < vocab)
+    # Two ignored rows: no loss, no gradient, and not counted by 'mean'.
+    labels.flat[[1, labels.size - 1]] = -100
+  valid = labels != -100
   loss_ref, grad_ref = ce_reference(logits, labels, valid, smoothing, z_loss)
   kw = dict(ignore_index=-100, label_smoothing=smoothing, z_loss=z_loss, implementation=impl)
   # A loss is lse - picked: when the label dominates the two cancel, so float32 rounding is
@@ -308,8 +308,8 @@ def test_cross_entropy_equals_optax(rng, impl, smoothing):
   vocab = 517
   logits = random(rng, (33, vocab), jnp.float32, scale=4.0)
   labels = np.asarray(rng.integers(0, vocab, (33,)), np.int32)
-  labels[[4, 19, 27]] = -100, vocab, -5
-  valid = (labels >= 0) & (labels < vocab)
+  labels[[4, 19, 27]] = -100
+  valid = labels != -100
   with x64():
     kept = jnp.asarray(np.asarray(logits, np.float64)[valid])
 
@@ -342,20 +342,41 @@ def test_cross_entropy_ignored_and_out_of_range_labels(rng, impl):
   logits = random(rng, (10, 56), jnp.float32)
   labels = np.asarray(rng.integers(0, 56, (10,)), np.int32)
   labels[[1, 4]] = -100
-  labels[7] = 56  # out of range: treated as ignored, never read
-  labels[8] = -3
+  labels[[7, 8]] = 56, -3  # no class: never read, and the loss says so (NaN, as optax's)
+  stray = np.isin(np.arange(10), [7, 8])
   valid = (labels >= 0) & (labels < 56)
   loss_ref, grad_ref = ce_reference(logits, labels, valid)
-  loss, grad = jax.value_and_grad(lambda l: jaxfuse.softmax_cross_entropy(
-      l, jnp.asarray(labels), ignore_index=-100, implementation=impl))(logits)
-  assert_close(loss, loss_ref.sum() / valid.sum())
-  assert np.all(np.asarray(grad)[~valid] == 0)
-  assert_close(grad, grad_ref / valid.sum(), factor=10)
+  ce = lambda l, reduction: jaxfuse.softmax_cross_entropy(
+      l, jnp.asarray(labels), ignore_index=-100, reduction=reduction, implementation=impl)
+  rows, vjp = jax.vjp(lambda l: ce(l, "none"), logits)
+  assert np.array_equal(np.isnan(np.asarray(rows)), stray)
+  assert_close(np.where(stray, 0.0, rows)[:, None], loss_ref[:, None])
+  assert_close(vjp(jnp.ones_like(rows))[0], grad_ref, factor=10)
+  for reduction, scale in (("mean", 1 / valid.sum()), ("sum", 1.0)):
+    loss, grad = jax.value_and_grad(lambda l: ce(l, reduction))(logits)
+    assert np.isnan(float(loss))
+    # The counted rows' gradients stay those of the loss without the stray rows.
+    assert np.all(np.asarray(grad)[~valid] == 0)
+    assert_close(grad, grad_ref * scale, factor=10)
   # Nothing counted: a zero loss and zero gradient, not NaN.
   none = jnp.full((10,), -100, jnp.int32)
   loss, grad = jax.value_and_grad(lambda l: jaxfuse.softmax_cross_entropy(
       l, none, ignore_index=-100, implementation=impl))(logits)
   assert float(loss) == 0.0 and np.all(np.asarray(grad) == 0)
+  # Without ignore_index, -1 is no class either.
+  assert np.isnan(float(jaxfuse.softmax_cross_entropy(logits, -jnp.ones((10,), jnp.int32),
+                                                      implementation=impl)))
+
+
+def test_cross_entropy_never_narrows_a_wide_label_into_range(rng):
+  logits = random(rng, (3, 8), jnp.float32)
+  with x64():
+    labels = jnp.asarray([1, 2**32 + 3, 5], jnp.int64)
+    rows = jaxfuse.softmax_cross_entropy(logits, labels, reduction="none")
+    assert np.array_equal(np.isnan(np.asarray(rows)), [False, True, False])
+  rows = jaxfuse.softmax_cross_entropy(logits, jnp.asarray([1, 2**31 + 3, 5], jnp.uint32),
+                                       reduction="none")
+  assert np.array_equal(np.isnan(np.asarray(rows)), [False, True, False])
 
 
 @pytest.mark.parametrize("impl", IMPLS)

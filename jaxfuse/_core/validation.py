@@ -106,6 +106,26 @@ def counted_labels(labels, classes: int, ignore_index):
   return valid if ignore_index is None else valid & (labels != ignore_index)
 
 
+def int32_labels(labels, classes: int, ignore_index):
+  """``labels`` as the kernels take them (int32) and the rows whose label is neither a class
+  nor ``ignore_index``; a wider label is never narrowed into range (it is flagged first)."""
+  stray = ~counted_labels(labels, classes, None)
+  if ignore_index is not None:
+    stray &= labels != ignore_index
+  if jnp.iinfo(labels.dtype).max > np.iinfo(np.int32).max:
+    labels = jnp.where(stray, -1, labels)
+  return labels.astype(jnp.int32), stray
+
+
+def poison_stray_rows(loss, stray, reduction: str):
+  """``loss`` with NaN for each row whose label is no class (``'none'``), or NaN if any is,
+  as optax's loss reads such a label: a label out of range never passes unseen. Those rows'
+  gradients are those of ignored rows (zero); the other rows' are kept."""
+  if reduction == "none":
+    return jnp.where(stray, jnp.nan, loss)
+  return loss + jnp.where(jnp.any(stray), jnp.nan, 0.0).astype(loss.dtype)
+
+
 def reduction_scale(valid, reduction: str, dtype):
   """The factor of the summed loss: 1/count for ``'mean'`` (0 when nothing counts), else 1."""
   if reduction != "mean":

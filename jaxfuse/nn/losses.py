@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxfuse._core.validation import check_array, cross_entropy_options, describe
 from jaxfuse.ops.softmax.api import log_softmax, softmax_cross_entropy
@@ -46,8 +47,11 @@ def cross_entropy_loss(logits, labels, *, where=None, ignore_index: int | None =
                        f"{describe(logits)} and where {describe(where)}")
   if jnp.issubdtype(labels.dtype, jnp.integer):
     if where is not None:
-      # Out-of-range labels count as ignored rows in softmax_cross_entropy.
-      labels = jnp.where(where, labels, -1)
+      # The masked rows take the ignored label (one no real label is, where none is given):
+      # a label of no class would make the loss NaN.
+      if ignore_index is None:
+        ignore_index = int(np.iinfo(np.int32).min)
+      labels = jnp.where(where, labels, ignore_index)
     return softmax_cross_entropy(logits, labels, ignore_index=ignore_index,
                                  label_smoothing=label_smoothing, z_loss=z_loss,
                                  reduction=reduction, implementation=implementation)

@@ -13,7 +13,8 @@ from jaxfuse._core.batching import one_example_at_a_time
 from jaxfuse._core.op import resolve_plan
 from jaxfuse._core.sharding import parallel_call
 from jaxfuse._core.validation import (check_array, counted_labels, cross_entropy_options,
-                                      describe, reduction_scale)
+                                      describe, int32_labels, poison_stray_rows,
+                                      reduction_scale)
 from jaxfuse.ops.linear_cross_entropy import cuda, reference
 
 _BACKENDS = {"xla": registry.xla_available, "cuda": cuda.unavailable}
@@ -46,7 +47,8 @@ def linear_cross_entropy(x, weight, labels, *, bias=None, ignore_index: int | No
       embedding ``(V, W)`` is passed as ``embedding.T``, which the products read in place
       (a vocabulary that is not a multiple of 128 is padded to one, once per call: one copy
       of the weight in the operands' dtype, where XLA's own products would pad it per chunk).
-    labels: integer array of ``x.shape[:-1]``.
+    labels: integer array of ``x.shape[:-1]``; one outside ``[0, V)`` other than
+      ``ignore_index`` makes the loss NaN, as in ``softmax_cross_entropy``.
     bias: optional ``(V,)`` floating point.
     ignore_index, label_smoothing, z_loss, reduction: as in ``softmax_cross_entropy``.
     implementation: ``'xla'``, ``'cuda'`` (the products on cuBLAS through XLA, each chunk's
@@ -109,15 +111,18 @@ def _linear_cross_entropy_jit(x, weight, bias, labels, st):
   vocab = weight.shape[1]
   # The products' operand dtype; the casts' own gradients return dx in x's dtype.
   operand = jnp.result_type(x, weight, *(() if bias is None else (bias,)))
-  labels = labels.astype(jnp.int32)
+  labels, stray = int32_labels(labels, vocab, st.ignore_index)
   valid = counted_labels(labels, vocab, st.ignore_index)
   args = (x.astype(operand).reshape(-1, x.shape[-1]), weight, bias,
           jnp.where(valid, labels, -1).reshape(-1))
   if st.reduction == "none":
-    return _rows(*args, st).reshape(labels.shape)
-  accumulate = jnp.promote_types(jnp.float32, operand)
-  row_weight = jnp.broadcast_to(reduction_scale(valid, st.reduction, accumulate), args[3].shape)
-  return _reduced(*args, row_weight, st)
+    loss = _rows(*args, st).reshape(labels.shape)
+  else:
+    accumulate = jnp.promote_types(jnp.float32, operand)
+    row_weight = jnp.broadcast_to(reduction_scale(valid, st.reduction, accumulate),
+                                  args[3].shape)
+    loss = _reduced(*args, row_weight, st)
+  return poison_stray_rows(loss, stray, st.reduction)
 
 
 def _walk(x, weight, bias, labels, st, row_grad=None, lse=None):

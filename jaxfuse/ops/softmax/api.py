@@ -14,7 +14,8 @@ from jaxfuse._core.batching import fold_into_batch
 from jaxfuse._core.op import resolve_plan
 from jaxfuse._core.sharding import parallel_call
 from jaxfuse._core.validation import (check_array, counted_labels, cross_entropy_options,
-                                      describe, reduction_scale, static_float, static_int)
+                                      describe, int32_labels, poison_stray_rows,
+                                      reduction_scale, static_float, static_int)
 from jaxfuse.ops.softmax import cuda as cuda_kernels
 from jaxfuse.ops.softmax import reference, triton
 
@@ -280,15 +281,17 @@ def softmax_cross_entropy(logits, labels, *, ignore_index: int | None = None,
              - label_smoothing * mean(logits) + z_loss * lse**2
 
   i.e. the cross-entropy against the smoothed target ``(1 - s) * onehot + s / V``, plus the
-  z-loss that keeps ``lse`` near 0. With the defaults it equals
-  ``optax.softmax_cross_entropy_with_integer_labels``.
+  z-loss that keeps ``lse`` near 0. With ``reduction='none'`` and the other defaults it
+  equals ``optax.softmax_cross_entropy_with_integer_labels`` (the default ``'mean'`` averages
+  it over the counted rows).
 
   Args:
     logits: ``(..., V)`` float16, bfloat16, float32 or float64.
-    labels: integer array of ``logits.shape[:-1]``.
+    labels: integer array of ``logits.shape[:-1]``. A label outside ``[0, V)`` other than
+      ``ignore_index`` makes its row's loss NaN (so a ``'mean'`` or ``'sum'`` is NaN), as
+      optax reads it; its row gets no gradient. A wide label is never narrowed into range.
     ignore_index: rows with this label contribute no loss and no gradient, and are not counted
-      by ``'mean'``. Labels outside ``[0, V)`` are treated the same way (never read out of
-      bounds).
+      by ``'mean'``.
     label_smoothing: in ``[0, 1)``.
     z_loss: coefficient of ``lse**2`` (>= 0).
     reduction: ``'mean'`` over counted rows (0 when none), ``'sum'``, or ``'none'`` for the
@@ -340,7 +343,7 @@ class _CrossEntropyStatic:
 @functools.partial(jax.jit, static_argnums=(2,))
 def _cross_entropy_jit(logits, labels, st):
   vocab = logits.shape[-1]
-  labels = labels.astype(jnp.int32)
+  labels, stray = int32_labels(labels, vocab, st.ignore_index)
   valid = counted_labels(labels, vocab, st.ignore_index)
   if "xla" in st.plan:
     labels = jnp.where(valid, labels, -1)
@@ -348,8 +351,10 @@ def _cross_entropy_jit(logits, labels, st):
   # masked copy of the labels would be one more row-sized buffer in the training step.
   cdt = jnp.promote_types(jnp.float32, logits.dtype)
   if st.reduction == "none":
-    return _per_row_loss(logits, labels, st)
-  return _reduced_loss(logits, labels, reduction_scale(valid, st.reduction, cdt), st)
+    loss = _per_row_loss(logits, labels, st)
+  else:
+    loss = _reduced_loss(logits, labels, reduction_scale(valid, st.reduction, cdt), st)
+  return poison_stray_rows(loss, stray, st.reduction)
 
 
 # 'mean' / 'sum': the kernel computes the gradient for a unit cotangent while the logits are
