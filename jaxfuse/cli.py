@@ -48,6 +48,7 @@ def _cases(names, quick, mode):
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="jaxfuse")
+  parser.add_argument("--version", action="version", version=_version())
   sub = parser.add_subparsers(dest="command", required=True)
   b = sub.add_parser("bench", help="check every op against float64 and time it on this device")
   b.add_argument("ops", nargs="*", help=f"families ({', '.join(FAMILIES)}) or op names; "
@@ -110,10 +111,20 @@ def main(argv=None) -> int:
   if unknown:
     parser.error(f"unknown op or family: {', '.join(unknown)}")
   if args.sizes:
-    keep = {int(v) for v in args.sizes.split(",")}
+    try:
+      keep = {int(v) for v in args.sizes.split(",")}
+    except ValueError:
+      parser.error(f"--sizes takes comma-separated integers, got {args.sizes!r}")
     cases = [c for c in cases if c.size in keep]
   if args.only:
     cases = [c for c in cases if any(text in c.label for text in args.only)]
+  impls = args.impl.split(",") if args.impl else None
+  offered = {i for c in cases for i in (*c.implementations, *c.check_only, *c.external)}
+  if impls and (unknown := [i for i in impls if i not in offered]):
+    parser.error(f"--impl: {', '.join(unknown)} is not among the selected cases' "
+                 f"implementations ({', '.join(sorted(offered))})")
+  if not cases:
+    parser.error("no case is left after --sizes/--only: nothing to run")
   on_gpu = registry.platform() == "gpu"
   env = bench.environment()
   print(f"jaxfuse bench on {env['device']} (jax {env['jax_version']}, {env['date']}); "
@@ -121,7 +132,6 @@ def main(argv=None) -> int:
   if not on_gpu:
     print("No GPU here: XLA is timed, the Pallas kernels are only checked in the interpreter. "
           "Kernel timings need a GPU.")
-  impls = args.impl.split(",") if args.impl else None
   grids = [spec for spec in map(importlib.import_module, FAMILIES.values())
            if hasattr(spec, "grid_cases")]
   comparators = {name for spec in grids for name in spec.COMPARATORS}
@@ -164,6 +174,12 @@ def main(argv=None) -> int:
   for r in failed:
     print(f"FAILED: {r.op} {r.label} {r.implementation}: {r.note}", file=sys.stderr)
   return 1 if failed else 0
+
+
+def _version() -> str:
+  import jax
+  import jaxfuse
+  return f"jaxfuse {jaxfuse.__version__} (jax {jax.__version__})"
 
 
 def _tune(family: str, path: str | None, write: bool, only: list[str] | None) -> int:

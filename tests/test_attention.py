@@ -492,6 +492,11 @@ def test_batch_and_head_sharding_never_gathers(rng, impl, spec):
     (dict(implementation="mosaic"), NotImplementedError, "mosaic"),
     (dict(implementation="cudnn", cpu_only=True), NotImplementedError, "cudnn"),
     (dict(query_seq_lengths=jnp.zeros((3,), jnp.int32)), ValueError, "query_seq_lengths"),
+    (dict(query_seq_lengths=jnp.asarray([-1, 3])), ValueError, r"query_seq_lengths.*\[0, 8\]"),
+    (dict(key_value_seq_lengths=jnp.asarray([100, 3])), ValueError,
+     r"key_value_seq_lengths.*\[0, 8\]"),
+    (dict(k=(2, 0, 2, 32)), ValueError, "S = 0"),
+    (dict(causal_offset=3), ValueError, "causal_offset"),
 ], ids=str)
 def test_bad_input(kwargs, error, match):
   kwargs = dict(kwargs)
@@ -500,7 +505,19 @@ def test_bad_input(kwargs, error, match):
   q = jnp.zeros(kwargs.pop("q", (2, 8, 4, 32)), kwargs.pop("q_dtype", jnp.float32))
   k = jnp.zeros(kwargs.pop("k", (2, 8, 2, 32)))
   with pytest.raises(error, match=match):
-    jaxfuse.attention(q, k, jnp.zeros((2, 8, 2, 32)), **kwargs)
+    jaxfuse.attention(q, k, jnp.zeros(k.shape), **kwargs)
+
+
+def test_empty_queries_and_huge_offsets_have_defined_results(rng):
+  q, k, v, _ = inputs(rng, 2, 8, 8, 4, 2, 32)
+  assert jaxfuse.attention(q[:, :0], k, v).shape == (2, 0, 4, 32)
+  np.testing.assert_array_equal(jaxfuse.attention(q, k, v, is_causal=True, causal_offset=2**40),
+                                jaxfuse.attention(q, k, v))
+  # Traced lengths cannot be read at trace time: they are taken as given.
+  lengths = jnp.asarray([8, 3])
+  np.testing.assert_allclose(
+      jax.jit(lambda n: jaxfuse.attention(q, k, v, key_value_seq_lengths=n))(lengths),
+      jaxfuse.attention(q, k, v, key_value_seq_lengths=lengths), rtol=1e-5, atol=1e-6)
 
 
 def test_cudnn_refusal_is_a_reason_not_a_crash(rng, monkeypatch):

@@ -303,3 +303,24 @@ def test_a_group_is_read_from_its_trace(monkeypatch):
   monkeypatch.setattr(bench, "_jax_trace_intervals", lambda log_dir: [])
   with pytest.raises(bench.TimingError, match="no GPU activity"):
     bench._jax_group(call, 3)
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--impl", "foo"], "--impl: foo"),
+    (["norm", "--sizes", "abc"], "--sizes takes comma-separated integers"),
+    (["norm", "--sizes", "12345"], "no case is left"),
+    (["norm", "--only", "no such label"], "no case is left"),
+], ids=["impl", "sizes text", "sizes none", "only none"])
+def test_bench_refuses_arguments_that_select_nothing(capsys, args, says):
+  from jaxfuse import cli
+  with pytest.raises(SystemExit) as exit:
+    cli.main(["bench", *args])
+  assert exit.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_version(capsys):
+  import jaxfuse
+  from jaxfuse import cli
+  with pytest.raises(SystemExit):
+    cli.main(["--version"])
+  assert f"jaxfuse {jaxfuse.__version__} (jax " in capsys.readouterr().out

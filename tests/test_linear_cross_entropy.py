@@ -224,6 +224,17 @@ def test_a_label_of_no_class_makes_its_loss_nan(rng, impl):
     assert_close(jax.grad(loss)(x, labels, reduction), jax.grad(kept)(x, reduction))
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_no_tokens_give_a_zero_loss(rng, reduction):
+  _, weight, bias, _ = make(rng, (6,), 4, 9, jnp.float32)
+  x, labels = jnp.zeros((0, 4)), jnp.zeros((0,), jnp.int32)
+  loss = lambda x, w: jaxfuse.linear_cross_entropy(x, w, labels, bias=bias, reduction=reduction)
+  assert loss(x, weight).shape == ((0,) if reduction == "none" else ())
+  if reduction != "none":
+    assert float(loss(x, weight)) == 0.0
+    assert not np.any(np.asarray(jax.grad(loss, 1)(x, weight)))
+
+
 def test_nan_propagates_to_its_row(rng, impl):
   x, weight, bias, labels = make(rng, (6,), 4, 9, jnp.float32)
   rows = jaxfuse.linear_cross_entropy(x.at[2, 1].set(jnp.nan), weight, labels, bias=bias,

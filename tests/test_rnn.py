@@ -891,3 +891,14 @@ def test_the_grid_keeps_each_points_saved_activations_within_its_budget():
           t = rnn_bench.grid_steps(cell, b, h, layers, bidirectional)
           saved = t * b * h * (rnn_bench.GATES[cell] + 2) * 4 * layers * (1 + bidirectional)
           assert t >= 16 and (saved <= rnn_bench.GRID_SAVED_BYTES or t == 16)
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_packing_names_what_is_not_an_unpacked_layout(cell):
+  init, unpack, pack = (getattr(jaxfuse, f"{name}_{cell}_weights")
+                        for name in ("init", "unpack", "pack"))
+  parts = unpack(init(jax.random.key(0), 4, 8, 1), 4, 8, 1)
+  with pytest.raises(TypeError, match=f"pack_{cell}_weights: W_ih must map each pseudo-layer"):
+    pack(*[list(p.values()) for p in parts])
+  with pytest.raises(ValueError, match=r"b_hh\[0\] must be a vector"):
+    pack(*parts[:3], {0: parts[3][0][None]})

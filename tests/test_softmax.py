@@ -215,6 +215,13 @@ def test_sharded_softmax_axis_is_a_clear_error(rng):
                              jax.nn.softmax(np.asarray(x)), rtol=1e-6)
 
 
+def test_softmax_causal_offsets_past_the_rows_keep_or_mask_everything(rng):
+  x = random(rng, (3, 5), jnp.float32)
+  np.testing.assert_array_equal(jaxfuse.softmax(x, is_causal=True, causal_offset=2**40),
+                                jaxfuse.softmax(x))
+  assert np.all(np.asarray(jaxfuse.softmax(x, is_causal=True, causal_offset=-2**40)) == 0)
+
+
 @pytest.mark.parametrize("args,error,match", [
     (dict(x=jnp.ones((2, 3), jnp.int32)), TypeError, "x.*int32"),
     (dict(axis=2), ValueError, "axis"),
@@ -223,6 +230,7 @@ def test_sharded_softmax_axis_is_a_clear_error(rng):
     (dict(mask=jnp.ones((4, 3), bool)), ValueError, r"mask bool\[4,3\]"),
     (dict(scale=float("nan")), ValueError, "scale"),
     (dict(x=jnp.ones((3,)), is_causal=True), ValueError, "is_causal"),
+    (dict(causal_offset=3), ValueError, "causal_offset=3 applies to is_causal"),
     (dict(implementation="cudnn"), NotImplementedError, "cudnn"),
     (dict(implementation="nope"), ValueError, "implementation"),
 ], ids=str)

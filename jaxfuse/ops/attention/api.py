@@ -88,6 +88,9 @@ def attention(query, key, value, bias=None, mask=None, *, scale: float | None = 
     raise ValueError(f"{OP}: key must be (B, S, K, H) and value (B, S, K, Hv) for query "
                      f"(B, T, N, H); got query {describe(q)}, key {describe(k)}, "
                      f"value {describe(v)}")
+  if s == 0:
+    raise ValueError(f"{OP}: key and value have no positions (S = 0): each query's softmax "
+                     f"would be over nothing; got key {describe(k)}")
   if kh == 0 or n % kh:
     raise ValueError(f"{OP}: the key/value heads ({kh}) must divide the query heads ({n})")
   scale = 1.0 / math.sqrt(h) if scale is None else _float("scale", scale)
@@ -98,8 +101,11 @@ def attention(query, key, value, bias=None, mask=None, *, scale: float | None = 
     if logits_soft_cap <= 0:
       raise ValueError(f"{OP}: logits_soft_cap must be > 0, got {logits_soft_cap}")
   q_seg, kv_seg = _segments(segment_ids, b, t, s)
-  q_len = _lengths("query_seq_lengths", query_seq_lengths, b)
-  kv_len = _lengths("key_value_seq_lengths", key_value_seq_lengths, b)
+  if causal_offset and not is_causal and local_window_size is None:
+    raise ValueError(f"{OP}: causal_offset={causal_offset} applies to is_causal=True or a "
+                     f"local_window_size; alone it does nothing")
+  q_len = _lengths("query_seq_lengths", query_seq_lengths, b, t)
+  kv_len = _lengths("key_value_seq_lengths", key_value_seq_lengths, b, s)
   bias = None if bias is None else _broadcastable("bias", bias, (b, n, t, s), floating=True)
   mask = None if mask is None else _broadcastable("mask", mask, (b, n, t, s), floating=False)
   spec = MaskSpec(bool(is_causal), causal_offset, window, logits_soft_cap)
@@ -181,8 +187,16 @@ def _segments(segment_ids, b, t, s):
   return ids, ids
 
 
-def _lengths(name, a, b):
-  return None if a is None else _int_array(name, a, (b,))
+def _lengths(name, a, b, positions):
+  if a is None:
+    return None
+  a = _int_array(name, a, (b,))
+  if not isinstance(a, jax.core.Tracer):
+    # Concrete lengths (outside jit) are checked here; traced ones cannot be read.
+    values = np.asarray(a)
+    if values.size and (values.min() < 0 or values.max() > positions):
+      raise ValueError(f"{OP}: {name} must be in [0, {positions}], got {values.tolist()}")
+  return a
 
 
 def _broadcastable(name, a, shape, floating):

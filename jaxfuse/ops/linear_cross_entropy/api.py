@@ -83,6 +83,10 @@ def linear_cross_entropy(x, weight, labels, *, bias=None, ignore_index: int | No
   ignore_index, label_smoothing, z_loss = cross_entropy_options(
       op, ignore_index, label_smoothing, z_loss, reduction)
   operand = jnp.result_type(x, weight, *(() if bias is None else (bias,)))
+  if labels.size == 0:
+    # No tokens: nothing is counted, so every reduction is 0 (as 'mean' is when none counts).
+    return jnp.zeros(labels.shape if reduction == "none" else (),
+                     jnp.promote_types(jnp.float32, operand))
   cuda_refusal = lambda: cuda.unsupported(reference.padded_vocab(vocab), operand)
   # None passes over the CUDA row pass where it cannot take these shapes; naming it raises.
   backends = (_BACKENDS if implementation is not None

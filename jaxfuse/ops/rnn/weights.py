@@ -11,6 +11,7 @@ Gate blocks are stacked on the leading axis: LSTM ``i, f, g, o``; GRU ``r, z, n`
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -103,6 +104,16 @@ def unpack_gru_weights(weights, input_size: int, hidden_size: int, num_layers: i
 
 def _pack(cell, W_ih, W_hh, b_ih, b_hh):
   unpacked = dict(zip(KINDS, (W_ih, W_hh, b_ih, b_hh)))
+  for kind, arrays in unpacked.items():
+    if not isinstance(arrays, Mapping):
+      raise TypeError(f"pack_{cell}_weights: {kind} must map each pseudo-layer (layer x "
+                      f"directions + direction) to its array, as unpack_{cell}_weights "
+                      f"returns it; got {type(arrays).__name__}")
+    for p, array in arrays.items():
+      if np.ndim(array) != (2 if kind.startswith("W") else 1):
+        raise ValueError(f"pack_{cell}_weights: {kind}[{p}] must be "
+                         f"{'a matrix' if kind.startswith('W') else 'a vector'}, got shape "
+                         f"{np.shape(array)}")
   pseudo_layers = sorted(W_ih)
   for kind, arrays in unpacked.items():
     if sorted(arrays) != pseudo_layers:

@@ -121,6 +121,13 @@ def _softmax_entry(op, log, x, axis, scale, mask, is_causal, causal_offset, impl
     raise TypeError(f"{op}: is_causal must be a bool, got {is_causal!r}")
   if is_causal and x.ndim < 2:
     raise ValueError(f"{op}: is_causal needs the last two axes (query, key); x is {describe(x)}")
+  if causal_offset and not is_causal:
+    raise ValueError(f"{op}: causal_offset={causal_offset} applies to is_causal=True; alone it "
+                     f"does nothing")
+  if is_causal:
+    # The mask compares j - i, in [1 - T, S - 1], with the offset: clamped to [-T, S] it masks
+    # the same and stays far from the kernels' int32 overflow (and one compilation per mask).
+    causal_offset = min(max(causal_offset, -x.shape[-2]), x.shape[-1])
   strides = None
   if mask is not None:
     mask = check_array(op, "mask", mask, floating=False)
