@@ -186,7 +186,7 @@ class GPT(nnx.Module):
     embedding = self.embed.embedding[...].astype(x.dtype)
     if self.fused:
       return jaxfuse.linear_cross_entropy(x.reshape(-1, x.shape[-1]), embedding.T,
-                                          labels.reshape(-1))
+                                          labels.reshape(-1), ignore_index=-1)
     logits = (x @ embedding.T).astype(jnp.float32)
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(labels, 0))
     counted = labels >= 0

@@ -7,6 +7,7 @@ import argparse
 import concurrent.futures
 import functools
 import importlib
+import itertools
 import json
 import os
 import sys
@@ -31,6 +32,7 @@ CUDA_LIBRARIES = ("jaxfuse.ops.norm.cuda", "jaxfuse.ops.softmax.cuda", "jaxfuse.
 
 
 def _cases(names, quick, mode):
+  """``(family, case)`` of the selected cases in :data:`FAMILIES`' order, and unknown names."""
   cases = []
   for family, module in FAMILIES.items():
     spec = importlib.import_module(module)
@@ -38,11 +40,9 @@ def _cases(names, quick, mode):
       family_cases = spec.grid_cases() if hasattr(spec, "grid_cases") else []
     else:
       family_cases = spec.regret_cases() if mode == "regret" else spec.cases(quick)
-    if not names or family in names:
-      cases += family_cases
-    else:
-      cases += [c for c in family_cases if c.op in names]
-  unknown = [n for n in names if n not in FAMILIES and not any(c.op == n for c in cases)]
+    cases += [(family, c) for c in family_cases
+              if not names or family in names or c.op in names]
+  unknown = [n for n in names if n not in FAMILIES and not any(c.op == n for _, c in cases)]
   return cases, unknown
 
 
@@ -105,7 +105,8 @@ def main(argv=None) -> int:
   if args.regret and args.grid:
     parser.error("--regret and --grid are two different reports: ask for one")
   mode = "regret" if args.regret else "grid" if args.grid else "cases"
-  cases, unknown = _cases(args.ops, args.quick, mode)
+  tagged, unknown = _cases(args.ops, args.quick, mode)
+  cases = [c for _, c in tagged]
   if mode == "grid" and not cases:
     parser.error("--grid: only rnn (lstm, gru) has a grid")
   if unknown:
@@ -148,8 +149,16 @@ def main(argv=None) -> int:
       extra["against"] = sorted(comparators)
     report.save_json(args.json, rows, ceilings, **extra)
 
-  rows, ceilings = bench.run(cases, implementations=impls, on_case=save if args.json else None)
-  print(report.table(rows, ceilings))
+  # Each family's table is printed as soon as it is done.
+  rows, ceilings = [], {}
+  family_of = {id(c): family for family, c in tagged}
+  for group in _consecutive(cases, lambda c: family_of[id(c)]):
+    done = len(rows)
+    on_case = (lambda so_far, c: save(rows[:done] + so_far, c)) if args.json else None
+    group_rows, ceilings = bench.run(group, implementations=impls, on_case=on_case,
+                                     ceilings=ceilings)
+    rows += group_rows
+    print(report.table(group_rows, ceilings), flush=True)
   found = regrets(rows)
   if mode == "grid":
     print(f"\nNone against the faster of {', '.join(sorted(comparators))}: that one's time "
@@ -174,6 +183,11 @@ def main(argv=None) -> int:
   for r in failed:
     print(f"FAILED: {r.op} {r.label} {r.implementation}: {r.note}", file=sys.stderr)
   return 1 if failed else 0
+
+
+def _consecutive(items, key):
+  """``items`` in runs of equal ``key``, in order."""
+  return [list(run) for _, run in itertools.groupby(items, key)]
 
 
 def _version() -> str:

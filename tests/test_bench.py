@@ -4,6 +4,7 @@ jaxfuse implementation that is wrong or crashes fails the job."""
 import dataclasses
 import json
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -62,13 +63,12 @@ def test_a_comparator_may_report_its_training_steps_temporary_memory():
 
 def test_exit_code_counts_only_jaxfuse_failures(monkeypatch, capsys):
   monkeypatch.setattr(cli, "_cases", lambda names, quick, regret: (
-      [_case(_forward(missing=("optax",)))], []))
+      [("norm", _case(_forward(missing=("optax",))))], []))
   run = bench.run
-  monkeypatch.setattr(bench, "run", lambda cases, implementations=None, on_case=None:
-                      run(cases, time_it=False))
+  monkeypatch.setattr(bench, "run", lambda cases, **_: run(cases, time_it=False))
   assert cli.main(["bench"]) == 0
   monkeypatch.setattr(cli, "_cases", lambda names, quick, regret: (
-      [_case(_forward(wrong=("triton",)))], []))
+      [("norm", _case(_forward(wrong=("triton",))))], []))
   assert cli.main(["bench"]) == 1
   assert "FAILED: probe 8x16 float32 triton" in capsys.readouterr().err
 
@@ -76,10 +76,10 @@ def test_exit_code_counts_only_jaxfuse_failures(monkeypatch, capsys):
 def test_only_keeps_the_cases_whose_label_has_the_text(monkeypatch):
   ran = []
   monkeypatch.setattr(cli, "_cases", lambda names, quick, regret: (
-      [dataclasses.replace(_case(_forward()), label=label)
+      [("attention", dataclasses.replace(_case(_forward()), label=label))
        for label in ("4x4096 causal", "4x4096 window (256, 256)", "4x4096 full")], []))
-  monkeypatch.setattr(bench, "run", lambda cases, implementations=None, on_case=None:
-                      (ran.extend(c.label for c in cases), ([], {}))[1])
+  monkeypatch.setattr(bench, "run", lambda cases, **_: (ran.extend(c.label for c in cases),
+                                                        ([], {}))[1])
   monkeypatch.setattr(report, "table", lambda rows, ceilings: "")
   assert cli.main(["bench", "--only", "window (256, 256)", "--only", "causal"]) == 0
   assert ran == ["4x4096 causal", "4x4096 window (256, 256)"]
@@ -87,8 +87,10 @@ def test_only_keeps_the_cases_whose_label_has_the_text(monkeypatch):
 
 def test_graph_every_program_asks_xla_to_graph_every_program_and_is_recorded(monkeypatch):
   monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/nowhere")
-  monkeypatch.setattr(cli, "_cases", lambda names, quick, regret: ([], []))
-  monkeypatch.setattr(bench, "run", lambda cases, implementations=None, on_case=None: ([], {}))
+  probe = types.SimpleNamespace(op="probe", label="probe", size=1, implementations=("xla",),
+                                check_only=(), external={})
+  monkeypatch.setattr(cli, "_cases", lambda names, quick, regret: ([("norm", probe)], []))
+  monkeypatch.setattr(bench, "run", lambda cases, **_: ([], {}))
   monkeypatch.setattr(report, "table", lambda rows, ceilings: "")
   assert cli.main(["bench", "--graph-every-program"]) == 0
   flags = "--xla_dump_to=/nowhere --xla_gpu_graph_min_graph_size=1"
@@ -146,7 +148,7 @@ def test_a_point_is_launch_bound_where_nones_span_passes_twice_its_busy_time():
 
 
 def test_regret_runs_the_families_regret_grids(monkeypatch, capsys, tmp_path):
-  monkeypatch.setattr(bench, "run", lambda cases, implementations=None, on_case=None: (
+  monkeypatch.setattr(bench, "run", lambda cases, **_: (
       [_timed_row(c.label, impl, 1.0, 2.0, c.op) for c in cases for impl in c.implementations],
       {}))
   path = tmp_path / "regret.json"

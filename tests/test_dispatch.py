@@ -861,3 +861,22 @@ def test_attention_mosaic_refuses_without_pallas_mosaic_gpu(gpu, chosen, monkeyp
 def test_attention_refuses_off_the_gpu(cpu, chosen, implementation, reason):
   with pytest.raises(NotImplementedError, match=reason):
     attention(implementation=implementation)
+
+
+def test_explain_tells_what_runs_for_each_use_and_what_was_passed_over(gpu, chosen, capsys,
+                                                                      caplog):
+  gpu.without_triton()  # the ops' entries are spies (chosen): the kernels are never traced
+  with caplog.at_level("DEBUG", logger="jaxfuse"):
+    (choice,) = jaxfuse.explain(jaxfuse.softmax, Array((64, 65536), jnp.bfloat16))
+  assert (choice.op, choice.implementation, choice.evaluated, choice.forward,
+          choice.backward) == ("softmax", None, "cuda", "cuda", "cuda")
+  assert "Triton" in choice.passed_over["triton"]
+  said = capsys.readouterr().out
+  assert said.startswith("softmax(implementation=None): cuda\n  passed over 'triton': ")
+  assert "softmax(implementation=None) runs Plan(evaluated='cuda'" in caplog.text
+  # Every jaxfuse op a function calls, in order, each use where they differ.
+  choices = jaxfuse.explain(
+      lambda x, w: (jaxfuse.rms_norm(x, w, implementation="xla"), jaxfuse.softmax(x)),
+      Array((64, 8192), jnp.bfloat16), Array((8192,), jnp.bfloat16))
+  assert [(c.op, c.implementation, c.evaluated) for c in choices] == [
+      ("rms_norm", "xla", "xla"), ("softmax", None, "cuda")]

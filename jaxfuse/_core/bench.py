@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfuse._core import device, registry
+from jaxfuse._core.progress import Progress
 from jaxfuse._core.cuda import copies
 from jaxfuse._core.testing import relative_error, x64
 
@@ -480,42 +481,26 @@ def is_comparator(implementation: str) -> bool:
   return implementation != DEFAULT and implementation not in registry.IMPLEMENTATIONS
 
 
-class _Progress:
-  def __init__(self, total):
-    self.total, self.done = total, 0
-    self.enabled = sys.stderr.isatty()
-
-  def step(self, text):
-    self.done += 1
-    if self.enabled:
-      filled = int(30 * self.done / self.total)
-      sys.stderr.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} "
-                       f"{text[:60]:<60}")
-      sys.stderr.flush()
-
-  def close(self):
-    if self.enabled:
-      sys.stderr.write("\n")
-
-
 def run(cases: Sequence[Case], *, implementations: Sequence[str] | None = None,
-        time_it: bool = True, on_case: Callable | None = None) -> tuple[list[Row], dict]:
+        time_it: bool = True, on_case: Callable | None = None,
+        ceilings: dict | None = None) -> tuple[list[Row], dict]:
   """Checks and times ``cases``; returns the rows and the ceilings measured.
 
   ``on_case(rows, ceilings)`` is called after each case, so a long sweep saves as it goes.
+  ``ceilings`` measured by an earlier run on this machine are reused (and added to).
   """
-  ceilings = {}
+  ceilings = {} if ceilings is None else ceilings
   units = {c.unit for c in cases}
-  if time_it and "GB/s" in units:
+  if time_it and "GB/s" in units and "copy GB/s" not in ceilings:
     copies = copy_ceilings()
     best = max(copies, key=copies.get)
     ceilings.update({"copy GB/s": copies[best], "copy": best, "copies GB/s": copies})
-  if time_it and "TFLOP/s" in units:
+  if time_it and "TFLOP/s" in units and "matmul TFLOP/s" not in ceilings:
     ceilings["matmul TFLOP/s"] = matmul_rate()
   todo = [(c, impl) for c in cases
           for impl in list(c.implementations) + list(c.check_only) + list(c.external)
           if implementations is None or impl in implementations]
-  progress = _Progress(len(todo))
+  progress = Progress(len(todo))
   rows = []
   for case in cases:
     impls = [i for c, i in todo if c is case]
@@ -551,6 +536,7 @@ def _cache_resident(case) -> bool:
 
 
 def _run_case(case, impls, ceilings, time_it, progress):
+  progress.show(f"{case.op} {case.label}: inputs and float64 references")
   key = jax.random.key(zlib.crc32(f"{case.op} {case.label}".encode()))
   inputs = case.make_inputs(key)
   try:

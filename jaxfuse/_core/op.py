@@ -50,6 +50,8 @@ def resolve_plan(op: str, implementation: str | None,
     chosen = Plan(impl, impl, impl)
   if "triton" in chosen:
     registry.using_triton(named=implementation == "triton")
+  registry.logger.debug("%s(implementation=%r) runs %s", op, implementation, chosen)
+  registry.record("plan", op, implementation, chosen)
   return chosen
 
 

@@ -143,11 +143,22 @@ def _caller_level() -> int:
   return level
 
 
+# Lists that :func:`jaxfuse.explain` holds open while it traces a call: each pass-over and
+# plan of the ops inside is appended to every one.
+RECORDERS: list[list[tuple]] = []
+
+
+def record(*event):
+  for recorder in RECORDERS:
+    recorder.append(event)
+
+
 def runs(op: str, name: str, check: Availability) -> bool:
   """Whether backend ``name`` can run, by ``check()``; a reason it cannot is logged once."""
   reason = check()
   if reason is not None:
     _passed_over(op, name, reason)
+    record("passed over", op, name, reason)
   return reason is None
 
 

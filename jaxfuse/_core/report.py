@@ -30,10 +30,11 @@ def _pct(row, value):
 def table(rows: Sequence[Row], ceilings: dict) -> str:
   """Plain-text tables, one per op."""
   out = []
-  if "copy GB/s" in ceilings:
+  units = {r.unit for r in rows}
+  if "copy GB/s" in ceilings and "GB/s" in units:
     out.append(f"copy ceiling: {ceilings['copy GB/s']:.0f} GB/s by {ceilings['copy']}, the best "
                f"of: " + ", ".join(f"{k} {v:.0f}" for k, v in ceilings["copies GB/s"].items()))
-  if "matmul TFLOP/s" in ceilings:
+  if "matmul TFLOP/s" in ceilings and "TFLOP/s" in units:
     out.append(f"matmul ceiling: {ceilings['matmul TFLOP/s']:.0f} TFLOP/s (bf16 8192^3)")
   gpu = device.describe()
   if gpu is not None:
