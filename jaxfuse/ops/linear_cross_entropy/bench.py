@@ -62,7 +62,7 @@ def _case(tokens, width, vocab, dtype, impls):
 
 
 def cases(quick: bool = False) -> list[Case]:
-  shapes = GPU_SHAPES if registry.platform() == "gpu" else [(512, 64, 32768)]
+  shapes = GPU_SHAPES if registry.platform() == "gpu" else [(256, 64, 8192)]
   return [_case(tokens, width, vocab, jnp.bfloat16, ("optax", "xla", "cuda", DEFAULT))
           for tokens, width, vocab in shapes]
 

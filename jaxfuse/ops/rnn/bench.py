@@ -136,7 +136,7 @@ def _gpu_implementations(cell, dtype):
 
 def cases(quick: bool = False) -> list[Case]:
   on_gpu = registry.platform() == "gpu"
-  shapes = (GPU_CASES[:1] if quick else GPU_CASES) if on_gpu else CPU_CASES
+  shapes = (GPU_CASES if on_gpu else CPU_CASES)[:1 if quick else None]
   out = []
   for cell, b, t, i, h, layers, bidirectional in shapes:
     for dtype in (jnp.float32, jnp.bfloat16):
