@@ -195,3 +195,11 @@ def test_a_plan_names_one_implementation_per_use(monkeypatch):
   monkeypatch.setattr(registry, "platform", lambda: "gpu")
   assert op.resolve_plan("f", None, backends, ("xla",), fastest) == op.Plan(**by_use)
   assert op.resolve_plan("f", "xla", backends, ("xla",), fastest) == op.Plan("xla", "xla", "xla")
+
+
+def test_jaxfuse_nn_without_flax_says_how_to_install_it():
+  code = ("import sys; sys.modules['flax'] = None\n"
+          "try:\n  import jaxfuse.nn\nexcept ModuleNotFoundError as e:\n  print(e)\n")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=300).stdout
+  assert 'pip install "jaxfuse[nn]"' in out

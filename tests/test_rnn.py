@@ -902,3 +902,21 @@ def test_packing_names_what_is_not_an_unpacked_layout(cell):
     pack(*[list(p.values()) for p in parts])
   with pytest.raises(ValueError, match=r"b_hh\[0\] must be a vector"):
     pack(*parts[:3], {0: parts[3][0][None]})
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_to_torch_gives_writable_arrays_and_leaves_out_biases_on_request(cell):
+  init, to_torch, from_torch = (getattr(jaxfuse, name.format(cell)) for name in (
+      "init_{}_weights", "{}_weights_to_torch", "{}_weights_from_torch"))
+  weights = init(jax.random.key(1), 4, 8, 2)
+  state = to_torch(weights, 4, 8, 2)
+  assert all(a.flags.writeable for a in state.values())
+  assert any(key.startswith("bias_") for key in state)
+  with pytest.raises(ValueError, match="bias=False, but the weights' biases are not all zero"):
+    to_torch(weights, 4, 8, 2, bias=False)
+  # A module without biases: its flat weights carry zero biases, and come back without them.
+  no_bias = {k: v for k, v in state.items() if not k.startswith("bias_")}
+  flat = from_torch(no_bias)
+  back = to_torch(flat, 4, 8, 2, bias=False)
+  assert sorted(back) == sorted(no_bias)
+  assert all(np.array_equal(back[k], no_bias[k]) for k in back)

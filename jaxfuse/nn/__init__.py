@@ -8,6 +8,12 @@ of ``jaxfuse.lstm`` and ``jaxfuse.gru``. ``dot_product_attention`` is an ``atten
 ``MultiHeadAttention``'s parameters, and ``cross_entropy_loss`` the training loop's loss.
 """
 
+try:
+  import flax  # noqa: F401
+except ModuleNotFoundError as missing:
+  raise ModuleNotFoundError('jaxfuse.nn builds on flax, which is not installed: '
+                            'pip install "jaxfuse[nn]" (or pip install flax)') from missing
+
 from jaxfuse.nn.attention import CausalSelfAttention, dot_product_attention
 from jaxfuse.nn.losses import cross_entropy_loss
 from jaxfuse.nn.normalization import LayerNorm, RMSNorm

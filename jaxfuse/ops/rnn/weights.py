@@ -180,22 +180,32 @@ def gru_weights_from_torch(state_dict, dtype=None):
   return _from_torch("gru", state_dict, dtype)
 
 
-def _to_torch(cell, weights, input_size, hidden_size, num_layers, bidirectional):
+def _to_torch(cell, weights, input_size, hidden_size, num_layers, bidirectional, bias):
+  if not isinstance(bias, (bool, np.bool_)):
+    raise TypeError(f"{cell}_weights_to_torch: bias must be a bool, got {bias!r}")
   unpacked = unpack(cell, jnp.asarray(weights), input_size, hidden_size, num_layers,
-                     bidirectional)
+                    bidirectional)
   directions = _directions(bidirectional)
-  return {_torch_key(kind, p, directions): np.asarray(array)
-          for kind, arrays in zip(KINDS, unpacked) for p, array in arrays.items()}
+  kinds = KINDS if bias else ("W_ih", "W_hh")
+  if not bias and any(np.any(np.asarray(a)) for arrays in unpacked[2:] for a in arrays.values()):
+    raise ValueError(f"{cell}_weights_to_torch: bias=False, but the weights' biases are not "
+                     f"all zero: a module without biases cannot hold them")
+  # Copies, writable, as torch's load_state_dict and in-place edits want them.
+  return {_torch_key(kind, p, directions): np.array(array)
+          for kind, arrays in zip(KINDS, unpacked) if kind in kinds
+          for p, array in arrays.items()}
 
 
 def lstm_weights_to_torch(weights, input_size: int, hidden_size: int, num_layers: int,
-                          bidirectional: bool = False):
-  """An ``nn.LSTM`` state_dict of NumPy arrays from flat weights (inverse of
-  :func:`lstm_weights_from_torch`)."""
-  return _to_torch("lstm", weights, input_size, hidden_size, num_layers, bidirectional)
+                          bidirectional: bool = False, bias: bool = True):
+  """An ``nn.LSTM`` state_dict of writable NumPy arrays from flat weights (inverse of
+  :func:`lstm_weights_from_torch`); ``bias=False`` leaves out the bias keys, for a module built
+  with ``bias=False`` (whose flat biases are zero)."""
+  return _to_torch("lstm", weights, input_size, hidden_size, num_layers, bidirectional, bias)
 
 
 def gru_weights_to_torch(weights, input_size: int, hidden_size: int, num_layers: int,
-                         bidirectional: bool = False):
-  """An ``nn.GRU`` state_dict of NumPy arrays from flat weights."""
-  return _to_torch("gru", weights, input_size, hidden_size, num_layers, bidirectional)
+                         bidirectional: bool = False, bias: bool = True):
+  """An ``nn.GRU`` state_dict of writable NumPy arrays from flat weights; ``bias`` as in
+  :func:`lstm_weights_to_torch`."""
+  return _to_torch("gru", weights, input_size, hidden_size, num_layers, bidirectional, bias)
