@@ -82,19 +82,6 @@ class LanguageModel(nnx.Module):
     return jnp.sum(jnp.where(counted, losses, 0.0)) / jnp.maximum(jnp.sum(counted), 1)
 
 
-def flax_cells_to_weights(cells) -> jax.Array:
-  """The flat cuDNN-layout weights of a stack of ``nnx.RNN(OptimizedLSTMCell)`` layers (the
-  same gate order i, f, g, o; flax has one bias, on the hidden product)."""
-  w_ih, w_hh, b_ih, b_hh = {}, {}, {}, {}
-  for p, layer in enumerate(cells):
-    cell = layer.cell
-    w_ih[p] = cell.dense_i.kernel[...].T
-    w_hh[p] = cell.dense_h.kernel[...].T
-    b_hh[p] = cell.dense_h.bias[...]
-    b_ih[p] = jnp.zeros_like(b_hh[p])
-  return jaxfuse.pack_lstm_weights(w_ih, w_hh, b_ih, b_hh)
-
-
 def input_bias_frozen(cfg: Config) -> jax.Array:
   """1 for each of the fused LSTM's weights, 0 for its input biases b_ih: flax's cell has one
   bias per gate where cuDNN's layout has two, so the fused model keeps b_ih at zero to train
@@ -111,7 +98,7 @@ def build_pair(cfg: Config, seed: int = 0):
   """The unfused and fused models, holding the same parameters."""
   unfused = LanguageModel(cfg, fused=False, rngs=nnx.Rngs(seed))
   fused = LanguageModel(cfg, fused=True, rngs=nnx.Rngs(seed))
-  fused.lstm.weights[...] = flax_cells_to_weights(unfused.lstm)
+  fused.lstm.weights[...] = jnn.lstm_weights_from_flax(unfused.lstm)
   # Copies: each model's training step donates its own buffers.
   nnx.update(fused.embed, jax.tree.map(jnp.copy, nnx.state(unfused.embed)))
   nnx.update(fused.head, jax.tree.map(jnp.copy, nnx.state(unfused.head)))

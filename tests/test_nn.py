@@ -340,3 +340,24 @@ def test_cross_entropy_loss_rejects_bad_inputs():
 def test_jaxfuse_imports_without_flax():
   code = "import sys, jaxfuse; sys.exit('flax' in sys.modules)"
   assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+@pytest.mark.parametrize("cell", ["OptimizedLSTMCell", "LSTMCell"])
+def test_lstm_weights_from_flax_compute_flaxs_function(rng, cell):
+  layers = [nnx.RNN(getattr(nnx, cell)(n, 16, rngs=nnx.Rngs(i)), rngs=nnx.Rngs(i))
+            for i, n in enumerate((8, 16))]
+  # flax starts its biases at zero: nonzero ones check where the bias goes.
+  for layer in layers:
+    for path, param in nnx.iter_graph(layer):
+      if isinstance(param, nnx.Param) and path[-1] == "bias":
+        param[...] = random(rng, param[...].shape, jnp.float32)
+  x = random(rng, (3, 7, 8), jnp.float32)
+  want = x
+  for layer in layers:
+    want = layer(want)
+  zeros = jnp.zeros((2, 3, 16))
+  got, _, _ = jaxfuse.lstm(x, zeros, zeros, nn.lstm_weights_from_flax(layers),
+                           jnp.full((3,), 7, jnp.int32), input_size=8, hidden_size=16,
+                           num_layers=2, dropout=0.0, precision="highest",
+                           implementation="xla")
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

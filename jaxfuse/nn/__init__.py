@@ -17,7 +17,7 @@ except ModuleNotFoundError as missing:
 from jaxfuse.nn.attention import CausalSelfAttention, dot_product_attention
 from jaxfuse.nn.losses import cross_entropy_loss
 from jaxfuse.nn.normalization import LayerNorm, RMSNorm
-from jaxfuse.nn.recurrent import GRU, LSTM
+from jaxfuse.nn.recurrent import GRU, LSTM, lstm_weights_from_flax
 
 __all__ = ["GRU", "LSTM", "CausalSelfAttention", "LayerNorm", "RMSNorm", "cross_entropy_loss",
-           "dot_product_attention"]
+           "dot_product_attention", "lstm_weights_from_flax"]

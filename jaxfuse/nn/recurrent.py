@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxfuse.ops.rnn.api import gru, lstm
-from jaxfuse.ops.rnn.weights import init_gru_weights, init_lstm_weights
+from jaxfuse.ops.rnn.weights import init_gru_weights, init_lstm_weights, pack_lstm_weights
 
 
 class _Recurrent(nnx.Module):
@@ -69,3 +70,31 @@ class GRU(_Recurrent):
   """A GRU layer (cuDNN's and PyTorch's) over :func:`jaxfuse.gru`; see ``_Recurrent``."""
   _op = staticmethod(gru)
   _init = staticmethod(init_gru_weights)
+
+
+def lstm_weights_from_flax(layers) -> jax.Array:
+  """The flat weights of :func:`jaxfuse.lstm` (and :class:`LSTM`) from a stack of
+  ``nnx.RNN(nnx.OptimizedLSTMCell(...))`` or ``nnx.RNN(nnx.LSTMCell(...))`` layers, one
+  direction each, first layer first.
+
+  The gates are in the same order (input, forget, cell, output). flax's cell has one bias per
+  gate, on the hidden product, where cuDNN's layout has two: it goes to ``b_hh`` and ``b_ih``
+  is zero, so the fused layer computes the same function (keep ``b_ih`` at zero while training
+  to keep it so).
+  """
+  w_ih, w_hh, b_ih, b_hh = {}, {}, {}, {}
+  for p, layer in enumerate(layers):
+    cell = getattr(layer, "cell", layer)
+    if not hasattr(cell, "dense_i"):
+      # LSTMCell keeps one Linear per gate and product (ii, if_, ig, io; hi, hf, hg, ho).
+      inputs = [cell.ii, cell.if_, cell.ig, cell.io]
+      hidden = [cell.hi, cell.hf, cell.hg, cell.ho]
+      w_ih[p] = jnp.concatenate([linear.kernel[...].T for linear in inputs])
+      w_hh[p] = jnp.concatenate([linear.kernel[...].T for linear in hidden])
+      b_hh[p] = jnp.concatenate([linear.bias[...] for linear in hidden])
+    else:
+      w_ih[p] = cell.dense_i.kernel[...].T
+      w_hh[p] = cell.dense_h.kernel[...].T
+      b_hh[p] = cell.dense_h.bias[...]
+    b_ih[p] = jnp.zeros_like(b_hh[p])
+  return pack_lstm_weights(w_ih, w_hh, b_ih, b_hh)
