@@ -10,6 +10,7 @@ import importlib
 import itertools
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -283,6 +284,11 @@ def _build(arch: str | None) -> int:
             f"a GPU", file=sys.stderr)
       return 1
     arch = build.gpu_arch()
+  match = re.fullmatch(r"sm_(\d+)a?", arch)
+  if match is None or int(match.group(1)) < 90:
+    print(f"jaxfuse build: the 'cuda' kernels use Hopper's thread-block clusters and need "
+          f"sm_90 or newer; got --arch {arch!r}", file=sys.stderr)
+    return 2
   libraries = [importlib.import_module(module).LIBRARY for module in CUDA_LIBRARIES]
   # Each build is an nvcc process: they run side by side.
   with concurrent.futures.ThreadPoolExecutor(len(libraries)) as pool:

@@ -212,6 +212,14 @@ def test_cli_build_builds_every_library(tmp_path, toolchain, monkeypatch, capsys
   assert _compiles(tmp_path) == len(cli.CUDA_LIBRARIES)
 
 
+@pytest.mark.parametrize("arch", ["sm_80", "90", "hopper"])
+def test_cli_build_refuses_an_architecture_before_hopper_at_once(toolchain, monkeypatch, capsys,
+                                                                 arch):
+  monkeypatch.setattr(build, "_toolchain", lambda: toolchain)
+  assert cli.main(["build", "--arch", arch]) == 2
+  assert "need sm_90 or newer" in capsys.readouterr().err
+
+
 def test_cli_build_without_gpu_or_arch_says_why(capsys):
   if registry.platform() == "gpu":
     pytest.skip("this machine has a GPU")
