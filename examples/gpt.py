@@ -13,8 +13,8 @@ text every machine has. ``--bench`` uses random tokens at GPT-2's vocabulary (50
 The two models hold the same parameters (flax's ``LayerNorm``, ``MultiHeadAttention``
 ``query/key/value/out`` kernels, ``Linear``, ``Embed``): the fused one computes them with
 ``jaxfuse.nn.LayerNorm``, ``jaxfuse.nn.CausalSelfAttention``, an MLP whose backward
-recomputes its GELU (``gelu_mlp``) and ``jaxfuse.linear_cross_entropy`` on the tied embedding
-(the logits never reach memory); the unfused one with ``flax.nnx.LayerNorm``,
+recomputes its GELU (``jaxfuse.gelu_mlp``) and ``jaxfuse.linear_cross_entropy`` on the tied
+embedding (the logits never reach memory); the unfused one with ``flax.nnx.LayerNorm``,
 ``nnx.MultiHeadAttention`` over ``jax.nn.dot_product_attention`` (``--attention xla`` or
 ``cudnn``) and ``optax.softmax_cross_entropy_with_integer_labels`` on float32 logits.
 
@@ -88,44 +88,6 @@ def jax_nn_attention(implementation):
   return attention_fn
 
 
-@jax.custom_vjp
-def gelu_mlp(x, w1, b1, w2, b2):
-  """``gelu(x @ w1 + b1) @ w2 + b2`` over the last axis (``flax.nnx.Linear``'s kernel and bias
-  layouts), holding only ``x`` and the first product for the backward.
-
-  The backward recomputes the GELU in the pass that takes its gradient, so the activation, 4x
-  the width per token, is never held between the passes: at GPT-2's shape, 2.2 GiB less
-  temporary memory than XLA's own gradient for 2% more step time (H100, ``fused-leanmm``
-  against ``fused`` in benchmarks/results/2026-11-25-h100-gpt2-bench-lean-mlp-barrier.json).
-  """
-  return jax.nn.gelu(x @ w1 + b1) @ w2 + b2
-
-
-def _gelu_mlp_fwd(x, w1, b1, w2, b2):
-  product = x @ w1  # held without the bias: the forward then writes the activation alone
-  return jax.nn.gelu(product + b1) @ w2 + b2, (x, product, w1, b1, w2, b2)
-
-
-def _gelu_mlp_bwd(residuals, dy):
-  x, product, w1, b1, w2, b2 = residuals
-  # The barrier keeps XLA from merging this GELU with the forward's (common subexpression
-  # elimination), which would hold the forward's activation instead of recomputing it.
-  activation, gelu_vjp = jax.vjp(jax.nn.gelu, jax.lax.optimization_barrier(product) + b1)
-  (dh,) = gelu_vjp(dy @ w2.T)
-  rows = lambda a: a.reshape(-1, a.shape[-1])
-  # dh's bias gradient as a product with ones, not a sum: with no reduction in it, XLA computes
-  # the activation and dh in one elementwise pass over the product.
-  accumulate = jnp.promote_types(jnp.float32, dh.dtype)
-  ones = jnp.ones((1, rows(dh).shape[0]), dh.dtype)
-  dbias1 = jnp.dot(ones, rows(dh), preferred_element_type=accumulate)[0]
-  dbias2 = jnp.sum(rows(dy), axis=0, dtype=accumulate)
-  return (dh @ w1.T, rows(x).T @ rows(dh), dbias1.astype(b1.dtype),
-          rows(activation).T @ rows(dy), dbias2.astype(b2.dtype))
-
-
-gelu_mlp.defvjp(_gelu_mlp_fwd, _gelu_mlp_bwd)
-
-
 class Block(nnx.Module):
 
   def __init__(self, cfg: Config, fused: bool, attention: str | None, rngs: nnx.Rngs):
@@ -154,7 +116,7 @@ class Block(nnx.Module):
     if not self.fused:
       return x + self.proj(jax.nn.gelu(self.fc(self.ln2(x))))
     operand = lambda p: p[...].astype(self.dtype)  # as nnx.Linear promotes its parameters
-    return x + gelu_mlp(self.ln2(x), operand(self.fc.kernel), operand(self.fc.bias),
+    return x + jaxfuse.gelu_mlp(self.ln2(x), operand(self.fc.kernel), operand(self.fc.bias),
                         operand(self.proj.kernel), operand(self.proj.bias))
 
 

@@ -55,6 +55,11 @@ def _lce_args(rng):
           jnp.asarray(rng.integers(0, 40, (6,)), jnp.int32))
 
 
+def _mlp_args(rng):
+  return (_normal(rng, (6, 16)), _normal(rng, (16, 40), 0.25), _normal(rng, (40,), 0.1),
+          _normal(rng, (40, 16), 0.25), _normal(rng, (16,), 0.1))
+
+
 def _attention_args(rng):
   return tuple(_normal(rng, (2, 24, 2, 64)) for _ in range(3))
 
@@ -104,6 +109,9 @@ OPS = [
        lambda impl, x, w, y: jaxfuse.linear_cross_entropy(x, w, y, reduction="none",
                                                          implementation=impl),
        ("xla",) + GPU, wrt=(0, 1), inner_axis=None, batch=(P("batch"), None, P("batch"))),
+    Op("gelu_mlp", _mlp_args,
+       lambda impl, *a: jaxfuse.gelu_mlp(*a, implementation=impl), ("xla",),
+       wrt=(0, 1, 2, 3, 4), inner_axis=None, batch=(P("batch"), None, None, None, None)),
     Op("attention", _attention_args, _attention,
        ("xla", "triton", "mosaic", "cudnn"), wrt=(0, 1, 2), inner_axis=2,
        batch=(P("batch"),) * 3, tolerance=1e-4),

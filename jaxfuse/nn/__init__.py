@@ -5,7 +5,8 @@ the same constructor arguments, parameters (``scale``, ``bias``) and dtype rules
 checkpoint of one loads into the other. ``LSTM`` and ``GRU`` hold the flat cuDNN-layout weights
 of ``jaxfuse.lstm`` and ``jaxfuse.gru``. ``dot_product_attention`` is an ``attention_fn`` for
 ``flax.nnx.MultiHeadAttention``, ``CausalSelfAttention`` a decoder's attention layer with
-``MultiHeadAttention``'s parameters, and ``cross_entropy_loss`` the training loop's loss.
+``MultiHeadAttention``'s parameters, ``GeluMLP`` a transformer's MLP (two ``nnx.Linear``s) whose
+backward recomputes the activation, and ``cross_entropy_loss`` the training loop's loss.
 """
 
 try:
@@ -16,8 +17,9 @@ except ModuleNotFoundError as missing:
 
 from jaxfuse.nn.attention import CausalSelfAttention, dot_product_attention
 from jaxfuse.nn.losses import cross_entropy_loss
+from jaxfuse.nn.mlp import GeluMLP
 from jaxfuse.nn.normalization import LayerNorm, RMSNorm
 from jaxfuse.nn.recurrent import GRU, LSTM, lstm_weights_from_flax
 
-__all__ = ["GRU", "LSTM", "CausalSelfAttention", "LayerNorm", "RMSNorm", "cross_entropy_loss",
-           "dot_product_attention", "lstm_weights_from_flax"]
+__all__ = ["GRU", "GeluMLP", "LSTM", "CausalSelfAttention", "LayerNorm", "RMSNorm",
+           "cross_entropy_loss", "dot_product_attention", "lstm_weights_from_flax"]

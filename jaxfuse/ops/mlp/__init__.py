@@ -1,0 +1,1 @@
+"""A transformer's GELU MLP whose backward recomputes the activation."""

@@ -1,0 +1,101 @@
+"""``gelu_mlp``: ``gelu(x @ w1 + b1) @ w2 + b2`` holding only ``x`` and the first product for
+the backward.
+
+A training step of the plain expression keeps the GELU's output (as wide as the hidden layer,
+four times the model's width in a transformer) from the forward to the backward. This one
+recomputes it in the pass of the backward that takes the GELU's gradient, where XLA fuses the
+two, so it is never held between the passes: less temporary memory for one more elementwise
+pass over the product.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxfuse._core import op
+from jaxfuse._core.validation import check_array, describe
+
+OP = "gelu_mlp"
+_BACKENDS = {"xla": lambda: None}
+
+
+def gelu_mlp(x, w1, b1, w2, b2, *, approximate: bool = True,
+             implementation: str | None = None):
+  """``gelu(x @ w1 + b1) @ w2 + b2`` over the last axis, ``jax.nn.gelu``'s GELU, with a
+  backward that recomputes the activation instead of holding it.
+
+  Args:
+    x: ``(..., D)`` floating point.
+    w1: ``(D, F)`` (``flax.nnx.Linear``'s kernel layout); ``b1``: ``(F,)``.
+    w2: ``(F, E)``; ``b2``: ``(E,)``.
+    approximate: the tanh approximation (``jax.nn.gelu``'s default) or the exact erf GELU.
+    implementation: ``'xla'`` or ``None`` (the same: XLA's products and fusions).
+
+  Returns:
+    ``(..., E)`` in the operands' promoted dtype (as ``jnp`` promotes them); gradients come
+    back in each operand's own dtype.
+  """
+  arrays = {name: check_array(OP, name, a)
+            for name, a in dict(x=x, w1=w1, b1=b1, w2=w2, b2=b2).items()}
+  x, w1, b1, w2, b2 = arrays.values()
+  if x.ndim == 0 or w1.ndim != 2 or w1.shape[0] != x.shape[-1]:
+    raise ValueError(f"{OP}: w1 must be (x.shape[-1], F); got x {describe(x)} and w1 "
+                     f"{describe(w1)}")
+  if w2.ndim != 2 or w2.shape[0] != w1.shape[1]:
+    raise ValueError(f"{OP}: w2 must be (F, E) for w1 {describe(w1)}; got {describe(w2)}")
+  for name, bias, width in (("b1", b1, w1.shape[1]), ("b2", b2, w2.shape[1])):
+    if bias.shape != (width,):
+      raise ValueError(f"{OP}: {name} must be ({width},), got {describe(bias)}")
+  if not isinstance(approximate, bool):
+    raise TypeError(f"{OP}: approximate must be a bool, got {approximate!r}")
+  plan = op.resolve_plan(OP, implementation, _BACKENDS, ("xla",))
+  dtype = jnp.result_type(*arrays.values())
+  # The casts' own gradients return each operand's gradient in its dtype.
+  return _gelu_mlp_jit(*(a.astype(dtype) for a in arrays.values()),
+                       _Static(approximate, plan))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  approximate: bool
+  plan: op.Plan
+
+
+@functools.partial(jax.jit, static_argnums=(5,))
+def _gelu_mlp_jit(x, w1, b1, w2, b2, st):
+  return _mlp(x, w1, b1, w2, b2, st)
+
+
+def _mlp(x, w1, b1, w2, b2, st):
+  return jax.nn.gelu(x @ w1 + b1, approximate=st.approximate) @ w2 + b2
+
+
+def _mlp_fwd(x, w1, b1, w2, b2, st):
+  product = x @ w1  # held without the bias: the forward then writes the activation alone
+  out = jax.nn.gelu(product + b1, approximate=st.approximate) @ w2 + b2
+  return out, (x, product, w1, b1, w2)
+
+
+def _mlp_bwd(st, residuals, dy):
+  x, product, w1, b1, w2 = residuals
+  # The barrier keeps XLA from merging this GELU with the forward's (common subexpression
+  # elimination), which would hold the forward's activation instead of recomputing it.
+  activation, gelu_vjp = jax.vjp(functools.partial(jax.nn.gelu, approximate=st.approximate),
+                                 jax.lax.optimization_barrier(product) + b1)
+  (dh,) = gelu_vjp(dy @ w2.T)
+  rows = lambda a: a.reshape(-1, a.shape[-1])
+  # dh's bias gradient as a product with ones, not a sum: with no reduction in it, XLA computes
+  # the activation and dh in one elementwise pass over the product.
+  accumulate = jnp.promote_types(jnp.float32, dh.dtype)
+  ones = jnp.ones((1, rows(dh).shape[0]), dh.dtype)
+  db1 = jnp.dot(ones, rows(dh), preferred_element_type=accumulate)[0]
+  db2 = jnp.sum(rows(dy), axis=0, dtype=accumulate)
+  return (dh @ w1.T, rows(x).T @ rows(dh), db1.astype(b1.dtype),
+          rows(activation).T @ rows(dy), db2.astype(dy.dtype))
+
+
+_mlp = op.differentiable(_mlp, _mlp_fwd, _mlp_bwd, static=(5,))
