@@ -342,8 +342,8 @@ def test_jaxfuse_imports_without_flax():
   assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
-@pytest.mark.parametrize("cell", ["OptimizedLSTMCell", "LSTMCell"])
-def test_lstm_weights_from_flax_compute_flaxs_function(rng, cell):
+@pytest.mark.parametrize("cell", ["OptimizedLSTMCell", "LSTMCell", "GRUCell"])
+def test_weights_from_flax_compute_flaxs_function(rng, cell):
   layers = [nnx.RNN(getattr(nnx, cell)(n, 16, rngs=nnx.Rngs(i)), rngs=nnx.Rngs(i))
             for i, n in enumerate((8, 16))]
   # flax starts its biases at zero: nonzero ones check where the bias goes.
@@ -356,8 +356,11 @@ def test_lstm_weights_from_flax_compute_flaxs_function(rng, cell):
   for layer in layers:
     want = layer(want)
   zeros = jnp.zeros((2, 3, 16))
-  got, _, _ = jaxfuse.lstm(x, zeros, zeros, nn.lstm_weights_from_flax(layers),
-                           jnp.full((3,), 7, jnp.int32), input_size=8, hidden_size=16,
-                           num_layers=2, dropout=0.0, precision="highest",
-                           implementation="xla")
+  kw = dict(input_size=8, hidden_size=16, num_layers=2, dropout=0.0, precision="highest",
+            implementation="xla")
+  lengths = jnp.full((3,), 7, jnp.int32)
+  if cell == "GRUCell":
+    got, _ = jaxfuse.gru(x, zeros, nn.gru_weights_from_flax(layers), lengths, **kw)
+  else:
+    got, _, _ = jaxfuse.lstm(x, zeros, zeros, nn.lstm_weights_from_flax(layers), lengths, **kw)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

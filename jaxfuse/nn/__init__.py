@@ -19,7 +19,8 @@ from jaxfuse.nn.attention import CausalSelfAttention, dot_product_attention
 from jaxfuse.nn.losses import cross_entropy_loss
 from jaxfuse.nn.mlp import GeluMLP
 from jaxfuse.nn.normalization import LayerNorm, RMSNorm
-from jaxfuse.nn.recurrent import GRU, LSTM, lstm_weights_from_flax
+from jaxfuse.nn.recurrent import GRU, LSTM, gru_weights_from_flax, lstm_weights_from_flax
 
 __all__ = ["GRU", "GeluMLP", "LSTM", "CausalSelfAttention", "LayerNorm", "RMSNorm",
-           "cross_entropy_loss", "dot_product_attention", "lstm_weights_from_flax"]
+           "cross_entropy_loss", "dot_product_attention", "gru_weights_from_flax",
+           "lstm_weights_from_flax"]

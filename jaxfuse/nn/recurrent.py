@@ -7,7 +7,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxfuse.ops.rnn.api import gru, lstm
-from jaxfuse.ops.rnn.weights import init_gru_weights, init_lstm_weights, pack_lstm_weights
+from jaxfuse.ops.rnn.weights import (init_gru_weights, init_lstm_weights, pack_gru_weights,
+                                     pack_lstm_weights)
 
 
 class _Recurrent(nnx.Module):
@@ -98,3 +99,21 @@ def lstm_weights_from_flax(layers) -> jax.Array:
       b_hh[p] = cell.dense_h.bias[...]
     b_ih[p] = jnp.zeros_like(b_hh[p])
   return pack_lstm_weights(w_ih, w_hh, b_ih, b_hh)
+
+
+def gru_weights_from_flax(layers) -> jax.Array:
+  """The flat weights of :func:`jaxfuse.gru` (and :class:`GRU`) from a stack of
+  ``nnx.RNN(nnx.GRUCell(...))`` layers, one direction each, first layer first.
+
+  The gates are in the same order (reset, update, new) and flax's new gate is cuDNN's,
+  ``tanh(W_in x + b_in + r * (W_hn h + b_hn))``, with the only bias on the input product: it
+  goes to ``b_ih`` and ``b_hh`` is zero (keep it so while training to compute flax's function).
+  """
+  w_ih, w_hh, b_ih, b_hh = {}, {}, {}, {}
+  for p, layer in enumerate(layers):
+    cell = getattr(layer, "cell", layer)
+    w_ih[p] = cell.dense_i.kernel[...].T
+    w_hh[p] = cell.dense_h.kernel[...].T
+    b_ih[p] = cell.dense_i.bias[...]
+    b_hh[p] = jnp.zeros_like(b_ih[p])
+  return pack_gru_weights(w_ih, w_hh, b_ih, b_hh)
