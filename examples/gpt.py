@@ -339,12 +339,13 @@ def run_steps(step, steps: int, tokens_per_step: int, name: str | None) -> list[
   losses, pending, t0 = [], [], time.perf_counter()
   for i in range(steps):
     pending.append(step())
-    if len(pending) == 10 or i == steps - 1:
+    if i == 0 or len(pending) == 10 or i == steps - 1:
       losses += [float(l) for l in pending]
-      # tokens/s of the group just read (the first includes compiling).
-      rate = len(pending) * tokens_per_step / (time.perf_counter() - t0)
+      # tokens/s of the group just read; the first step, which compiles, is read alone and
+      # counts in no rate.
+      rate = i and len(pending) * tokens_per_step / (time.perf_counter() - t0)
       pending, t0 = [], time.perf_counter()
-      if name:
+      if name and rate:
         bar = "#" * (30 * (i + 1) // steps)
         print(f"\r{name:>14} [{bar:<30}] {i + 1}/{steps}  loss {losses[-1]:.4f}  "
               f"{rate:,.0f} tokens/s", end="", file=sys.stderr, flush=True)
@@ -525,6 +526,8 @@ def main(argv=None):
                    vocab=args.vocab or (50257 if args.bench else None))
   cfg = dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
   mesh = make_mesh(args.mesh)
+  print(f"{cfg} on {jax.device_count()} x {jax.devices()[0].device_kind}, mesh "
+        f"{dict(mesh.shape)}", file=sys.stderr, flush=True)
   record = dict(_environment(argv), config=dataclasses.asdict(cfg), mesh=dict(mesh.shape),
                 packed=args.packed)
   if args.bench:

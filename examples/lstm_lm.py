@@ -184,6 +184,7 @@ def main(argv=None):
   parser.add_argument("--bench", action="store_true")
   args = parser.parse_args(argv)
   cfg = PRESETS[args.preset]
+  print(f"{cfg} on {jax.devices()[0].device_kind}", file=sys.stderr, flush=True)
   from jaxfuse._core.bench import environment
   record = dict(environment("python examples/lstm_lm.py"), config=dataclasses.asdict(cfg),
                 timing="wall clock per step: step_ms the median over windows of 10 steps "
