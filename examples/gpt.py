@@ -12,8 +12,8 @@ text every machine has. ``--bench`` uses random tokens at GPT-2's vocabulary (50
 
 The two models hold the same parameters (flax's ``LayerNorm``, ``MultiHeadAttention``
 ``query/key/value/out`` kernels, ``Linear``, ``Embed``): the fused one computes them with
-``jaxfuse.nn.LayerNorm``, ``jaxfuse.nn.CausalSelfAttention``, an MLP whose backward
-recomputes its GELU (``jaxfuse.gelu_mlp``) and ``jaxfuse.linear_cross_entropy`` on the tied
+``jaxfuse.nn.LayerNorm``, ``jaxfuse.nn.CausalSelfAttention``, ``jaxfuse.nn.GeluMLP`` (its
+backward recomputes the GELU) and ``jaxfuse.linear_cross_entropy`` on the tied
 embedding (the logits never reach memory); the unfused one with ``flax.nnx.LayerNorm``,
 ``nnx.MultiHeadAttention`` over ``jax.nn.dot_product_attention`` (``--attention xla`` or
 ``cudnn``) and ``optax.softmax_cross_entropy_with_integer_labels`` on float32 logits.
@@ -88,12 +88,23 @@ def jax_nn_attention(implementation):
   return attention_fn
 
 
+class FlaxMLP(nnx.Module):
+  """``proj(gelu(fc(x)))`` in flax's own layers: the unfused model's MLP."""
+
+  def __init__(self, width: int, hidden: int, **kw):
+    self.fc = nnx.Linear(width, hidden, **kw)
+    self.proj = nnx.Linear(hidden, width, **kw)
+
+  def __call__(self, x):
+    return self.proj(jax.nn.gelu(self.fc(x)))
+
+
 class Block(nnx.Module):
 
   def __init__(self, cfg: Config, fused: bool, attention: str | None, rngs: nnx.Rngs):
     kw = dict(dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.float32, rngs=rngs)
     norm = jnn.LayerNorm if fused else nnx.LayerNorm
-    self.fused, self.dtype = fused, jnp.dtype(cfg.dtype)
+    self.fused = fused
     self.ln1, self.ln2 = norm(cfg.width, **kw), norm(cfg.width, **kw)
     if fused:
       self.attn = jnn.CausalSelfAttention(cfg.heads, cfg.width, num_kv_heads=cfg.kv_heads, **kw)
@@ -101,8 +112,9 @@ class Block(nnx.Module):
       self.attn = nnx.MultiHeadAttention(cfg.heads, cfg.width, num_kv_heads=cfg.kv_heads,
                                          attention_fn=jax_nn_attention(attention),
                                          decode=False, **kw)
-    self.fc = nnx.Linear(cfg.width, 4 * cfg.width, **kw)
-    self.proj = nnx.Linear(4 * cfg.width, cfg.width, **kw)
+    # The same parameters (mlp.fc, mlp.proj) either way; the fused layer's backward recomputes
+    # the GELU instead of holding its output.
+    self.mlp = (jnn.GeluMLP if fused else FlaxMLP)(cfg.width, 4 * cfg.width, **kw)
 
   def __call__(self, x, segment_ids, mask):
     h = self.ln1(x)
@@ -113,11 +125,7 @@ class Block(nnx.Module):
     else:
       h = self.attn(h, mask=mask)
     x = x + h
-    if not self.fused:
-      return x + self.proj(jax.nn.gelu(self.fc(self.ln2(x))))
-    operand = lambda p: p[...].astype(self.dtype)  # as nnx.Linear promotes its parameters
-    return x + jaxfuse.gelu_mlp(self.ln2(x), operand(self.fc.kernel), operand(self.fc.bias),
-                        operand(self.proj.kernel), operand(self.proj.bias))
+    return x + self.mlp(self.ln2(x))
 
 
 class GPT(nnx.Module):

@@ -93,7 +93,7 @@ _SHARDED = textwrap.dedent("""
       hlo = trainer.compiled(cfg.batch, True).as_text()
       assert not re.search(r"all-gather(-start)?\\(", hlo), spec
       assert re.search(r"all-reduce(-start)?\\(", hlo), spec  # the gradients' sum
-      kernel = trainer.params["blocks"][0]["fc"]["kernel"][...]
+      kernel = trainer.params["blocks"][0]["mlp"]["fc"]["kernel"][...]
       assert kernel.sharding.spec == jax.sharding.PartitionSpec(None, "model")
     # Data and model parallel at once (the last mesh): the fused model trains as the unfused.
     fused, unfused = (gpt.train(cfg, variant, 4, mesh=mesh, packed=True, progress=False)
