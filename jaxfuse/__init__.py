@@ -23,9 +23,9 @@ from jaxfuse.ops.softmax.api import log_softmax, softmax, softmax_cross_entropy
 __version__ = "0.1.0"
 
 __all__ = [
-    "IMPLEMENTATIONS", "attention", "explain", "gelu_mlp", "layer_norm", "linear_cross_entropy", "log_softmax", "rms_norm", "softmax", "softmax_cross_entropy",
-    "gru", "gru_weight_count", "gru_weights_from_torch", "gru_weights_to_torch", "init_gru_weights",
-    "init_lstm_weights", "lstm", "lstm_weight_count", "lstm_weights_from_torch",
-    "lstm_weights_to_torch", "pack_gru_weights", "pack_lstm_weights", "unpack_gru_weights",
-    "unpack_lstm_weights",
+    "IMPLEMENTATIONS", "attention", "explain", "gelu_mlp", "layer_norm", "linear_cross_entropy",
+    "log_softmax", "rms_norm", "softmax", "softmax_cross_entropy", "gru", "gru_weight_count",
+    "gru_weights_from_torch", "gru_weights_to_torch", "init_gru_weights", "init_lstm_weights",
+    "lstm", "lstm_weight_count", "lstm_weights_from_torch", "lstm_weights_to_torch",
+    "pack_gru_weights", "pack_lstm_weights", "unpack_gru_weights", "unpack_lstm_weights"
 ]

@@ -227,9 +227,9 @@ def _tune_from(family: str, paths: list[str], write: bool) -> int:
   rows, kinds = [], set()
   for path in paths:
     record = json.loads(Path(path).read_text())
-    names = set(record.get("tuned_rows") or ())
-    if record.get("tune_family", family if names == set(tune.derive_names(family)) else None) \
-        != family:
+    # Runs saved before records named their family are known by the rows they derived.
+    derived_here = set(record.get("tuned_rows") or ()) == set(tune.derive_names(family))
+    if record.get("tune_family", family if derived_here else None) != family:
       print(f"jaxfuse tune --from: {path} is not a tuning run of {family}", file=sys.stderr)
       return 2
     if write and tune.cited_path(path) is None:

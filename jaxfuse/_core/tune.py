@@ -3,13 +3,13 @@
 A family's bench module gives ``tune_cases()``, a grid of problems that crosses its dispatch
 thresholds with only the named implementations, and ``tuned_rows(rows)``, the table rows
 those timings imply (the helpers below: the size up to which, or from which, one
-implementation is used at the least regret against the faster, an order by geometric mean). The bench checks every
-implementation against float64 as it times it; one that fails counts as infinitely slow
-there, and ``--write`` refuses such a run. The command saves the run (in the checkout's
-``benchmarks/results/``), and with ``--write`` puts the rows, each citing it, into
-``jaxfuse/ops/<family>/tuned/<this GPU>.json`` over the rows it had. A family's
-``rules`` (measured exceptions on dtype, element count and the like) are not derived: they
-stay as the table has them.
+implementation is used at the least regret against the faster, an order by geometric mean).
+The bench checks every implementation against float64 as it times it; one that fails counts
+as infinitely slow there, and ``--write`` refuses such a run. The command saves the run (in
+the checkout's ``benchmarks/results/``, after each case), and with ``--write`` puts the rows,
+each citing it, into ``jaxfuse/ops/<family>/tuned/<this GPU>.json`` over the rows it had. A
+family's ``rules`` (measured exceptions on dtype, element count and the like) are not derived:
+they stay as the table has them.
 """
 
 from __future__ import annotations

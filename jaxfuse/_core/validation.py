@@ -106,6 +106,16 @@ def counted_labels(labels, classes: int, ignore_index):
   return valid if ignore_index is None else valid & (labels != ignore_index)
 
 
+def check_lengths_range(op: str, name: str, lengths, longest: int, bound: str):
+  """Raises where concrete ``lengths`` (outside jit) leave ``[0, longest]``; traced ones cannot
+  be read at trace time and pass as they are. ``bound`` names ``longest`` in the message."""
+  if isinstance(lengths, jax.core.Tracer):
+    return
+  values = np.asarray(lengths)
+  if values.size and (values.min() < 0 or values.max() > longest):
+    raise ValueError(f"{op}: {name} must be in [0, {bound}], got {values.tolist()}")
+
+
 def int32_labels(labels, classes: int, ignore_index):
   """``labels`` as the kernels take them (int32) and the rows whose label is neither a class
   nor ``ignore_index``; a wider label is never narrowed into range (it is flagged first)."""

@@ -73,6 +73,31 @@ class GRU(_Recurrent):
   _init = staticmethod(init_gru_weights)
 
 
+def _from_flax(layers, cell_weights, pack) -> jax.Array:
+  """``pack`` of each layer's ``(W_ih, W_hh, b_ih, b_hh)`` by ``cell_weights(cell)``, first
+  layer first (an ``nnx.RNN`` or its cell)."""
+  parts = [cell_weights(getattr(layer, "cell", layer)) for layer in layers]
+  return pack(*({p: part[k] for p, part in enumerate(parts)} for k in range(4)))
+
+
+def _lstm_cell_weights(cell):
+  if hasattr(cell, "dense_i"):  # OptimizedLSTMCell: one Linear per product, gates stacked
+    w_ih, w_hh = cell.dense_i.kernel[...].T, cell.dense_h.kernel[...].T
+    b_hh = cell.dense_h.bias[...]
+  else:  # LSTMCell: one Linear per gate and product (ii, if_, ig, io; hi, hf, hg, ho)
+    inputs = [cell.ii, cell.if_, cell.ig, cell.io]
+    hidden = [cell.hi, cell.hf, cell.hg, cell.ho]
+    w_ih = jnp.concatenate([linear.kernel[...].T for linear in inputs])
+    w_hh = jnp.concatenate([linear.kernel[...].T for linear in hidden])
+    b_hh = jnp.concatenate([linear.bias[...] for linear in hidden])
+  return w_ih, w_hh, jnp.zeros_like(b_hh), b_hh
+
+
+def _gru_cell_weights(cell):
+  b_ih = cell.dense_i.bias[...]
+  return cell.dense_i.kernel[...].T, cell.dense_h.kernel[...].T, b_ih, jnp.zeros_like(b_ih)
+
+
 def lstm_weights_from_flax(layers) -> jax.Array:
   """The flat weights of :func:`jaxfuse.lstm` (and :class:`LSTM`) from a stack of
   ``nnx.RNN(nnx.OptimizedLSTMCell(...))`` or ``nnx.RNN(nnx.LSTMCell(...))`` layers, one
@@ -83,22 +108,7 @@ def lstm_weights_from_flax(layers) -> jax.Array:
   is zero, so the fused layer computes the same function (keep ``b_ih`` at zero while training
   to keep it so).
   """
-  w_ih, w_hh, b_ih, b_hh = {}, {}, {}, {}
-  for p, layer in enumerate(layers):
-    cell = getattr(layer, "cell", layer)
-    if not hasattr(cell, "dense_i"):
-      # LSTMCell keeps one Linear per gate and product (ii, if_, ig, io; hi, hf, hg, ho).
-      inputs = [cell.ii, cell.if_, cell.ig, cell.io]
-      hidden = [cell.hi, cell.hf, cell.hg, cell.ho]
-      w_ih[p] = jnp.concatenate([linear.kernel[...].T for linear in inputs])
-      w_hh[p] = jnp.concatenate([linear.kernel[...].T for linear in hidden])
-      b_hh[p] = jnp.concatenate([linear.bias[...] for linear in hidden])
-    else:
-      w_ih[p] = cell.dense_i.kernel[...].T
-      w_hh[p] = cell.dense_h.kernel[...].T
-      b_hh[p] = cell.dense_h.bias[...]
-    b_ih[p] = jnp.zeros_like(b_hh[p])
-  return pack_lstm_weights(w_ih, w_hh, b_ih, b_hh)
+  return _from_flax(layers, _lstm_cell_weights, pack_lstm_weights)
 
 
 def gru_weights_from_flax(layers) -> jax.Array:
@@ -109,11 +119,4 @@ def gru_weights_from_flax(layers) -> jax.Array:
   ``tanh(W_in x + b_in + r * (W_hn h + b_hn))``, with the only bias on the input product: it
   goes to ``b_ih`` and ``b_hh`` is zero (keep it so while training to compute flax's function).
   """
-  w_ih, w_hh, b_ih, b_hh = {}, {}, {}, {}
-  for p, layer in enumerate(layers):
-    cell = getattr(layer, "cell", layer)
-    w_ih[p] = cell.dense_i.kernel[...].T
-    w_hh[p] = cell.dense_h.kernel[...].T
-    b_ih[p] = cell.dense_i.bias[...]
-    b_hh[p] = jnp.zeros_like(b_ih[p])
-  return pack_gru_weights(w_ih, w_hh, b_ih, b_hh)
+  return _from_flax(layers, _gru_cell_weights, pack_gru_weights)

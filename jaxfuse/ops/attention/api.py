@@ -13,7 +13,8 @@ import numpy as np
 from jaxfuse._core import op, registry, tuned
 from jaxfuse._core.batching import fold_into_batch, mapped_axis_first
 from jaxfuse._core.sharding import parallel_call
-from jaxfuse._core.validation import check_array, describe, static_float, static_int
+from jaxfuse._core.validation import (check_array, check_lengths_range, describe, static_float,
+                                      static_int)
 from jaxfuse.ops.attention import mosaic, reference, triton
 from jaxfuse.ops.attention.reference import MaskSpec
 
@@ -191,11 +192,7 @@ def _lengths(name, a, b, positions):
   if a is None:
     return None
   a = _int_array(name, a, (b,))
-  if not isinstance(a, jax.core.Tracer):
-    # Concrete lengths (outside jit) are checked here; traced ones cannot be read.
-    values = np.asarray(a)
-    if values.size and (values.min() < 0 or values.max() > positions):
-      raise ValueError(f"{OP}: {name} must be in [0, {positions}], got {values.tolist()}")
+  check_lengths_range(OP, name, a, positions, str(positions))
   return a
 
 

@@ -13,7 +13,8 @@ import numpy as np
 from jaxfuse._core import op, registry, tuned
 from jaxfuse._core.op import resolve_plan
 from jaxfuse._core.sharding import parallel_call, replicated_sharding
-from jaxfuse._core.validation import check_array, describe, static_float, static_int
+from jaxfuse._core.validation import (check_array, check_lengths_range, describe, static_float,
+                                      static_int)
 from jaxfuse.ops.rnn import cuda as cuda_kernels
 from jaxfuse.ops.rnn import reference
 from jaxfuse.ops.rnn.weights import unpack, weight_count
@@ -171,11 +172,7 @@ def _check_lengths(op, seq_lengths, batch, time):
   if seq_lengths.shape != (batch,):
     raise ValueError(f"{op}: seq_lengths must have shape (batch,) = ({batch},), got "
                      f"{describe(seq_lengths)}")
-  if not isinstance(seq_lengths, jax.core.Tracer):
-    lengths = np.asarray(seq_lengths)
-    if lengths.size and (lengths.min() < 0 or lengths.max() > time):
-      raise ValueError(f"{op}: seq_lengths must be in [0, T={time}], got "
-                       f"{lengths.tolist()}")
+  check_lengths_range(op, "seq_lengths", seq_lengths, time, f"T={time}")
   return seq_lengths
 
 
