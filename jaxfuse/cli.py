@@ -145,7 +145,8 @@ def main(argv=None) -> int:
 
   def save(rows, ceilings):
     found = regrets(rows)
-    extra = {"regrets": [vars(r) for r in found]} if mode != "cases" else {}
+    extra = ({"regrets": [{**vars(r), "by_choice": r.by_choice} for r in found]}
+             if mode != "cases" else {})
     if mode == "grid":
       extra["against"] = sorted(comparators)
     report.save_json(args.json, rows, ceilings, **extra)

@@ -147,6 +147,26 @@ def test_a_point_is_launch_bound_where_nones_span_passes_twice_its_busy_time():
       in text
 
 
+def test_regret_by_choice_counts_a_point_where_none_ran_the_fastest_as_one():
+  rows = [_timed_row("a", "xla", 1.0, 2.0), _timed_row("a", "cuda", 1.1, 1.0),
+          _timed_row("a", bench.DEFAULT, 1.25, 1.25)]
+  rows[2].forward_ran, rows[2].train_ran = "xla", "xla+cuda"
+  found = report.regrets(rows)
+  assert [(r.direction, r.ran, r.regret, r.by_choice) for r in found] == [
+      ("forward", "xla", 0.8, 1.0), ("step", "xla+cuda", 0.8, 0.8)]
+  text = report.regret_table(found)
+  assert "forward    0.800 xla      xla" in text
+  assert f"worst 0.800 (a step, cuda), geometric mean {0.8 ** 0.5:.3f} over 2 points (by choice)" \
+      in text
+
+
+def test_the_bench_records_what_each_program_of_none_ran():
+  from jaxfuse.ops.norm import bench as norm_bench
+  rows, _ = bench.run(norm_bench.regret_cases()[:1], time_it=False)
+  ran = {r.implementation: (r.forward_ran, r.train_ran) for r in rows}
+  assert ran == {"xla": ("xla", "xla"), bench.DEFAULT: ("xla", "xla")}
+
+
 def test_regret_runs_the_families_regret_grids(monkeypatch, capsys, tmp_path):
   monkeypatch.setattr(bench, "run", lambda cases, **_: (
       [_timed_row(c.label, impl, 1.0, 2.0, c.op) for c in cases for impl in c.implementations],

@@ -110,6 +110,9 @@ class Row:
   forward_kernels: int | None = None
   train_kernels: int | None = None
   train_temp_mib: float | None = None
+  # What the jaxfuse ops of each program ran ("triton+cuda": a Triton forward, a CUDA backward).
+  forward_ran: str | None = None
+  train_ran: str | None = None
   forward_error: float | None = None
   train_error: float | None = None
   ceiling_name: str = ""
@@ -579,11 +582,11 @@ def _check_and_time(case, impl, row, references, sets, time_it, ceilings):
   programs against the references, and times them if they pass."""
   ref_fwd, ref_train, floors = references
   try:
-    forward = jax.jit(case.forward(impl)).lower(*sets[0]).compile()
+    forward, row.forward_ran = _compiled(case.forward(impl), sets[0], ("evaluated",))
     train = None
     if case.train:
       try:
-        train = jax.jit(case.train(impl)).lower(*sets[0]).compile()
+        train, row.train_ran = _compiled(case.train(impl), sets[0], ("forward", "backward"))
       except NotImplementedError as e:  # a forward-only kernel: its forward is still timed
         row.note = f"{FORWARD_ONLY}: {e}"
     _, out = measure(forward, sets, time_it=False)
@@ -617,6 +620,15 @@ def _check_and_time(case, impl, row, references, sets, time_it, ceilings):
   except Exception as e:  # noqa: BLE001  (a broken kernel is reported, the sweep goes on)
     what = "comparator failed" if is_comparator(impl) else "FAILED"
     row.note = f"{what}: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+
+
+def _compiled(fn, args, uses):
+  """``jax.jit(fn)`` compiled for ``args``, and the implementations its jaxfuse ops run for
+  ``uses`` (of :data:`op.USES`), '+'-joined in order of first use (None where it has none)."""
+  with registry.recording() as events:
+    compiled = jax.jit(fn).lower(*args).compile()
+  plans = [event[-1] for event in events if event[0] == "plan"]
+  return compiled, "+".join(dict.fromkeys(getattr(p, use) for p in plans for use in uses)) or None
 
 
 def _set_timing(row, which: str, timing: Timing | None):

@@ -44,12 +44,8 @@ def explain(fn: Callable, *args, **kwargs) -> list[Choice]:
       jaxfuse.explain(jaxfuse.rms_norm, jax.ShapeDtypeStruct((8, 4096), jnp.bfloat16),
                       jax.ShapeDtypeStruct((4096,), jnp.bfloat16))
   """
-  events: list[tuple] = []
-  registry.RECORDERS.append(events)
-  try:
+  with registry.recording() as events:
     jax.eval_shape(lambda *a: fn(*a, **kwargs), *args)
-  finally:
-    registry.RECORDERS.remove(events)
   choices, reasons = [], {}
   for kind, op, *rest in events:
     if kind == "passed over":

@@ -16,6 +16,7 @@ filtered once jaxfuse runs one, and naming ``'triton'`` gives jaxfuse's own warn
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -143,14 +144,26 @@ def _caller_level() -> int:
   return level
 
 
-# Lists that :func:`jaxfuse.explain` holds open while it traces a call: each pass-over and
-# plan of the ops inside is appended to every one.
+# Lists held open by :func:`recording` while a call traces: each pass-over and plan of the ops
+# inside is appended to every one.
 RECORDERS: list[list[tuple]] = []
 
 
 def record(*event):
   for recorder in RECORDERS:
     recorder.append(event)
+
+
+@contextlib.contextmanager
+def recording():
+  """Collects, in the list it yields, what the ops traced inside decide: ``("passed over",
+  op, name, reason)`` and ``("plan", op, implementation, plan)``."""
+  events: list[tuple] = []
+  RECORDERS.append(events)
+  try:
+    yield events
+  finally:
+    RECORDERS.remove(events)
 
 
 def runs(op: str, name: str, check: Availability) -> bool:
