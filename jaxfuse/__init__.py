@@ -4,10 +4,12 @@ Every op takes ``implementation=``: ``'xla'`` (reference, any backend), ``'trito
 Triton; interpreted on the CPU), ``'mosaic'`` (Pallas Mosaic GPU, Hopper), ``'cuda'`` (CUDA C++
 through XLA's FFI, built on first use), ``'cudnn'`` where cuDNN has the op, and ``None`` for
 the fastest available for this call on this device (by its tuned table).
+``jaxfuse.without_triton()`` (or ``JAXFUSE_WITHOUT_TRITON=1`` for the process) runs jaxfuse as
+if Pallas's Triton backend, which JAX deprecated, were already gone.
 """
 
 from jaxfuse._core.explain import explain
-from jaxfuse._core.registry import IMPLEMENTATIONS
+from jaxfuse._core.registry import IMPLEMENTATIONS, without_triton
 from jaxfuse.ops.attention.api import attention
 from jaxfuse.ops.linear_cross_entropy.api import linear_cross_entropy
 from jaxfuse.ops.mlp.api import gelu_mlp
@@ -27,5 +29,6 @@ __all__ = [
     "log_softmax", "rms_norm", "softmax", "softmax_cross_entropy", "gru", "gru_weight_count",
     "gru_weights_from_torch", "gru_weights_to_torch", "init_gru_weights", "init_lstm_weights",
     "lstm", "lstm_weight_count", "lstm_weights_from_torch", "lstm_weights_to_torch",
-    "pack_gru_weights", "pack_lstm_weights", "unpack_gru_weights", "unpack_lstm_weights"
+    "pack_gru_weights", "pack_lstm_weights", "unpack_gru_weights", "unpack_lstm_weights",
+    "without_triton",
 ]

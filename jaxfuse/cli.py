@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import functools
 import importlib
 import itertools
@@ -69,6 +70,10 @@ def main(argv=None) -> int:
                  help="a family's grid against other libraries (rnn: batch x hidden per "
                       "cell, dtype and layout): None's ratio to the faster comparator per "
                       "point, the worst and the geometric mean (--plot draws heat maps)")
+  b.add_argument("--without-triton", action="store_true",
+                 help="beside None's row, None as if Pallas's Triton backend were gone (as "
+                      f"{registry.WITHOUT_TRITON_VARIABLE}=1 runs the whole process), and per "
+                      "point None's time over that row's")
   b.add_argument("--graph-every-program", action="store_true",
                  help="let XLA run every timed program as a CUDA graph, as the steps of a "
                       "model are (XLA graphs only programs of several kernels by default)")
@@ -107,6 +112,9 @@ def main(argv=None) -> int:
     parser.error("--regret and --grid are two different reports: ask for one")
   mode = "regret" if args.regret else "grid" if args.grid else "cases"
   tagged, unknown = _cases(args.ops, args.quick, mode)
+  if args.without_triton:
+    tagged = [(family, dataclasses.replace(c, implementations=_beside_default(c.implementations)))
+              for family, c in tagged]
   cases = [c for _, c in tagged]
   if mode == "grid" and not cases:
     parser.error("--grid: only rnn (lstm, gru) has a grid")
@@ -121,6 +129,8 @@ def main(argv=None) -> int:
   if args.only:
     cases = [c for c in cases if any(text in c.label for text in args.only)]
   impls = args.impl.split(",") if args.impl else None
+  if impls and args.without_triton and bench.DEFAULT in impls:
+    impls.append(bench.DEFAULT_WITHOUT_TRITON)
   offered = {i for c in cases for i in (*c.implementations, *c.check_only, *c.external)}
   if impls and (unknown := [i for i in impls if i not in offered]):
     parser.error(f"--impl: {', '.join(unknown)} is not among the selected cases' "
@@ -143,12 +153,19 @@ def main(argv=None) -> int:
       return report.regrets(rows, against=comparators.__contains__)
     return report.regrets(rows) if mode == "regret" else []
 
+  def no_triton_regrets(rows):
+    return report.regrets(rows, against=bench.DEFAULT.__eq__,
+                          subject=bench.DEFAULT_WITHOUT_TRITON)
+
   def save(rows, ceilings):
     found = regrets(rows)
     extra = ({"regrets": [{**vars(r), "by_choice": r.by_choice} for r in found]}
              if mode != "cases" else {})
     if mode == "grid":
       extra["against"] = sorted(comparators)
+    if args.without_triton:
+      extra["without_triton"] = [{**vars(r), "by_choice": r.by_choice}
+                                 for r in no_triton_regrets(rows)]
     report.save_json(args.json, rows, ceilings, **extra)
 
   # Each family's table is printed as soon as it is done.
@@ -167,6 +184,10 @@ def main(argv=None) -> int:
           f"over None's (above 1: None faster)")
   if mode != "cases":
     print("\n" + report.regret_table(found))
+  if args.without_triton:
+    print("\nNone without Pallas Triton: None's time over its time as if Triton were gone "
+          "(below 1: slower without)\n"
+          + report.regret_table(no_triton_regrets(rows), subject="no Triton"))
   if args.json:
     save(rows, ceilings)
     print(f"saved {args.json}")
@@ -185,6 +206,14 @@ def main(argv=None) -> int:
   for r in failed:
     print(f"FAILED: {r.op} {r.label} {r.implementation}: {r.note}", file=sys.stderr)
   return 1 if failed else 0
+
+
+def _beside_default(implementations):
+  """``implementations`` with None's row without Triton after None's."""
+  out = []
+  for impl in implementations:
+    out += [impl] + ([bench.DEFAULT_WITHOUT_TRITON] if impl == bench.DEFAULT else [])
+  return tuple(out)
 
 
 def _consecutive(items, key):
@@ -228,8 +257,13 @@ def _tune_from(family: str, paths: list[str], write: bool) -> int:
   rows, kinds = [], set()
   for path in paths:
     record = json.loads(Path(path).read_text())
-    # Runs saved before records named their family are known by the rows they derived.
-    derived_here = set(record.get("tuned_rows") or ()) == set(tune.derive_names(family))
+    # Runs saved before records named their family are known by the rows they derived: all
+    # of this family's, or some of them (its grid grew since) and no other family's.
+    derived = set(record.get("tuned_rows") or ())
+    names = {f: set(tune.derive_names(f)) for f in FAMILIES}
+    derived_here = derived == names[family] or (
+        bool(derived) and derived <= names[family]
+        and not any(derived <= rows for f, rows in names.items() if f != family))
     if record.get("tune_family", family if derived_here else None) != family:
       print(f"jaxfuse tune --from: {path} is not a tuning run of {family}", file=sys.stderr)
       return 2

@@ -1,5 +1,5 @@
 """Test set-up: eight fake CPU devices for the sharding tests, seeds from the test's id, GPU
-marker."""
+marker, and with JAXFUSE_WITHOUT_TRITON set the tests that need Pallas Triton skipped."""
 
 import os
 
@@ -12,16 +12,30 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+from jaxfuse._core import registry  # noqa: E402
 from jaxfuse._core.testing import seed_for  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
+  if registry.triton_switched_off():
+    # A test that names 'triton' (a parameter, an expected choice) or is marked for it.
+    skip = pytest.mark.skip(reason=f"needs Pallas Triton ({registry.WITHOUT_TRITON_VARIABLE})")
+    for item in items:
+      params = getattr(getattr(item, "callspec", None), "params", {})
+      if item.get_closest_marker("triton") or any(_names_triton(v) for v in params.values()):
+        item.add_marker(skip)
   if jax.default_backend() == "gpu":
     return
   skip = pytest.mark.skip(reason="needs a CUDA GPU")
   for item in items:
     if "gpu" in item.keywords:
       item.add_marker(skip)
+
+
+def _names_triton(value) -> bool:
+  if isinstance(value, (tuple, list)):
+    return any(_names_triton(v) for v in value)
+  return value == "triton" if isinstance(value, str) else False
 
 
 @pytest.fixture

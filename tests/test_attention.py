@@ -176,6 +176,7 @@ def test_features_and_combinations(rng, impl, feature):
   compare(run(impl, q, k, v, do, **kw), dense_reference(q, k, v, do=do, **ref_kw))
 
 
+@pytest.mark.triton
 @pytest.mark.parametrize("feature", [f for f in FEATURES if not f.keys() & {"segments", "lengths"}]
                          + [{}], ids=str)
 def test_unmasked_interior_blocks(rng, monkeypatch, feature):
@@ -307,6 +308,7 @@ OFF_TILE_BANDS = [
 ]
 
 
+@pytest.mark.triton
 @pytest.mark.parametrize("t,s,feature", OFF_TILE_BANDS, ids=str)
 def test_triton_band_edges_off_the_tiles(rng, t, s, feature):
   """The default tiles' bands on the masks above: output and gradients against float64."""
@@ -395,6 +397,7 @@ def test_offsets_and_windows_past_every_key(rng, impl):
   assert_close(shifted, ref, name="out")
 
 
+@pytest.mark.triton
 def test_triton_refuses_bias_clearly(rng):
   q, k, v, _ = inputs(rng, 1, 8, 8, 1, 1, 32)
   with pytest.raises(NotImplementedError, match="bias"):
@@ -422,6 +425,7 @@ def test_chunked_xla_matches_and_is_linear_in_memory(rng, monkeypatch):
   api._attention_jit.clear_cache()
 
 
+@pytest.mark.triton
 def test_triton_step_keeps_no_score_matrix(rng):
   q, k, v, _ = inputs(rng, 1, 256, 256, 1, 1, 32)
   step = jax.jit(jax.grad(lambda q, k, v: jnp.sum(jaxfuse.attention(
@@ -631,6 +635,7 @@ def test_evaluated_and_differentiated_by_different_kernels(rng, monkeypatch):
     api._attention_jit.clear_cache()
 
 
+@pytest.mark.triton
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", [(2, 1000, 1000, 4, 2, 128), (1, 257, 2049, 2, 2, 64),

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+import jaxfuse
 from jaxfuse._core import registry
 from jaxfuse._core.cuda import build
 from jaxfuse.ops.norm import api as norm_api
@@ -21,14 +22,15 @@ from jaxfuse.ops.softmax import cuda as softmax_cuda
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(program: str, *python_flags: str) -> subprocess.CompletedProcess:
-  env = dict(os.environ, PYTHONPATH=str(ROOT))
+def _run(program: str, *python_flags: str, env=None) -> subprocess.CompletedProcess:
+  env = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
   return subprocess.run([sys.executable, *python_flags, "-c", textwrap.dedent(program)],
                         env=env, capture_output=True, text=True, timeout=600)
 
 
 # Every op under None on a JAX whose Pallas has no Triton backend (the import fails, as it will
 # once JAX removes it), compared with 'xla'; naming 'triton' says why it cannot run.
+# JAXFUSE_WITHOUT_TRITON=1 makes the same program run as the day it is gone.
 WITHOUT_TRITON = """
     import sys
     sys.modules["jax.experimental.pallas.triton"] = None
@@ -66,17 +68,44 @@ WITHOUT_TRITON = """
 """
 
 
-def test_every_op_runs_without_pallas_triton():
-  result = _run(WITHOUT_TRITON)
+SWITCHED_OFF = (WITHOUT_TRITON
+                .replace('sys.modules["jax.experimental.pallas.triton"] = None', "")
+                .replace("registry.pallas_triton is None", "registry.pallas_triton is not None")
+                .replace('"jax.experimental.pallas.triton" in', '"JAXFUSE_WITHOUT_TRITON" in'))
+
+
+@pytest.mark.parametrize("program,switch", [(WITHOUT_TRITON, "0"), (SWITCHED_OFF, "1")],
+                         ids=["gone", "switched off"])
+def test_every_op_runs_without_pallas_triton(program, switch):
+  result = _run(program, env={registry.WITHOUT_TRITON_VARIABLE: switch})
   assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
 
 
 @pytest.mark.gpu
-def test_every_op_runs_without_pallas_triton_on_the_gpu():
-  result = _run(WITHOUT_TRITON)
+@pytest.mark.parametrize("program,switch", [(WITHOUT_TRITON, "0"), (SWITCHED_OFF, "1")],
+                         ids=["gone", "switched off"])
+def test_every_op_runs_without_pallas_triton_on_the_gpu(program, switch):
+  result = _run(program, env={registry.WITHOUT_TRITON_VARIABLE: switch})
   assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
 
 
+@pytest.mark.skipif(registry.pallas_triton is None, reason="needs Pallas Triton")
+def test_without_triton_switches_triton_off_inside_only(monkeypatch):
+  monkeypatch.delenv(registry.WITHOUT_TRITON_VARIABLE, raising=False)
+  x = jnp.linspace(-1.0, 1.0, 96).reshape(3, 32)
+  assert registry.triton_unavailable() is None
+  with jaxfuse.without_triton():
+    with jaxfuse.without_triton():
+      assert "switched off" in registry.triton_unavailable()
+    with pytest.raises(NotImplementedError, match="JAXFUSE_WITHOUT_TRITON"):
+      jaxfuse.softmax(x, implementation="triton")
+  assert registry.triton_unavailable() is None
+  monkeypatch.setenv(registry.WITHOUT_TRITON_VARIABLE, "0")
+  assert registry.triton_unavailable() is None
+  jaxfuse.softmax(x, implementation="triton")
+
+
+@pytest.mark.triton
 @pytest.mark.gpu
 def test_none_shows_no_triton_deprecation_warning():
   # The softmax of 1024-element rows, the norms up to 16384 features and attention where cuDNN

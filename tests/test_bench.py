@@ -13,7 +13,7 @@ import pytest
 from jax.experimental import io_callback
 
 from jaxfuse import cli
-from jaxfuse._core import bench, report
+from jaxfuse._core import bench, ceilings, registry, report
 
 
 def _case(forward):
@@ -150,6 +150,7 @@ def test_a_point_is_launch_bound_where_nones_span_passes_twice_its_busy_time():
 def test_regret_by_choice_counts_a_point_where_none_ran_the_fastest_as_one():
   rows = [_timed_row("a", "xla", 1.0, 2.0), _timed_row("a", "cuda", 1.1, 1.0),
           _timed_row("a", bench.DEFAULT, 1.25, 1.25)]
+  rows[0].forward_ran, rows[1].train_ran = "xla", "cuda"
   rows[2].forward_ran, rows[2].train_ran = "xla", "xla+cuda"
   found = report.regrets(rows)
   assert [(r.direction, r.ran, r.regret, r.by_choice) for r in found] == [
@@ -165,6 +166,51 @@ def test_the_bench_records_what_each_program_of_none_ran():
   rows, _ = bench.run(norm_bench.regret_cases()[:1], time_it=False)
   ran = {r.implementation: (r.forward_ran, r.train_ran) for r in rows}
   assert ran == {"xla": ("xla", "xla"), bench.DEFAULT: ("xla", "xla")}
+
+
+@pytest.mark.skipif(registry.pallas_triton is None, reason="needs Pallas Triton")
+def test_the_row_without_triton_traces_none_with_triton_switched_off(monkeypatch):
+  monkeypatch.delenv(registry.WITHOUT_TRITON_VARIABLE, raising=False)
+  seen = {}
+
+  def forward(impl):
+    def fn(x):
+      seen[impl] = registry.triton_unavailable()
+      return x
+    return fn
+
+  case = dataclasses.replace(_case(forward), implementations=(
+      "xla", bench.DEFAULT, bench.DEFAULT_WITHOUT_TRITON))
+  rows, _ = bench.run([case], time_it=False)
+  assert [r.note for r in rows] == ["", "", ""]
+  assert seen["xla"] is None and seen[bench.DEFAULT] is None
+  assert "switched off" in seen[bench.DEFAULT_WITHOUT_TRITON]
+  assert not bench.is_comparator(bench.DEFAULT_WITHOUT_TRITON)
+
+
+def test_without_triton_adds_nones_row_without_triton_and_weighs_it(monkeypatch, capsys,
+                                                                    tmp_path):
+  asked = []
+
+  def run(cases, implementations=None, **_):
+    asked.extend(c.implementations for c in cases)
+    times = {"xla": 1.0, bench.DEFAULT: 1.0, bench.DEFAULT_WITHOUT_TRITON: 1.25}
+    return [_timed_row(c.label, impl, times.get(impl, 1.0), 2.0, c.op)
+            for c in cases for impl in c.implementations], {}
+
+  monkeypatch.setattr(bench, "run", run)
+  case = dataclasses.replace(_case(_forward()), implementations=("xla", bench.DEFAULT))
+  monkeypatch.setattr(cli, "_cases", lambda names, quick, mode: ([("norm", case)], []))
+  path = tmp_path / "run.json"
+  assert cli.main(["bench", "norm", "--without-triton", "--json", str(path)]) == 0
+  assert asked
+  assert all(impls[impls.index(bench.DEFAULT) + 1] == bench.DEFAULT_WITHOUT_TRITON
+             for impls in asked)
+  out = capsys.readouterr().out
+  assert "None without Pallas Triton" in out and "worst 0.800" in out
+  assert "no Triton ran" in out and "no Triton ms" in out
+  saved = json.loads(path.read_text())
+  assert {r["regret"] for r in saved["without_triton"] if r["direction"] == "forward"} == {0.8}
 
 
 def test_regret_runs_the_families_regret_grids(monkeypatch, capsys, tmp_path):
@@ -309,7 +355,7 @@ def test_gpu_copy_ceilings_copy():
   assert bool(jnp.array_equal(copies.memcpy(x), x))
   for unroll, ctas, streaming in copies.KERNEL_SHAPES:
     assert bool(jnp.array_equal(copies.copy(x, unroll, ctas, streaming), x))
-  rates = bench.copy_ceilings()
+  rates = ceilings.copy_ceilings()
   assert "cudaMemcpyAsync" in rates and len(rates) == 2 + len(copies.KERNEL_SHAPES)
 
 

@@ -283,6 +283,7 @@ TRITON_MISSING = {
 }
 
 
+@pytest.mark.triton
 @pytest.mark.parametrize("missing", TRITON_MISSING)
 @pytest.mark.parametrize("op", TRITON_CALLS)
 def test_triton_refuses_without_what_it_needs(gpu, chosen, op, missing):
@@ -374,6 +375,7 @@ def test_norm_none_passes_over_triton_for_rows_past_int32(gpu, chosen, rows, dty
   assert chosen() == _each_direction(expected)
 
 
+@pytest.mark.triton
 @pytest.mark.parametrize("take_away", [Machine.without_nvcc, lambda gpu: gpu.capability((8, 0))],
                          ids=["no nvcc", "ampere"])
 def test_norm_none_without_cuda(gpu, chosen, take_away):
@@ -468,6 +470,34 @@ def test_none_on_the_h200_takes_its_own_rows(gpu, chosen, call, expected):
   assert chosen() == expected
 
 
+@pytest.mark.parametrize("rows,n,expected", [
+    (8, 12288, ("xla", "triton")), (1, 8192, ("xla", "triton")), (9, 12288, ("triton", "triton")),
+    (8, 4096, ("triton", "triton"))])
+def test_norm_none_takes_xla_in_the_tuned_corner_of_few_long_rows(gpu, chosen, monkeypatch,
+                                                                   rows, n, expected):
+  gpu.kind("NVIDIA GPU without a table")
+  monkeypatch.setattr(norm_api, "_untuned", lambda: {
+      "triton_max_features": 16384, "xla_few_rows": {"rms/forward": [8, 8192]}, "rules": []})
+  normalize("rms_norm", n, rows=rows)
+  assert chosen() == expected
+
+
+@pytest.mark.triton
+def test_none_takes_no_triton_kernel_with_triton_switched_off(gpu, chosen, monkeypatch):
+  calls = [lambda: normalize("rms_norm", 4096), lambda: normalize("layer_norm", 1024),
+           lambda: softmax(1024), lambda: softmax(4096, op="log_softmax"),
+           lambda: cross_entropy(32768)]
+
+  def plans():
+    for call in calls:
+      call()
+      yield chosen()
+
+  assert all("triton" in plan for plan in plans())
+  monkeypatch.setenv(registry.WITHOUT_TRITON_VARIABLE, "1")
+  assert not any("triton" in plan for plan in plans())
+
+
 @pytest.mark.parametrize("op", ["softmax", "log_softmax"])
 @pytest.mark.parametrize("n,dtype,expected", SOFTMAX_ON_HOPPER)
 def test_softmax_none_on_hopper(gpu, chosen, op, n, dtype, expected):
@@ -475,6 +505,7 @@ def test_softmax_none_on_hopper(gpu, chosen, op, n, dtype, expected):
   assert chosen() == expected
 
 
+@pytest.mark.triton
 @pytest.mark.parametrize("kwargs", [
     dict(axis=0), dict(mask=jnp.ones((1, 65536), bool)), dict(is_causal=True),
 ], ids=["axis", "mask", "causal"])
@@ -508,6 +539,7 @@ def test_softmax_none_passes_over_triton_for_rows_past_int32(gpu, chosen, rows, 
   assert chosen() == expected
 
 
+@pytest.mark.triton
 def test_softmax_none_without_cuda(gpu, chosen):
   gpu.without_nvcc()
   softmax(65536)
@@ -593,6 +625,7 @@ def test_cross_entropy_none_takes_cuda_where_triton_cannot_index(gpu, chosen, ro
   assert chosen() == expected
 
 
+@pytest.mark.triton
 def test_cross_entropy_none_without_cuda(gpu, chosen):
   gpu.without_nvcc()
   cross_entropy(65536)
@@ -799,6 +832,26 @@ def test_attention_none_follows_the_gpus_table(gpu, chosen, kind, kwargs, expect
   assert chosen() == expected
 
 
+# (batch, queries, heads) -> (evaluated, differentiated) under a table whose small grids take
+# Triton's forward up to 64 work tiles and Mosaic only from 256 (its query rows say Mosaic).
+ATTENTION_BY_TILES = [((1, 1024, 8), ("triton", "cudnn")), ((1, 2048, 8), ("cudnn", "cudnn")),
+                      ((2, 2048, 8), ("mosaic", "mosaic")), ((1, 1000, 8), ("triton", "cudnn"))]
+
+
+@pytest.mark.parametrize("shape,expected", ATTENTION_BY_TILES, ids=str)
+def test_attention_none_follows_the_tables_work_tiles(gpu, chosen, monkeypatch, shape,
+                                                      expected):
+  gpu.kind("NVIDIA GPU without a table")
+  monkeypatch.setattr(attention_api, "_untuned", lambda: {
+      "mosaic_before_cudnn_forward": {"causal/128": 4096},
+      "mosaic_before_cudnn_step": {"causal/128": 4096},
+      "mosaic_least_tiles_forward": 256, "mosaic_least_tiles_step": 256,
+      "triton_most_tiles_forward": 64, "triton_most_tiles_step": 0})
+  batch, t, heads = shape
+  attention(t, batch=batch, heads=heads, is_causal=True)
+  assert chosen() == expected
+
+
 def test_attention_none_moves_on_where_cudnn_rejects_the_shapes(gpu, chosen):
   gpu.cudnn_rejecting("jax.nn.dot_product_attention(implementation='cudnn') refuses these "
                       "shapes: ValueError: head dim")
@@ -846,6 +899,7 @@ def test_attention_named_implementation_refuses(gpu, chosen, implementation, mac
     attention(implementation=implementation, **kwargs)
 
 
+@pytest.mark.triton
 def test_attention_mosaic_refuses_without_pallas_mosaic_gpu(gpu, chosen, monkeypatch):
   monkeypatch.setitem(sys.modules, "jax.experimental.pallas.mosaic_gpu", None)
   monkeypatch.delattr(jax.experimental.pallas, "mosaic_gpu", raising=False)

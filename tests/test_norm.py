@@ -438,6 +438,7 @@ def dx_floor(kind, x, w, dy):
   return rstd * np.linalg.norm(g, axis=-1, keepdims=True)
 
 
+@pytest.mark.triton
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("n", [1, 3, 1000, 4097, 8192, 65537, 1 << 20])
@@ -450,6 +451,7 @@ def test_gpu_kernels_against_float64(rng, kind, n):
   _check_step_on_poisoned_memory(kind, "triton", x, w, b, dy)
 
 
+@pytest.mark.triton
 @pytest.mark.gpu
 def test_gpu_default_is_kernel(rng):
   x = random(rng, (64, 1024), jnp.bfloat16)

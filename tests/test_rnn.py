@@ -500,6 +500,32 @@ def test_traced_lengths_are_not_checked(rng):
 GPU_SIZES = dict(input_size=13, hidden_size=37, time=29, batch=5)
 
 
+def _training_step(cell, num_layers, bidirectional, **kwargs):
+  """A jitted training step's gradients of every input, from a loss over y and the state."""
+  def loss(x, h_0, c_0, weights, lengths):
+    y, h_n, c_n = gpu_call(cell, (x, h_0, c_0, weights, lengths), num_layers, bidirectional,
+                           **kwargs)
+    total = jnp.sum(y.astype(jnp.float32) ** 2) + jnp.sum(h_n.astype(jnp.float32))
+    return total + (0.0 if c_n is None else jnp.sum(c_n.astype(jnp.float32)))
+  return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+
+
+def _run_without_host_transfers(step, args):
+  """``step(*args)`` compiled first, then run again with JAX's implicit transfers between
+  host and device an error (the check issue 44 names for a training step)."""
+  jax.block_until_ready(step(*args))
+  with jax.transfer_guard("disallow"):
+    jax.block_until_ready(step(*args))
+
+
+@pytest.mark.parametrize("impl", ["xla", None])
+@pytest.mark.parametrize("cell", CELLS)
+def test_a_training_step_makes_no_host_transfer(rng, impl, cell):
+  args = gpu_make(rng, cell, 2, True, jnp.float32, batch=3, input_size=4, hidden_size=5,
+                  time=6)
+  _run_without_host_transfers(_training_step(cell, 2, True, implementation=impl), args)
+
+
 def gpu_make(rng, cell, num_layers, bidirectional, dtype, *, batch=5, input_size=13,
              hidden_size=37, time=29, full=False):
   directions = 2 if bidirectional else 1
@@ -529,6 +555,16 @@ def _cuda_or_skip():
   reason = rnn_cuda.unavailable()
   if reason:
     pytest.skip(reason)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["cuda", None])
+@pytest.mark.parametrize("cell", CELLS)
+def test_gpu_training_step_makes_no_host_transfer(rng, impl, cell):
+  if impl == "cuda":
+    _cuda_or_skip()
+  args = gpu_make(rng, cell, 2, True, jnp.bfloat16)
+  _run_without_host_transfers(_training_step(cell, 2, True, implementation=impl), args)
 
 
 # float32 at HIGHEST runs three TF32 products a step, close to float32 FMA; the default, one.

@@ -205,6 +205,7 @@ def test_row_sharding_never_gathers(rng, impl, axis_type):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.triton
 def test_sharded_softmax_axis_is_a_clear_error(rng):
   mesh = _mesh(2, AxisType.Auto)
   x = jax.device_put(random(rng, (4, 64), jnp.float32), NamedSharding(mesh, P(None, "d")))
@@ -454,6 +455,7 @@ def test_cross_entropy_bad_input(args, error, match):
     jaxfuse.softmax_cross_entropy(kwargs.pop("logits"), kwargs.pop("labels"), **kwargs)
 
 
+@pytest.mark.triton
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", FNS)
 @pytest.mark.parametrize("n", [1, 3, 1000, 4097, 65537, 262144])

@@ -183,9 +183,21 @@ def test_each_family_reads_its_rows_from_a_tuning_run():
                    (2048, 64, "causal", "mosaic", 1.0, 1.0), (2048, 64, "causal", "cudnn", 2, 2),
                    (4096, 64, "causal", "mosaic", 1.0, 3.0), (4096, 64, "causal", "cudnn", 2, 2),
                    (2048, 128, "full", "mosaic", 3.0, 3.0), (2048, 128, "full", "cudnn", 2, 2)]]
+  no_bounds = {f"{kernel}_{bound}_tiles_{use}": 0 for kernel, bound in (("mosaic", "least"),
+                                                                       ("triton", "most"))
+               for use in ("forward", "step")}
   assert attention_bench.tuned_rows(attention) == {
       "mosaic_before_cudnn_forward": {"causal/64": 4096},
-      "mosaic_before_cudnn_step": {"causal/64": 2048}}
+      "mosaic_before_cudnn_step": {"causal/64": 2048}, **no_bounds}
+  # Small grids (work tiles 64 and 128): Triton's forward wins on the smallest and Mosaic's
+  # on the larger; cuDNN's step wins both.
+  step = {"triton": 1.5, "cudnn": 1.0, "mosaic": 2.0}
+  small = [_timed("attention", f"1x{t}x8x64 causal", t, impl, f, step[impl])
+           for t, impl, f in [(1024, "triton", 1.0), (1024, "cudnn", 2.0), (1024, "mosaic", 3.0),
+                              (2048, "triton", 3.0), (2048, "cudnn", 2.0), (2048, "mosaic", 1.5)]]
+  rows = attention_bench.tuned_rows(attention + small)
+  assert (rows["triton_most_tiles_forward"], rows["mosaic_least_tiles_forward"]) == (64, 128)
+  assert (rows["triton_most_tiles_step"], rows["mosaic_least_tiles_step"]) == (0, 2048)
   softmax = [_timed(op, f"{n}", n, impl, f, s) for op in ("softmax", "cross_entropy")
              for n, impl, f, s in [(1024, "triton", 1.0, 2.0), (1024, "cuda", 1.5, 2.5),
                                    (1024, "xla", 1.0, 2.0), (16384, "triton", 2.0, 5.0),
@@ -196,7 +208,24 @@ def test_each_family_reads_its_rows_from_a_tuning_run():
   norm = [_timed(op, f"{n}", n, impl, 1.0, s) for op in ("rms_norm", "layer_norm")
           for n, impl, s in [(1024, "triton", 1.0), (1024, "cuda", 2.0), (8192, "triton", 1.0),
                              (8192, "cuda", 1.0 if op == "rms_norm" else 0.5)]]
-  assert norm_bench.tuned_rows(norm) == {"triton_max_features": 1024}
+  few = [_timed("rms_norm", f"{rows}x{n} bfloat16", n, impl, f, f + 1.0)
+         for rows, n, xla_ms in [(1, 4096, 2.0), (8, 12288, 1.0), (8, 1024, 2.0), (1, 12288, 1.0),
+                                 (64, 12288, 2.0)]
+         for impl, f in [("xla", xla_ms), ("triton", 1.5), ("cuda", 3.0)]]
+  assert norm_bench.tuned_rows(norm + few) == {
+      "triton_max_features": 1024,
+      "xla_few_rows": {"rms/forward": [8, 12288], "rms/backward": None,
+                       "layer/forward": None, "layer/backward": None}}
+
+
+def test_the_least_regret_corner_holds_the_points_the_first_wins():
+  from jaxfuse._core import tune
+  at = lambda rows, n, first, second: ((rows, n), first, second)
+  assert tune.least_regret_corner([at(1, 1024, 2.0, 1.0), at(1, 8192, 1.0, 2.0),
+                                   at(64, 8192, 2.0, 1.0)]) == [1, 8192]
+  assert tune.least_regret_corner([at(1, 1024, 1.0, 2.0), at(8, 8192, 1.0, 2.0)]) == [8, 1024]
+  assert tune.least_regret_corner([at(1, 1024, 2.0, 1.0), at(8, 8192, 1.0, 1.0)]) is None
+  assert tune.least_regret_corner([]) is None
 
 
 def test_the_rnn_tuning_run_gives_the_fused_kernels_most_work_per_cell_and_dtype():
@@ -245,6 +274,17 @@ def test_tune_writes_the_rows_citing_its_run(tmp_path, monkeypatch, capsys):
   assert cli.main(["tune", "linear_cross_entropy", "--from", str(run), "--write"]) == 0
   assert json.loads(path.read_text()) == table
   assert cli.main(["tune", "norm", "--from", str(run)]) == 2
+  # A run saved before records named their family: known by its rows, some of a family's
+  # (its grid grew since) only where no other family's rows hold them too.
+  old = json.loads(run.read_text())
+  del old["tune_family"]
+  run.write_text(json.dumps(old))
+  assert cli.main(["tune", "linear_cross_entropy", "--from", str(run)]) == 0
+  assert cli.main(["tune", "rnn", "--from", str(run)]) == 2
+  old["tuned_rows"] = {"triton_max_features": 0}
+  older = results / "older.json"
+  older.write_text(json.dumps(old))
+  assert cli.main(["tune", "norm", "--from", str(older)]) == 0
   # A run split by --only: each part saved as it goes, the rows derived from the parts together.
   monkeypatch.setattr(registry, "device_kind", lambda: "NVIDIA Test GPU")
   seen = []

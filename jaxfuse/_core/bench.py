@@ -1,5 +1,6 @@
-"""The bench harness behind ``jaxfuse bench``: timing, ceilings and checks (what it prints and
-saves is :mod:`jaxfuse._core.report`'s).
+"""The bench harness behind ``jaxfuse bench``: timing and checks (what it prints and saves is
+:mod:`jaxfuse._core.report`'s, the ceilings it quotes rates against
+:mod:`jaxfuse._core.ceilings`').
 
 Each op family supplies :class:`Case` objects. For each case and implementation the harness
 compiles the forward and the training step (output and every gradient) once, checks those
@@ -15,6 +16,7 @@ bf16 matrix product for compute-bound ones.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -35,7 +37,6 @@ import numpy as np
 
 from jaxfuse._core import device, registry
 from jaxfuse._core.progress import Progress
-from jaxfuse._core.cuda import copies
 from jaxfuse._core.testing import relative_error, x64
 
 
@@ -84,11 +85,13 @@ class Case:
 
 # The row of ``implementation=None``: what a user gets without choosing.
 DEFAULT = "default"
+# None as if Pallas's Triton backend were gone (registry.without_triton), beside None's row.
+DEFAULT_WITHOUT_TRITON = "default-no-triton"
 
 
 def implementation_arg(name: str) -> str | None:
   """The ``implementation=`` argument a bench row's name stands for."""
-  return None if name == DEFAULT else name
+  return None if name in (DEFAULT, DEFAULT_WITHOUT_TRITON) else name
 
 
 @dataclasses.dataclass
@@ -359,49 +362,6 @@ def copies_for(bytes_per_call: float) -> int:
   return int(max(2, min(32, math.ceil(L2_MULTIPLE * l2 / max(bytes_per_call, 1.0)))))
 
 
-# Bytes a copy ceiling reads (and writes): far past any L2.
-_CEILING_BYTES = 1 << 29
-
-
-def copy_ceilings() -> dict[str, float]:
-  """GB/s (bytes read plus bytes written) of each device-to-device copy this machine has:
-  XLA's (a negation, one fused kernel), and on a GPU that builds jaxfuse's CUDA kernels, the
-  driver's ``cudaMemcpyAsync`` and each shape of jaxfuse's copy kernel."""
-  n = _CEILING_BYTES // 2 if registry.platform() == "gpu" else 1 << 22
-  keys = jax.random.split(jax.random.key(1), 2)
-  sets = [(jax.random.normal(k, (n,), jnp.bfloat16),) for k in keys]
-  candidates = {"XLA copy (negation)": lambda a: -a}
-  if copies.LIBRARY.unavailable() is None:
-    candidates["cudaMemcpyAsync"] = copies.memcpy
-    for unroll, ctas, streaming in copies.KERNEL_SHAPES:
-      stores = ", evict-first" if streaming else ""
-      name = f"copy kernel ({unroll} vectors x {ctas} CTAs/SM{stores})"
-      candidates[name] = functools.partial(copies.copy, unroll=unroll, ctas_per_sm=ctas,
-                                           streaming=streaming)
-  rates = {}
-  for name, fn in candidates.items():
-    timing, out = measure(jax.jit(fn), sets, min_seconds=0.1, groups=3)
-    if name != "XLA copy (negation)" and not bool(jnp.array_equal(out, sets[0][0])):
-      raise AssertionError(f"{name} did not copy its input")
-    rates[name] = 2 * n * 2 / (timing.span_ms * 1e-3) / 1e9
-  return rates
-
-
-def copy_bandwidth() -> float:
-  """GB/s of the best device-to-device copy here (see :func:`copy_ceilings`)."""
-  return max(copy_ceilings().values())
-
-
-def matmul_rate() -> float:
-  """TFLOP/s of a bf16 matrix product (8192^3 on a GPU)."""
-  n = 8192 if registry.platform() == "gpu" else 512
-  keys = jax.random.split(jax.random.key(2), 4)
-  sets = [(jax.random.normal(k, (n, n), jnp.bfloat16),
-           jax.random.normal(jax.random.fold_in(k, 1), (n, n), jnp.bfloat16)) for k in keys]
-  ms = time_ms(lambda a, b: a @ b, sets)
-  return 2 * n ** 3 / (ms * 1e-3) / 1e12
-
-
 def _upcast(tree):
   return jax.tree.map(lambda a: a.astype(jnp.float64)
                       if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
@@ -481,7 +441,8 @@ def _errors(actual, expected, case, floors=None) -> list[tuple[float, float]]:
 
 def is_comparator(implementation: str) -> bool:
   """A row of another library (``jax.nn``, ``optax``), not of a jaxfuse implementation."""
-  return implementation != DEFAULT and implementation not in registry.IMPLEMENTATIONS
+  return (implementation not in (DEFAULT, DEFAULT_WITHOUT_TRITON)
+          and implementation not in registry.IMPLEMENTATIONS)
 
 
 def run(cases: Sequence[Case], *, implementations: Sequence[str] | None = None,
@@ -492,14 +453,15 @@ def run(cases: Sequence[Case], *, implementations: Sequence[str] | None = None,
   ``on_case(rows, ceilings)`` is called after each case, so a long sweep saves as it goes.
   ``ceilings`` measured by an earlier run on this machine are reused (and added to).
   """
+  from jaxfuse._core import ceilings as measured  # it times with this module's measure()
   ceilings = {} if ceilings is None else ceilings
   units = {c.unit for c in cases}
   if time_it and "GB/s" in units and "copy GB/s" not in ceilings:
-    copies = copy_ceilings()
+    copies = measured.copy_ceilings()
     best = max(copies, key=copies.get)
     ceilings.update({"copy GB/s": copies[best], "copy": best, "copies GB/s": copies})
   if time_it and "TFLOP/s" in units and "matmul TFLOP/s" not in ceilings:
-    ceilings["matmul TFLOP/s"] = matmul_rate()
+    ceilings["matmul TFLOP/s"] = measured.matmul_rate()
   todo = [(c, impl) for c in cases
           for impl in list(c.implementations) + list(c.check_only) + list(c.external)
           if implementations is None or impl in implementations]
@@ -582,11 +544,14 @@ def _check_and_time(case, impl, row, references, sets, time_it, ceilings):
   programs against the references, and times them if they pass."""
   ref_fwd, ref_train, floors = references
   try:
-    forward, row.forward_ran = _compiled(case.forward(impl), sets[0], ("evaluated",))
+    traced = registry.without_triton if impl == DEFAULT_WITHOUT_TRITON else contextlib.nullcontext
+    with traced():
+      forward, row.forward_ran = _compiled(case.forward(impl), sets[0], ("evaluated",))
     train = None
     if case.train:
       try:
-        train, row.train_ran = _compiled(case.train(impl), sets[0], ("forward", "backward"))
+        with traced():
+          train, row.train_ran = _compiled(case.train(impl), sets[0], ("forward", "backward"))
       except NotImplementedError as e:  # a forward-only kernel: its forward is still timed
         row.note = f"{FORWARD_ONLY}: {e}"
     _, out = measure(forward, sets, time_it=False)

@@ -17,6 +17,7 @@ filtered once jaxfuse runs one, and naming ``'triton'`` gives jaxfuse's own warn
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import logging
 import os
@@ -76,11 +77,41 @@ def interpret_mode() -> bool:
   return platform() == "cpu"
 
 
+# Set (to anything but "" or "0"), jaxfuse runs as if Pallas's Triton backend were gone: the
+# day JAX removes it, measured and tested today.
+WITHOUT_TRITON_VARIABLE = "JAXFUSE_WITHOUT_TRITON"
+_without_triton = contextvars.ContextVar("jaxfuse_without_triton", default=False)
+
+
+def triton_switched_off() -> bool:
+  """Whether jaxfuse runs as if Pallas's Triton backend were absent: the environment variable
+  :data:`WITHOUT_TRITON_VARIABLE`, or inside :func:`without_triton`."""
+  return (_without_triton.get()
+          or os.environ.get(WITHOUT_TRITON_VARIABLE, "") not in ("", "0"))
+
+
+@contextlib.contextmanager
+def without_triton():
+  """The jaxfuse ops traced inside (in this thread or task) run as if Pallas's Triton backend
+  were absent, as ``JAXFUSE_WITHOUT_TRITON=1`` makes them for the whole process. Tracing is
+  what it changes: a function jitted and traced outside keeps its trace when called inside,
+  and the other way round."""
+  token = _without_triton.set(True)
+  try:
+    yield
+  finally:
+    _without_triton.reset(token)
+
+
 def triton_unavailable() -> str | None:
   if pallas_triton is None:
     return (f"the 'triton' implementation runs on Pallas's Triton backend, which this JAX "
             f"({jax.__version__}) does not have (jax.experimental.pallas.triton cannot be "
             f"imported)")
+  if triton_switched_off():
+    return (f"the 'triton' implementation is switched off ({WITHOUT_TRITON_VARIABLE} is set, "
+            f"or inside jaxfuse.without_triton()): jaxfuse runs as if Pallas's Triton backend "
+            f"were gone")
   if platform() == "cpu":
     return None
   capability = cuda_compute_capability()

@@ -19,7 +19,8 @@ import math
 from collections.abc import Callable, Sequence
 
 from jaxfuse._core import device
-from jaxfuse._core.bench import DEFAULT, L2_MULTIPLE, Row, environment, is_comparator, timing_method
+from jaxfuse._core.bench import (DEFAULT, DEFAULT_WITHOUT_TRITON, L2_MULTIPLE, Row, environment,
+                                 is_comparator, timing_method)
 
 
 def _fmt(v, spec):
@@ -48,12 +49,14 @@ def table(rows: Sequence[Row], ceilings: dict) -> str:
   for op in dict.fromkeys(r.op for r in rows):
     op_rows = [r for r in rows if r.op == op]
     unit = op_rows[0].unit
-    header = (f"{'shape':<28} {'impl':<8} {'fwd ms':>8} {'busy':>8} {'fwd ' + unit:>12} "
+    lw = max(28, *(len(r.label) for r in op_rows))
+    iw = max(8, *(len(r.implementation) for r in op_rows))
+    header = (f"{'shape':<{lw}} {'impl':<{iw}} {'fwd ms':>8} {'busy':>8} {'fwd ' + unit:>12} "
               f"{'%ceil':>6} {'step ms':>8} {'busy':>8} {'step ' + unit:>13} {'%ceil':>6} "
               f"{'temp MiB':>9} {'err fwd':>9} {'err step':>9} {'size copy':>10}")
     out += ["", f"## {op}", header, "-" * len(header)]
     for r in op_rows:
-      line = (f"{r.label:<28} {r.implementation:<8} {_fmt(r.forward_ms, '8.3f'):>8} "
+      line = (f"{r.label:<{lw}} {r.implementation:<{iw}} {_fmt(r.forward_ms, '8.3f'):>8} "
               f"{_fmt(r.forward_busy_ms, '8.3f'):>8} "
               f"{_fmt(r.forward_rate, '12.1f'):>12} {_pct(r, r.forward_pct):>6} "
               f"{_fmt(r.train_ms, '8.3f'):>8} {_fmt(r.train_busy_ms, '8.3f'):>8} "
@@ -123,48 +126,54 @@ class Regret:
   default_ms: float
   launch_bound: bool
   ran: str | None = None  # what None ran there (see Row.forward_ran)
+  fastest_ran: str | None = None  # what the fastest row ran there
 
   @property
   def by_choice(self) -> float:
-    return 1.0 if self.ran == self.fastest else self.regret
+    """1 where None ran what the fastest row ran (one program timed twice), else the regret."""
+    return 1.0 if self.ran is not None and self.ran == self.fastest_ran else self.regret
 
 
-def regrets(rows: Sequence[Row],
-            against: Callable[[str], bool] | None = None) -> list[Regret]:
+def regrets(rows: Sequence[Row], against: Callable[[str], bool] | None = None,
+            subject: str = DEFAULT) -> list[Regret]:
   """None's regret at every case and direction where it and a named implementation ran, or
-  where ``against`` is given, one of the implementations it accepts (comparators)."""
+  where ``against`` is given, one of the implementations it accepts (comparators). ``subject``:
+  the row weighed (:data:`DEFAULT_WITHOUT_TRITON` against None's, say)."""
   if against is None:
-    against = lambda impl: impl != DEFAULT and not is_comparator(impl)
+    against = lambda impl: (impl not in (DEFAULT, DEFAULT_WITHOUT_TRITON)
+                            and not is_comparator(impl))
   out = []
   busy = {"forward": "forward_busy_ms", "step": "train_busy_ms"}
   ran = {"forward": "forward_ran", "step": "train_ran"}
   for key in dict.fromkeys((r.op, r.label) for r in rows):
     case_rows = [r for r in rows if (r.op, r.label) == key]
-    default = next((r for r in case_rows if r.implementation == DEFAULT), None)
+    default = next((r for r in case_rows if r.implementation == subject), None)
     if default is None:
       continue
     for direction, field in (("forward", "forward_ms"), ("step", "train_ms")):
       named = {r.implementation: getattr(r, field) for r in case_rows
                if against(r.implementation) and getattr(r, field) is not None}
+      ran_by = {r.implementation: getattr(r, ran[direction]) for r in case_rows}
       ms = getattr(default, field)
       if named and ms is not None:
         fastest = min(named, key=named.get)
         busy_ms = getattr(default, busy[direction])
         out.append(Regret(*key, direction, named[fastest] / ms, fastest, named[fastest], ms,
                           busy_ms is not None and ms > LAUNCH_BOUND * busy_ms,
-                          getattr(default, ran[direction])))
+                          ran_by[subject], ran_by[fastest]))
   return out
 
 
-def regret_table(found: Sequence[Regret]) -> str:
-  """Each point's regret and what None ran there, then per op and over all, of every point,
-  of those not launch-bound and by choice: the worst point and the geometric mean."""
+def regret_table(found: Sequence[Regret], subject: str = "None") -> str:
+  """Each point's regret and what ``subject`` (the row weighed) ran there, then per op and
+  over all, of every point, of those not launch-bound and by choice: the worst point and the
+  geometric mean."""
   if not found:
-    return "regret: no point where None and an implementation it is weighed against both ran"
+    return f"regret: no point where {subject} and a row it is weighed against both ran"
   width = max(28, *(len(r.label) for r in found))
-  ran_width = max(8, *(len(r.ran or "") for r in found))
+  ran_width = max(len(subject) + 4, *(len(r.ran or "") for r in found))
   header = (f"{'op':<24} {'shape':<{width}} {'use':<8} {'regret':>7} {'fastest':<8} "
-            f"{'None ran':<{ran_width}} {'ms':>9} {'None ms':>9}")
+            f"{subject + ' ran':<{ran_width}} {'ms':>9} {subject + ' ms':>9}")
   out = [header, "-" * len(header)]
   out += [f"{r.op:<24} {r.label:<{width}} {r.direction:<8} {r.regret:7.3f} {r.fastest:<8} "
           f"{r.ran or '':<{ran_width}} {r.fastest_ms:9.4f} {r.default_ms:9.4f}"

@@ -63,8 +63,8 @@ def failed(row: Row) -> bool:
 def _least_regret(points: Sequence[tuple[int, float, float]], candidates: Sequence[Any],
                   uses_first: Callable[[Any, int], bool]) -> Any:
   """The candidate whose choice per point costs least against the faster of the two there:
-  the least worst ratio, then the least geometric mean of the ratios, then the earliest (the
-  callers list those that give the first implementation more points first)."""
+  the least worst ratio, then the least geometric mean of the ratios, then the earliest in
+  ``candidates`` (the callers put first the candidate a tie should go to)."""
   # Times clamped above zero: a backward read as the step less the forward can be nil.
   clamped = [(size, max(first, 1e-9), max(second, 1e-9)) for size, first, second in points
              if min(first, second) < math.inf]
@@ -95,6 +95,19 @@ def least_regret_suffix(points: Sequence[tuple[int, float, float]]) -> int | Non
   sizes = sorted({size for size, _, _ in points})
   return _least_regret(points, [*sizes, None],
                        lambda start, size: start is not None and size >= start)
+
+
+def least_regret_corner(points: Sequence[tuple[tuple[int, int], float, float]]
+                        ) -> list[int] | None:
+  """``[most rows, least length]``: the corner (rows up to the first, lengths from the second)
+  in which the first implementation is used, the second elsewhere, at the least regret; None:
+  the second everywhere (also where no corner does better). ``points``: ``((rows, length),
+  first's time, second's time)``."""
+  rows = sorted({r for (r, _), _, _ in points})
+  lengths = sorted({n for (_, n), _, _ in points})
+  corners = [None] + [[r, n] for r in rows for n in reversed(lengths)]
+  return _least_regret(points, corners, lambda corner, at: corner is not None
+                       and at[0] <= corner[0] and at[1] >= corner[1])
 
 
 def order_by_geometric_mean(rows: Iterable[Row], use: str, names: Sequence[str]) -> list[str]:

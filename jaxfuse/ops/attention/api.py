@@ -303,19 +303,38 @@ def _mosaic_unsupported(call, arrays):
 
 
 def _untuned() -> dict:
-  # A GPU never measured: cuDNN first everywhere it applies.
-  return {"mosaic_before_cudnn_forward": {}, "mosaic_before_cudnn_step": {}}
+  # A GPU never measured: cuDNN first everywhere it applies, whatever the grid's size.
+  return {"mosaic_before_cudnn_forward": {}, "mosaic_before_cudnn_step": {},
+          "mosaic_least_tiles_forward": 0, "mosaic_least_tiles_step": 0,
+          "triton_most_tiles_forward": 0, "triton_most_tiles_step": 0}
 
 
-def _mosaic_before_cudnn(call, arrays, use: str) -> bool:
-  """Whether None tries 'mosaic' before cuDNN for this call, ``use`` "forward" (only
-  evaluated) or "step" (differentiated): this GPU's tuned table
-  (``jaxfuse/ops/attention/tuned/``) gives, per mask and head dim, the most queries at which
-  Mosaic measured faster."""
-  rules = tuned.rows("attention", _untuned)[f"mosaic_before_cudnn_{use}"]
+# Queries per work tile: the unit in which a call's grid is counted against the GPU's SMs.
+TILE_QUERIES = 128
+
+
+def work_tiles(batch: int, queries: int, heads: int) -> int:
+  """Tiles of :data:`TILE_QUERIES` queries of one head: a call's parallel work."""
+  return batch * heads * -(-queries // TILE_QUERIES)
+
+
+def _first_by_table(call, arrays, use: str) -> str:
+  """The implementation None tries first for this call, ``use`` "forward" (only evaluated) or
+  "step" (differentiated), by this GPU's tuned table (``jaxfuse/ops/attention/tuned/``):
+  'triton' for grids of up to ``triton_most_tiles_<use>`` work tiles; 'mosaic' from
+  ``mosaic_least_tiles_<use>`` tiles up to the most queries at which Mosaic measured faster
+  (per mask and head dim, ``mosaic_before_cudnn_<use>``); else cuDNN. A small grid leaves SMs
+  idle, and the kernels with smaller tiles or several CTAs per head fill more of them."""
+  table = tuned.rows("attention", _untuned)
   q, _, v = arrays[:3]
+  tiles = work_tiles(q.shape[0], q.shape[1], q.shape[2])
+  if tiles <= table[f"triton_most_tiles_{use}"]:
+    return "triton"
+  rules = table[f"mosaic_before_cudnn_{use}"]
   most = rules.get(f"{'causal' if call.spec.is_causal else 'full'}/{max(q.shape[3], v.shape[3])}")
-  return most is not None and q.shape[1] <= most
+  if most is not None and q.shape[1] <= most and tiles >= table[f"mosaic_least_tiles_{use}"]:
+    return "mosaic"
+  return "cudnn"
 
 
 def _resolve(implementation, call, arrays) -> op.Plan:
@@ -337,9 +356,8 @@ def _resolve(implementation, call, arrays) -> op.Plan:
   def preference(use):
     if registry.platform() == "cpu":
       return ("xla",)
-    if _mosaic_before_cudnn(call, arrays, use):
-      return ("mosaic", "cudnn", "triton", "xla")
-    return ("cudnn", "mosaic", "triton", "xla")
+    first = _first_by_table(call, arrays, use)
+    return (first,) + tuple(n for n in ("cudnn", "mosaic", "triton", "xla") if n != first)
 
   def fastest(use):
     return registry.resolve(OP, None, backends,

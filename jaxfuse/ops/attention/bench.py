@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jaxfuse._core import registry, tune
 from jaxfuse._core.bench import DEFAULT, Case, implementation_arg
 from jaxfuse.ops.attention import reference
-from jaxfuse.ops.attention.api import attention
+from jaxfuse.ops.attention.api import attention, work_tiles
 
 GPU_SHAPES = [(4, 4096, 16, 128), (1, 16384, 16, 128), (8, 2048, 16, 64), (2, 8192, 8, 256)]
 
@@ -149,26 +149,63 @@ TUNE_HEAD_DIMS = {64: 16, 128: 16, 256: 8}
 TUNE_QUERIES = (1024, 2048, 3072, 4096, 6144, 8192, 16384)
 
 
+# Small grids, (batch, queries, heads) per head dim and mask: from a fraction of the SMs'
+# worth of work tiles to a few waves, under the three kernels.
+TUNE_SMALL_GRIDS = ((1, 512, 8), (1, 1024, 8), (1, 2048, 8), (2, 2048, 16))
+TUNE_TOKENS = 16384
+
+
 def tune_cases() -> list[Case]:
-  """cuDNN and 'mosaic' over :data:`TUNE_QUERIES` per head dim and mask."""
-  return [_plain_case(max(1, 16384 // t), t, n, h, causal, ("cudnn", "mosaic"))
-          for h, n in TUNE_HEAD_DIMS.items() for causal in (True, False) for t in TUNE_QUERIES]
+  """cuDNN and 'mosaic' over :data:`TUNE_QUERIES` per head dim and mask, and
+  :data:`TUNE_SMALL_GRIDS` of head dims 64 and 128 under Triton too."""
+  return ([_plain_case(max(1, TUNE_TOKENS // t), t, n, h, causal, ("cudnn", "mosaic"))
+           for h, n in TUNE_HEAD_DIMS.items() for causal in (True, False) for t in TUNE_QUERIES]
+          + [_plain_case(b, t, n, h, causal, ("cudnn", "mosaic", "triton"))
+             for h in (64, 128) for causal in (True, False) for b, t, n in TUNE_SMALL_GRIDS])
+
+
+def _shape(label: str) -> tuple[int, ...]:
+  """``(batch, queries, heads, head dim)`` of a plain case's label."""
+  return tuple(int(d) for d in label.split()[0].split("x"))
 
 
 def _table_key(label: str) -> str:
   """A plain case's tuned-table key: ``'4x4096x16x128 causal'`` -> ``'causal/128'``."""
-  shape, mask = label.split()[:2]
-  return f"{mask}/{shape.split('x')[3]}"
+  return f"{label.split()[1]}/{_shape(label)[3]}"
+
+
+def _by_tiles(rows, use: str, first: str, others: tuple[str, ...]):
+  """``(work tiles, first's time, the fastest of others' time)`` per case that ran them all."""
+  points = []
+  for label in dict.fromkeys(r.label for r in rows):
+    b, t, n, _ = _shape(label)
+    case_rows = [r for r in rows if r.label == label]
+    times = [tune.times_by_size(case_rows, use, first, other) for other in others]
+    if all(times):
+      points.append((work_tiles(b, t, n), times[0][0][1], min(p[0][2] for p in times)))
+  return sorted(points)
 
 
 def tuned_rows(rows) -> dict:
   """Per mask and head dim and per use, the most queries up to which 'mosaic' goes before
-  cuDNN at the least regret (no key: cuDNN first)."""
+  cuDNN at the least regret on grids of :data:`TUNE_TOKENS` tokens (no key: cuDNN first);
+  per use, the fewest work tiles from which it does, and the most up to which 'triton' goes
+  before both (0: no bound)."""
   out = {"mosaic_before_cudnn_forward": {}, "mosaic_before_cudnn_step": {}}
-  for key in sorted({_table_key(r.label) for r in rows}):
-    group = [r for r in rows if _table_key(r.label) == key]
+  full = [r for r in rows if _shape(r.label)[0] * _shape(r.label)[1] >= TUNE_TOKENS]
+  for key in sorted({_table_key(r.label) for r in full}):
+    group = [r for r in full if _table_key(r.label) == key]
     for use in ("forward", "step"):
       most = tune.least_regret_prefix(tune.times_by_size(group, use, "mosaic", "cudnn"))
       if most is not None:
         out[f"mosaic_before_cudnn_{use}"][key] = most
+  for use in ("forward", "step"):
+    mosaic_first = [r for r in rows if _shape(r.label)[1] <= out[f"mosaic_before_cudnn_{use}"]
+                    .get(_table_key(r.label), 0)]
+    points = _by_tiles(mosaic_first, use, "mosaic", ("cudnn",))
+    least = tune.least_regret_suffix(points)
+    # A bound only where a smaller grid measured it: Mosaic from the fewest tiles run is none.
+    out[f"mosaic_least_tiles_{use}"] = 0 if least is None or least == points[0][0] else least
+    out[f"triton_most_tiles_{use}"] = tune.least_regret_prefix(
+        _by_tiles(rows, use, "triton", ("cudnn", "mosaic"))) or 0
   return out

@@ -28,9 +28,9 @@ def _preference():
 
 def _untuned() -> dict:
   # A GPU never measured: Triton while a program holds a row block in registers, CUDA's
-  # cluster kernels past it (where a Pallas program walks a row twice), and LayerNorm's
-  # backward on CUDA's short-row kernel, whose lanes hold whole rows.
-  return {"triton_max_features": 16384,
+  # cluster kernels past it (where a Pallas program walks a row twice), LayerNorm's backward
+  # on CUDA's short-row kernel, whose lanes hold whole rows, and no corner of few rows for XLA.
+  return {"triton_max_features": 16384, "xla_few_rows": {},
           "rules": [{"when": {"op": "layer", "direction": "backward", "cuda_short_rows": True},
                      "use": "cuda"}]}
 
@@ -40,9 +40,12 @@ def _fastest(facts: dict, cuda_runs, triton_runs) -> str:
   tuned table (``jaxfuse/ops/norm/tuned/``): its ``rules``, measured exceptions matched on
   ``facts``, else the general rule.
 
-  Up to ``triton_max_features`` the Triton kernels hold a row block in registers and win.
-  Longer rows a Pallas program walks twice, and there the CUDA kernels, which hold a row in
-  a thread block cluster, win. Both directions share the saved statistics, so any forward
+  Few rows of long 16-bit features (``xla_few_rows``: per norm and direction, the most rows
+  and the least length of the corner where XLA measured faster; none where empty) leave a
+  program per row with most of the GPU idle, and XLA's fusions win there. Up to
+  ``triton_max_features`` the Triton kernels hold a row block in registers and win. Longer
+  rows a Pallas program walks twice, and there the CUDA kernels, which hold a row in a thread
+  block cluster, win. Both directions share the saved statistics, so any forward
   pairs with any backward. Where the CUDA kernels cannot run (rows that do not fit a cluster,
   float64) the two-walk Triton forward still beats XLA's, and XLA's backward beats the
   two-walk Triton one. Without Triton the CUDA kernels come first. ``cuda_runs()`` and
@@ -53,6 +56,10 @@ def _fastest(facts: dict, cuda_runs, triton_runs) -> str:
   runs = {"cuda": cuda_runs, "triton": triton_runs, "xla": lambda: True}
   if chosen := tuned.ruled(table["rules"], facts, lambda name: runs[name]()):
     return chosen
+  corner = table["xla_few_rows"].get(f"{facts['op']}/{facts['direction']}")
+  if (corner and facts["itemsize"] == facts["out_itemsize"] == 2
+      and facts["rows"] <= corner[0] and facts["length"] >= corner[1]):
+    return "xla"
   longest, n = table["triton_max_features"], facts["length"]
   if (n > longest or not triton_runs()) and cuda_runs():
     return "cuda"
@@ -177,8 +184,8 @@ def _plan(op_name, kind, implementation, n, rows, x_dtype, out_dtype, param_dtyp
 
   @functools.cache
   def facts():
-    return dict(op=kind, length=n, elements=rows * n, itemsize=jnp.dtype(x_dtype).itemsize,
-                out_itemsize=jnp.dtype(out_dtype).itemsize,
+    return dict(op=kind, length=n, rows=rows, elements=rows * n,
+                itemsize=jnp.dtype(x_dtype).itemsize, out_itemsize=jnp.dtype(out_dtype).itemsize,
                 cuda_short_rows=(jnp.dtype(x_dtype).itemsize == 2
                                  and jnp.dtype(out_dtype) == x_dtype
                                  and getattr(cuda_kernels.backward_tiling(n, x_dtype), "lanes",

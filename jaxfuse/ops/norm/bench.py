@@ -12,6 +12,7 @@ promotion) and a pass over them moves twice x's bytes.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -119,16 +120,53 @@ TUNE_LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 12288, 16384, 24576, 32768, 65
 TUNE_ELEMENTS = 2**26
 
 
+# Few rows (a decoding batch): a kernel's program per row leaves most of the GPU idle, and
+# XLA's fusions may win; (rows, length) across the corner where they do.
+FEW_ROWS = (1, 8, 64)
+FEW_ROWS_LENGTHS = (1024, 4096, 12288, 32768)
+
+
 def tune_cases() -> list[Case]:
-  """RMSNorm and LayerNorm rows of :data:`TUNE_LENGTHS` under Triton and CUDA."""
-  return [_case(op, fn, with_bias, TUNE_ELEMENTS // n, n, jnp.bfloat16, jnp.bfloat16,
-                ("triton", "cuda"))
-          for op, fn, with_bias in OPS for n in TUNE_LENGTHS]
+  """RMSNorm and LayerNorm rows of :data:`TUNE_LENGTHS` under Triton and CUDA, and
+  :data:`FEW_ROWS` of :data:`FEW_ROWS_LENGTHS` under XLA too."""
+  return ([_case(op, fn, with_bias, TUNE_ELEMENTS // n, n, jnp.bfloat16, jnp.bfloat16,
+                 ("triton", "cuda"))
+           for op, fn, with_bias in OPS for n in TUNE_LENGTHS]
+          + [_case(op, fn, with_bias, rows, n, jnp.bfloat16, jnp.bfloat16,
+                   ("xla", "triton", "cuda"))
+             for op, fn, with_bias in OPS for rows in FEW_ROWS for n in FEW_ROWS_LENGTHS])
+
+
+def _rows_of(label: str) -> int:
+  return int(label.split("x")[0])
+
+
+def _few_rows_points(rows, op: str, use: str):
+  """``((rows, length), XLA's time, the faster kernel's time)`` of ``op``'s few-rows cases
+  (a failed check counts as infinitely slow)."""
+  by_label: dict[str, dict] = {}
+  for r in rows:
+    if r.op == op and _rows_of(r.label) in FEW_ROWS:
+      by_label.setdefault(r.label, {})[r.implementation] = r
+  points = []
+  for label, ran in by_label.items():
+    times = {name: math.inf if tune.failed(row) else tune.time_of(row, use)
+             for name, row in ran.items()}
+    kernels = [t for name, t in times.items() if name != "xla" and t is not None]
+    if times.get("xla") is not None and kernels:
+      points.append(((_rows_of(label), ran["xla"].size), times["xla"], min(kernels)))
+  return sorted(points)
 
 
 def tuned_rows(rows) -> dict:
   """The longest rows up to which Triton's training step, in both norms, beats CUDA's at the
-  least regret (0: CUDA wherever it runs)."""
-  points = [p for op, _, _ in OPS
-            for p in tune.times_by_size([r for r in rows if r.op == op], "step", "triton", "cuda")]
-  return {"triton_max_features": tune.least_regret_prefix(points) or 0}
+  least regret (0: CUDA wherever it runs); per norm and direction, the corner of few rows and
+  long ones where XLA beats the faster kernel (see :func:`tune.least_regret_corner`)."""
+  rows = [r for r in rows if r.op in {op for op, _, _ in OPS}]
+  long_rows = [r for r in rows if _rows_of(r.label) not in FEW_ROWS]
+  points = [p for op, _, _ in OPS for p in tune.times_by_size(
+      [r for r in long_rows if r.op == op], "step", "triton", "cuda")]
+  corners = {f"{op.split('_')[0]}/{use}": tune.least_regret_corner(_few_rows_points(rows, op, use))
+             for op, _, _ in OPS for use in ("forward", "backward")}
+  return {"triton_max_features": tune.least_regret_prefix(points) or 0,
+          "xla_few_rows": corners}
