@@ -228,6 +228,24 @@ def test_the_least_regret_corner_holds_the_points_the_first_wins():
   assert tune.least_regret_corner([]) is None
 
 
+def test_the_tuning_grids_labels_read_back_into_rows():
+  """Every case of the norm and attention tuning grids, timed by a fake clock that favours
+  XLA's norms on one row and Triton's attention on the smallest grids, gives the rows."""
+  from jaxfuse.ops.attention import bench as attention_bench
+  from jaxfuse.ops.norm import bench as norm_bench
+  norm = [_timed(c.op, c.label, c.size, impl,
+                 0.5 if impl == "xla" and c.label.startswith("1x") else 1.0 + (impl == "xla"),
+                 3.0)
+          for c in norm_bench.tune_cases() for impl in ("xla", "triton", "cuda")]
+  corners = norm_bench.tuned_rows(norm)["xla_few_rows"]
+  assert corners["rms/forward"] == corners["layer/forward"] == [1, 1024]
+  attention = [_timed(c.op, c.label, c.size, impl,
+                      1.0 if (impl == "triton") == c.label.startswith("1x512x") else 2.0, 2.0)
+               for c in attention_bench.tune_cases() for impl in ("cudnn", "mosaic", "triton")]
+  rows = attention_bench.tuned_rows(attention)
+  assert rows["triton_most_tiles_forward"] == attention_bench.work_tiles(1, 512, 8)
+
+
 def test_the_rnn_tuning_run_gives_the_fused_kernels_most_work_per_cell_and_dtype():
   from jaxfuse.ops.rnn import bench as rnn_bench
   steps = {(1, 256): (1.0, 2.0), (64, 256): (1.0, 1.0), (256, 1024): (3.0, 2.0)}
