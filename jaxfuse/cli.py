@@ -257,14 +257,7 @@ def _tune_from(family: str, paths: list[str], write: bool) -> int:
   rows, kinds = [], set()
   for path in paths:
     record = json.loads(Path(path).read_text())
-    # Runs saved before records named their family are known by the rows they derived: all
-    # of this family's, or some of them (its grid grew since) and no other family's.
-    derived = set(record.get("tuned_rows") or ())
-    names = {f: set(tune.derive_names(f)) for f in FAMILIES}
-    derived_here = derived == names[family] or (
-        bool(derived) and derived <= names[family]
-        and not any(derived <= rows for f, rows in names.items() if f != family))
-    if record.get("tune_family", family if derived_here else None) != family:
+    if (record.get("tune_family") or _family_by_rows(record)) != family:
       print(f"jaxfuse tune --from: {path} is not a tuning run of {family}", file=sys.stderr)
       return 2
     if write and tune.cited_path(path) is None:
@@ -278,6 +271,16 @@ def _tune_from(family: str, paths: list[str], write: bool) -> int:
           file=sys.stderr)
     return 2
   return _tuned_rows(family, kinds.pop(), rows, tune.derive(family, rows), paths, write)
+
+
+def _family_by_rows(record) -> str | None:
+  """The family of a run saved before records named it, by the rows it derived: all of one
+  family's, or some of them (its grid grew since) that no other family's rows also hold."""
+  derived = set(record.get("tuned_rows") or ())
+  names = {family: set(tune.derive_names(family)) for family in FAMILIES}
+  exact = [family for family, rows in names.items() if derived == rows]
+  within = [family for family, rows in names.items() if derived and derived <= rows]
+  return exact[0] if exact else within[0] if len(within) == 1 else None
 
 
 def _uncitable(path: str) -> int:

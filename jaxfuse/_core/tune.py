@@ -37,23 +37,29 @@ def time_of(row: Row, use: str) -> float | None:
   return row.train_ms if use == "step" else row.train_ms - row.forward_ms
 
 
-def times_by_size(rows: Iterable[Row], use: str, first: str,
-                  second: str) -> list[tuple[int, float, float]]:
-  """``(size, first's time, second's time)`` for each size both ran at, by size. An
-  implementation that failed its check there counts as infinitely slow: no threshold is read
-  across a wrong result."""
+def times_by_case(rows: Iterable[Row], use: str, first: str, others: Sequence[str]
+                  ) -> list[tuple[Row, float, float]]:
+  """``(first's row, first's time, the fastest of others' time)`` for each case where first
+  and one of ``others`` ran. An implementation that failed its check there counts as
+  infinitely slow: no threshold is read across a wrong result."""
   by_case: dict[tuple[str, str], dict[str, Row]] = {}
   for row in rows:
     by_case.setdefault((row.op, row.label), {})[row.implementation] = row
+  time = lambda row: math.inf if failed(row) else time_of(row, use)
   points = []
-  for pair in by_case.values():
-    if first not in pair or second not in pair:
-      continue
-    times = [math.inf if failed(pair[name]) else time_of(pair[name], use)
-             for name in (first, second)]
-    if None not in times:
-      points.append((pair[first].size, *times))
-  return sorted(points)
+  for ran in by_case.values():
+    rivals = [t for name in others if name in ran and (t := time(ran[name])) is not None]
+    if first in ran and (mine := time(ran[first])) is not None and rivals:
+      points.append((ran[first], mine, min(rivals)))
+  return points
+
+
+def times_by_size(rows: Iterable[Row], use: str, first: str,
+                  second: str) -> list[tuple[int, float, float]]:
+  """``(size, first's time, second's time)`` for each case both ran, by size (see
+  :func:`times_by_case`)."""
+  return sorted((row.size, mine, theirs)
+                for row, mine, theirs in times_by_case(rows, use, first, (second,)))
 
 
 def failed(row: Row) -> bool:

@@ -175,15 +175,9 @@ def _table_key(label: str) -> str:
 
 
 def _by_tiles(rows, use: str, first: str, others: tuple[str, ...]):
-  """``(work tiles, first's time, the fastest of others' time)`` per case that ran them all."""
-  points = []
-  for label in dict.fromkeys(r.label for r in rows):
-    b, t, n, _ = _shape(label)
-    case_rows = [r for r in rows if r.label == label]
-    times = [tune.times_by_size(case_rows, use, first, other) for other in others]
-    if all(times):
-      points.append((work_tiles(b, t, n), times[0][0][1], min(p[0][2] for p in times)))
-  return sorted(points)
+  """``(work tiles, first's time, the fastest of others' time)`` per case, by tiles."""
+  return sorted((work_tiles(*_shape(row.label)[:3]), mine, theirs)
+                for row, mine, theirs in tune.times_by_case(rows, use, first, others))
 
 
 def tuned_rows(rows) -> dict:

@@ -16,11 +16,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxfuse._core import op
+from jaxfuse._core import op, registry
 from jaxfuse._core.validation import check_array, describe
 
 OP = "gelu_mlp"
-_BACKENDS = {"xla": lambda: None}
+_BACKENDS = {"xla": registry.xla_available}
 
 
 def gelu_mlp(x, w1, b1, w2, b2, *, approximate: bool = True,

@@ -57,8 +57,8 @@ def _fastest(facts: dict, cuda_runs, triton_runs) -> str:
   if chosen := tuned.ruled(table["rules"], facts, lambda name: runs[name]()):
     return chosen
   corner = table["xla_few_rows"].get(f"{facts['op']}/{facts['direction']}")
-  if (corner and facts["itemsize"] == facts["out_itemsize"] == 2
-      and facts["rows"] <= corner[0] and facts["length"] >= corner[1]):
+  if corner and tuned.matches({"itemsize": 2, "out_itemsize": 2, "max_rows": corner[0],
+                               "min_length": corner[1]}, facts):
     return "xla"
   longest, n = table["triton_max_features"], facts["length"]
   if (n > longest or not triton_runs()) and cuda_runs():

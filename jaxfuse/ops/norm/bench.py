@@ -12,7 +12,6 @@ promotion) and a pass over them moves twice x's bytes.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -142,20 +141,10 @@ def _rows_of(label: str) -> int:
 
 
 def _few_rows_points(rows, op: str, use: str):
-  """``((rows, length), XLA's time, the faster kernel's time)`` of ``op``'s few-rows cases
-  (a failed check counts as infinitely slow)."""
-  by_label: dict[str, dict] = {}
-  for r in rows:
-    if r.op == op and _rows_of(r.label) in FEW_ROWS:
-      by_label.setdefault(r.label, {})[r.implementation] = r
-  points = []
-  for label, ran in by_label.items():
-    times = {name: math.inf if tune.failed(row) else tune.time_of(row, use)
-             for name, row in ran.items()}
-    kernels = [t for name, t in times.items() if name != "xla" and t is not None]
-    if times.get("xla") is not None and kernels:
-      points.append(((_rows_of(label), ran["xla"].size), times["xla"], min(kernels)))
-  return sorted(points)
+  """``((rows, length), XLA's time, the faster kernel's time)`` of ``op``'s few-rows cases."""
+  few = [r for r in rows if r.op == op and _rows_of(r.label) in FEW_ROWS]
+  return sorted(((_rows_of(row.label), row.size), mine, theirs) for row, mine, theirs
+                in tune.times_by_case(few, use, "xla", ("triton", "cuda")))
 
 
 def tuned_rows(rows) -> dict:
