@@ -65,7 +65,8 @@ def main(argv=None) -> int:
   b.add_argument("--impl", help="comma-separated implementations to run (default: all)")
   b.add_argument("--sizes", help="comma-separated problem sizes (the plots' x values) to keep")
   b.add_argument("--only", action="append", metavar="TEXT",
-                 help="keep the cases whose label contains TEXT (repeatable)")
+                 help="keep the cases whose label contains TEXT (repeatable; a space at "
+                      "either end matches the label's start or end)")
   b.add_argument("--grid", action="store_true",
                  help="a family's grid against other libraries (rnn: batch x hidden per "
                       "cell, dtype and layout): None's ratio to the faster comparator per "
@@ -78,7 +79,8 @@ def main(argv=None) -> int:
                  help="let XLA run every timed program as a CUDA graph, as the steps of a "
                       "model are (XLA graphs only programs of several kernels by default)")
   t = sub.add_parser("tune", help="time a family's implementations across its dispatch "
-                                  "thresholds on this GPU and derive its tuned-table rows")
+                                  "thresholds on this GPU (every program as a CUDA graph) "
+                                  "and derive its tuned-table rows")
   t.add_argument("family", choices=tuple(FAMILIES))
   t.add_argument("--json", metavar="PATH",
                  help="where the run is saved (default: DATE-GPU-tune-FAMILY.json in the "
@@ -86,8 +88,9 @@ def main(argv=None) -> int:
   t.add_argument("--write", action="store_true",
                  help="put the rows into jaxfuse/ops/FAMILY/tuned/GPU.json, citing the run")
   t.add_argument("--only", action="append", metavar="TEXT",
-                 help="time only the cases whose label contains TEXT (repeatable), to split a "
-                      "long run; --from derives the rows from the parts together")
+                 help="time only the cases whose label contains TEXT (repeatable; a space at "
+                      "either end matches the label's start or end), to split a long run: "
+                      "a part gives the rows its cases measure, --from the parts together")
   t.add_argument("--from", dest="recorded", action="append", metavar="RUN",
                  help="derive the rows from saved tuning runs of this family (repeatable; no "
                       "GPU needed) instead of timing one")
@@ -102,12 +105,13 @@ def main(argv=None) -> int:
       if args.json or args.only:
         parser.error("--from reads saved runs: --json and --only choose what to time")
       return _tune_from(args.family, args.recorded, args.write)
+    # Tables choose for a model's step, which runs as a graph: small problems timed without
+    # one measure their launches.
+    _graph_every_program()
     return _tune(args.family, args.json, args.write, args.only)
 
   if args.graph_every_program:
-    # Read when JAX starts its GPU backend, which nothing above has asked for yet.
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_gpu_graph_min_graph_size=1").strip()
+    _graph_every_program()
   if args.regret and args.grid:
     parser.error("--regret and --grid are two different reports: ask for one")
   mode = "regret" if args.regret else "grid" if args.grid else "cases"
@@ -127,7 +131,7 @@ def main(argv=None) -> int:
       parser.error(f"--sizes takes comma-separated integers, got {args.sizes!r}")
     cases = [c for c in cases if c.size in keep]
   if args.only:
-    cases = [c for c in cases if any(text in c.label for text in args.only)]
+    cases = _only(cases, args.only)
   impls = args.impl.split(",") if args.impl else None
   if impls and args.without_triton and bench.DEFAULT in impls:
     impls.append(bench.DEFAULT_WITHOUT_TRITON)
@@ -241,7 +245,7 @@ def _tune(family: str, path: str | None, write: bool, only: list[str] | None) ->
     return _uncitable(path)
   cases = importlib.import_module(FAMILIES[family]).tune_cases()
   if only:
-    cases = [c for c in cases if any(text in c.label for text in only)]
+    cases = _only(cases, only)
   print(f"jaxfuse tune {family} on {kind} (jax {env['jax_version']}, {env['date']})")
   # Saved after each case: a run cut short still gives its rows to --from.
   save = functools.partial(report.save_json, path, tune_family=family, device_kind=kind)
@@ -281,6 +285,18 @@ def _family_by_rows(record) -> str | None:
   exact = [family for family, rows in names.items() if derived == rows]
   within = [family for family, rows in names.items() if derived and derived <= rows]
   return exact[0] if exact else within[0] if len(within) == 1 else None
+
+
+def _graph_every_program():
+  # Read when JAX starts its GPU backend, which nothing before the call has asked for yet.
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + " --xla_gpu_graph_min_graph_size=1").strip()
+
+
+def _only(cases, texts: list[str]):
+  """The cases whose label, between spaces, contains one of ``texts``: ' 8x' matches the
+  labels that start with 8x and not 2048x."""
+  return [c for c in cases if any(text in f" {c.label} " for text in texts)]
 
 
 def _uncitable(path: str) -> int:

@@ -562,8 +562,9 @@ def test_default_takes_mosaic_before_cudnn_where_it_measured_faster(monkeypatch)
 
   def chosen(kind, causal, t, h, hv=None, implementation=None):
     monkeypatch.setattr(registry, "device_kind", lambda: kind)
-    q = jax.ShapeDtypeStruct((2, t, 4, h), jnp.bfloat16)
-    v = jax.ShapeDtypeStruct((2, t, 4, hv or h), jnp.bfloat16)
+    # 16 heads: grids of at least 512 work tiles, past the tables' small-grid bounds.
+    q = jax.ShapeDtypeStruct((2, t, 16, h), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((2, t, 16, hv or h), jnp.bfloat16)
     call = api._Call(api.MaskSpec(causal, 0, None, None), 0.1, None, False, False, False,
                      False, False, False, jnp.bfloat16)
     plan = api._resolve(implementation, call, (q, q, v, None, None, None, None))

@@ -183,12 +183,9 @@ def test_each_family_reads_its_rows_from_a_tuning_run():
                    (2048, 64, "causal", "mosaic", 1.0, 1.0), (2048, 64, "causal", "cudnn", 2, 2),
                    (4096, 64, "causal", "mosaic", 1.0, 3.0), (4096, 64, "causal", "cudnn", 2, 2),
                    (2048, 128, "full", "mosaic", 3.0, 3.0), (2048, 128, "full", "cudnn", 2, 2)]]
-  no_bounds = {f"{kernel}_{bound}_tiles_{use}": 0 for kernel, bound in (("mosaic", "least"),
-                                                                       ("triton", "most"))
-               for use in ("forward", "step")}
   assert attention_bench.tuned_rows(attention) == {
       "mosaic_before_cudnn_forward": {"causal/64": 4096},
-      "mosaic_before_cudnn_step": {"causal/64": 2048}, **no_bounds}
+      "mosaic_before_cudnn_step": {"causal/64": 2048}}
   # Small grids (work tiles 64 and 128): Triton's forward wins on the smallest and Mosaic's
   # on the larger; cuDNN's step wins both.
   step = {"triton": 1.5, "cudnn": 1.0, "mosaic": 2.0}
@@ -197,7 +194,11 @@ def test_each_family_reads_its_rows_from_a_tuning_run():
                               (2048, "triton", 3.0), (2048, "cudnn", 2.0), (2048, "mosaic", 1.5)]]
   rows = attention_bench.tuned_rows(attention + small)
   assert (rows["triton_most_tiles_forward"], rows["mosaic_least_tiles_forward"]) == (64, 128)
-  assert (rows["triton_most_tiles_step"], rows["mosaic_least_tiles_step"]) == (0, 2048)
+  # Mosaic's step losing on both: from past the largest small grid.
+  assert (rows["triton_most_tiles_step"], rows["mosaic_least_tiles_step"]) == (0, 129)
+  # A part run of the small grids gives their rows alone.
+  assert attention_bench.tuned_rows(small) == {
+      k: v for k, v in rows.items() if not k.startswith("mosaic_before")}
   softmax = [_timed(op, f"{n}", n, impl, f, s) for op in ("softmax", "cross_entropy")
              for n, impl, f, s in [(1024, "triton", 1.0, 2.0), (1024, "cuda", 1.5, 2.5),
                                    (1024, "xla", 1.0, 2.0), (16384, "triton", 2.0, 5.0),
@@ -212,20 +213,48 @@ def test_each_family_reads_its_rows_from_a_tuning_run():
          for rows, n, xla_ms in [(1, 4096, 2.0), (8, 12288, 1.0), (8, 1024, 2.0), (1, 12288, 1.0),
                                  (64, 12288, 2.0)]
          for impl, f in [("xla", xla_ms), ("triton", 1.5), ("cuda", 3.0)]]
-  assert norm_bench.tuned_rows(norm + few) == {
-      "triton_max_features": 1024,
-      "xla_few_rows": {"rms/forward": [8, 12288], "rms/backward": None,
-                       "layer/forward": None, "layer/backward": None}}
+  bands = [[1, 12288, 12288], [8, 12288, 12288], [64]]
+  few_rows = {"rms/forward": bands, "rms/step": bands, "layer/forward": None, "layer/step": None}
+  assert norm_bench.tuned_rows(norm + few) == {"triton_max_features": 1024,
+                                               "xla_few_rows": few_rows}
+  assert norm_bench.tuned_rows(few) == {"xla_few_rows": few_rows}
+  assert norm_bench.tuned_rows(norm) == {"triton_max_features": 1024}
 
 
-def test_the_least_regret_corner_holds_the_points_the_first_wins():
+def test_a_part_run_picks_cases_by_the_start_of_their_labels():
+  from jaxfuse import cli
+  from jaxfuse.ops.attention import bench as attention_bench
+  from jaxfuse.ops.norm import bench as norm_bench
+  cases = norm_bench.tune_cases()
+  few = cli._only(cases, [f" {rows}x" for rows in norm_bench.FEW_ROWS])
+  assert {c.label.split()[0] for c in few} == {f"{r}x{n}" for r in norm_bench.FEW_ROWS
+                                              for n in norm_bench.FEW_ROWS_LENGTHS}
+  assert len(cli._only(cases, ["8x32768"])) > len(cli._only(cases, [" 8x32768"]))
+  small = cli._only(attention_bench.tune_cases(), [f" {b}x{t}x{n}x"
+                                                   for b, t, n in attention_bench.TUNE_SMALL_GRIDS])
+  assert len(small) == 2 * 2 * len(attention_bench.TUNE_SMALL_GRIDS)
+
+
+def test_a_table_file_holds_a_list_of_numbers_on_one_line():
+  from jaxfuse._core import tune
+  table = {"rows": {"bands": {"value": [[1, 4096, 32768], [64]], "source": ["a.json"]}}}
+  text = tune.table_text(table)
+  assert json.loads(text) == table
+  assert "[1, 4096, 32768]" in text and '"a.json"\n' in text
+
+
+def test_the_least_regret_bands_hold_per_row_count_the_lengths_the_first_wins():
   from jaxfuse._core import tune
   at = lambda rows, n, first, second: ((rows, n), first, second)
-  assert tune.least_regret_corner([at(1, 1024, 2.0, 1.0), at(1, 8192, 1.0, 2.0),
-                                   at(64, 8192, 2.0, 1.0)]) == [1, 8192]
-  assert tune.least_regret_corner([at(1, 1024, 1.0, 2.0), at(8, 8192, 1.0, 2.0)]) == [8, 1024]
-  assert tune.least_regret_corner([at(1, 1024, 2.0, 1.0), at(8, 8192, 1.0, 1.0)]) is None
-  assert tune.least_regret_corner([]) is None
+  assert tune.least_regret_bands([at(1, 1024, 2.0, 1.0), at(1, 8192, 1.0, 2.0),
+                                  at(64, 8192, 2.0, 1.0)]) == [[1, 8192, 8192], [64]]
+  # A win between losses at 8 rows; a tie goes to the second.
+  assert tune.least_regret_bands([at(1, 1024, 1.0, 2.0), at(1, 4096, 1.0, 1.0),
+                                  at(8, 1024, 2.0, 1.0), at(8, 4096, 1.0, 2.0),
+                                  at(8, 8192, 1.0, 2.0), at(8, 32768, 2.0, 1.0)]
+                                 ) == [[1, 1024, 1024], [8, 4096, 8192]]
+  assert tune.least_regret_bands([at(1, 1024, 2.0, 1.0), at(8, 8192, 2.0, 1.0)]) is None
+  assert tune.least_regret_bands([]) is None
 
 
 def test_the_tuning_grids_labels_read_back_into_rows():
@@ -237,8 +266,9 @@ def test_the_tuning_grids_labels_read_back_into_rows():
                  0.5 if impl == "xla" and c.label.startswith("1x") else 1.0 + (impl == "xla"),
                  3.0)
           for c in norm_bench.tune_cases() for impl in ("xla", "triton", "cuda")]
-  corners = norm_bench.tuned_rows(norm)["xla_few_rows"]
-  assert corners["rms/forward"] == corners["layer/forward"] == [1, 1024]
+  few_rows = norm_bench.tuned_rows(norm)["xla_few_rows"]
+  assert few_rows["rms/forward"] == few_rows["layer/forward"] == [
+      [1, min(norm_bench.FEW_ROWS_LENGTHS), max(norm_bench.FEW_ROWS_LENGTHS)], [8], [64]]
   attention = [_timed(c.op, c.label, c.size, impl,
                       1.0 if (impl == "triton") == c.label.startswith("1x512x") else 2.0, 2.0)
                for c in attention_bench.tune_cases() for impl in ("cudnn", "mosaic", "triton")]

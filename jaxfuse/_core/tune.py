@@ -17,11 +17,12 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxfuse._core import tuned
+from jaxfuse._core import registry, tuned
 from jaxfuse._core.bench import Row
 
 
@@ -103,17 +104,21 @@ def least_regret_suffix(points: Sequence[tuple[int, float, float]]) -> int | Non
                        lambda start, size: start is not None and size >= start)
 
 
-def least_regret_corner(points: Sequence[tuple[tuple[int, int], float, float]]
-                        ) -> list[int] | None:
-  """``[most rows, least length]``: the corner (rows up to the first, lengths from the second)
-  in which the first implementation is used, the second elsewhere, at the least regret; None:
-  the second everywhere (also where no corner does better). ``points``: ``((rows, length),
-  first's time, second's time)``."""
-  rows = sorted({r for (r, _), _, _ in points})
-  lengths = sorted({n for (_, n), _, _ in points})
-  corners = [None] + [[r, n] for r in rows for n in reversed(lengths)]
-  return _least_regret(points, corners, lambda corner, at: corner is not None
-                       and at[0] <= corner[0] and at[1] >= corner[1])
+def least_regret_bands(points: Sequence[tuple[tuple[int, int], float, float]]
+                       ) -> list[list[int]] | None:
+  """``[[rows, least length, most length], ...]``: per row count measured, the band of
+  lengths in which the first implementation is used (the second outside it) at the least
+  regret, as :func:`_least_regret` weighs it (ties to the second); ``[rows]`` where no band
+  is best, and None where none is at any row count. ``points``: ``((rows, length), first's
+  time, second's time)``."""
+  bands = []
+  for rows in sorted({r for (r, _), _, _ in points}):
+    at = [(n, first, second) for (r, n), first, second in points if r == rows]
+    sizes = sorted({n for n, _, _ in at})
+    band = _least_regret(at, [None] + [(lo, hi) for lo in sizes for hi in sizes if lo <= hi],
+                         lambda band, n: band is not None and band[0] <= n <= band[1])
+    bands.append([rows, *(band or ())])
+  return bands if any(len(band) > 1 for band in bands) else None
 
 
 def order_by_geometric_mean(rows: Iterable[Row], use: str, names: Sequence[str]) -> list[str]:
@@ -145,8 +150,15 @@ def write_rows(family: str, kind: str, values: Mapping[str, Any],
   for name, value in values.items():
     table["rows"][name] = {"value": value, "source": source}
   path.parent.mkdir(parents=True, exist_ok=True)
-  path.write_text(json.dumps(table, indent=1) + "\n")
+  path.write_text(table_text(table))
   return str(path)
+
+
+def table_text(table: Mapping[str, Any]) -> str:
+  """``table`` as its file holds it: indented, with lists of numbers on one line each."""
+  text = json.dumps(table, indent=1)
+  return re.sub(r"\[([-\d.e\s,nul]*)\]",
+                lambda m: json.dumps(json.loads(m.group(0))), text) + "\n"
 
 
 def results_dir() -> Path | None:
@@ -167,8 +179,13 @@ def cited_path(path: str) -> str | None:
 
 
 def derive_names(family: str) -> list[str]:
-  """The names of the rows a tuning run of ``family`` derives (those of an empty run)."""
-  return list(family_module(family, "bench").tuned_rows([]))
+  """The names of the rows a whole tuning run of ``family`` derives: its cases, every
+  implementation timed alike (also those this machine cannot run)."""
+  bench_module = family_module(family, "bench")
+  rows = [Row(op=case.op, label=case.label, size=case.size, implementation=name, unit="",
+              forward_ms=1.0, train_ms=2.0)
+          for case in bench_module.tune_cases() for name in registry.IMPLEMENTATIONS]
+  return list(bench_module.tuned_rows(rows))
 
 
 def derive(family: str, rows: Sequence[Row]) -> dict[str, Any]:

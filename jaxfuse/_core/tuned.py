@@ -89,9 +89,8 @@ def _log_untuned(family: str, kind: str):
 
 
 # A rule's conditions: facts that must be equal (or one of a list), and bounds on the row
-# length, the row count and the element count (inclusive).
+# length and the element count (inclusive).
 _BOUNDS = {"min_length": ("length", 1), "max_length": ("length", -1),
-           "max_rows": ("rows", -1),
            "min_elements": ("elements", 1), "max_elements": ("elements", -1)}
 
 

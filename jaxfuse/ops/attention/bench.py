@@ -183,23 +183,30 @@ def _by_tiles(rows, use: str, first: str, others: tuple[str, ...]):
 def tuned_rows(rows) -> dict:
   """Per mask and head dim and per use, the most queries up to which 'mosaic' goes before
   cuDNN at the least regret on grids of :data:`TUNE_TOKENS` tokens (no key: cuDNN first);
-  per use, the fewest work tiles from which it does, and the most up to which 'triton' goes
-  before both (0: no bound)."""
-  out = {"mosaic_before_cudnn_forward": {}, "mosaic_before_cudnn_step": {}}
+  per use, from :data:`TUNE_SMALL_GRIDS`, the fewest work tiles from which it does and the
+  most up to which 'triton' goes before both (0: no bound). A run gives only the rows its
+  cases measure, so a part run (``--only``) leaves the table's others as they are."""
+  out = {}
   full = [r for r in rows if _shape(r.label)[0] * _shape(r.label)[1] >= TUNE_TOKENS]
-  for key in sorted({_table_key(r.label) for r in full}):
-    group = [r for r in full if _table_key(r.label) == key]
+  if full:
     for use in ("forward", "step"):
-      most = tune.least_regret_prefix(tune.times_by_size(group, use, "mosaic", "cudnn"))
-      if most is not None:
-        out[f"mosaic_before_cudnn_{use}"][key] = most
+      out[f"mosaic_before_cudnn_{use}"] = {}
+    for key in sorted({_table_key(r.label) for r in full}):
+      group = [r for r in full if _table_key(r.label) == key]
+      for use in ("forward", "step"):
+        most = tune.least_regret_prefix(tune.times_by_size(group, use, "mosaic", "cudnn"))
+        if most is not None:
+          out[f"mosaic_before_cudnn_{use}"][key] = most
+  small = [r for r in rows if _shape(r.label)[0] * _shape(r.label)[1] < TUNE_TOKENS]
   for use in ("forward", "step"):
-    mosaic_first = [r for r in rows if _shape(r.label)[1] <= out[f"mosaic_before_cudnn_{use}"]
-                    .get(_table_key(r.label), 0)]
-    points = _by_tiles(mosaic_first, use, "mosaic", ("cudnn",))
-    least = tune.least_regret_suffix(points)
-    # A bound only where a smaller grid measured it: Mosaic from the fewest tiles run is none.
-    out[f"mosaic_least_tiles_{use}"] = 0 if least is None or least == points[0][0] else least
-    out[f"triton_most_tiles_{use}"] = tune.least_regret_prefix(
-        _by_tiles(rows, use, "triton", ("cudnn", "mosaic"))) or 0
+    points = _by_tiles(small, use, "mosaic", ("cudnn",))
+    if points:
+      least = tune.least_regret_suffix(points)
+      # Mosaic losing on every small grid: from past the largest (the full grids say where it
+      # wins); winning from the fewest tiles run: no bound.
+      out[f"mosaic_least_tiles_{use}"] = (points[-1][0] + 1 if least is None
+                                          else 0 if least == points[0][0] else least)
+    points = _by_tiles(small, use, "triton", ("cudnn", "mosaic"))
+    if points:
+      out[f"triton_most_tiles_{use}"] = tune.least_regret_prefix(points) or 0
   return out

@@ -35,14 +35,17 @@ def _untuned() -> dict:
                      "use": "cuda"}]}
 
 
-def _fastest(facts: dict, cuda_runs, triton_runs) -> str:
+def _fastest(facts: dict, few_rows_use: str, cuda_runs, triton_runs) -> str:
   """The fastest implementation for one direction (``facts["direction"]``), by this GPU's
   tuned table (``jaxfuse/ops/norm/tuned/``): its ``rules``, measured exceptions matched on
   ``facts``, else the general rule.
 
-  Few rows of long 16-bit features (``xla_few_rows``: per norm and direction, the most rows
-  and the least length of the corner where XLA measured faster; none where empty) leave a
-  program per row with most of the GPU idle, and XLA's fusions win there. Up to
+  Few rows of long 16-bit features leave a program per row with most of the GPU idle, and
+  XLA's fusions win there: ``xla_few_rows`` holds, per norm and ``few_rows_use`` (the
+  evaluated ``forward``, or both directions of a training ``step``, which XLA fuses into one
+  program), bands ``[rows, least length, most length]`` where XLA measured faster (a call
+  takes the first entry of at least its rows; ``[rows]``: no band there; none past the last
+  entry, or where empty). Up to
   ``triton_max_features`` the Triton kernels hold a row block in registers and win. Longer
   rows a Pallas program walks twice, and there the CUDA kernels, which hold a row in a thread
   block cluster, win. Both directions share the saved statistics, so any forward
@@ -56,9 +59,10 @@ def _fastest(facts: dict, cuda_runs, triton_runs) -> str:
   runs = {"cuda": cuda_runs, "triton": triton_runs, "xla": lambda: True}
   if chosen := tuned.ruled(table["rules"], facts, lambda name: runs[name]()):
     return chosen
-  corner = table["xla_few_rows"].get(f"{facts['op']}/{facts['direction']}")
-  if corner and tuned.matches({"itemsize": 2, "out_itemsize": 2, "max_rows": corner[0],
-                               "min_length": corner[1]}, facts):
+  bands = table["xla_few_rows"].get(f"{facts['op']}/{few_rows_use}") or ()
+  band = next((band[1:] for band in bands if facts["rows"] <= band[0]), ())
+  if band and tuned.matches({"itemsize": 2, "out_itemsize": 2, "min_length": band[0],
+                             "max_length": band[1]}, facts):
     return "xla"
   longest, n = table["triton_max_features"], facts["length"]
   if (n > longest or not triton_runs()) and cuda_runs():
@@ -173,8 +177,7 @@ def _normalize(op, kind, x, weight, bias, eps, normalized_ndim, out_dtype, imple
 
 def _plan(op_name, kind, implementation, n, rows, x_dtype, out_dtype, param_dtypes, what):
   """The call's plan for ``rows`` rows of ``n`` features: the named implementation, or by
-  measurement for ``None`` among those that run here (see :func:`_fastest`), the evaluated
-  call as the forward."""
+  measurement for ``None`` among those that run here (see :func:`_fastest`)."""
   cuda_refusal = lambda: cuda_kernels.unsupported(n, x_dtype, out_dtype, param_dtypes)
   cuda_runs = lambda: (cuda_refusal() is None
                        and registry.runs(op_name, "cuda", cuda_kernels.unavailable))
@@ -193,7 +196,8 @@ def _plan(op_name, kind, implementation, n, rows, x_dtype, out_dtype, param_dtyp
 
   def fastest(use):
     direction = "backward" if use == "backward" else "forward"
-    return _fastest(dict(facts(), direction=direction), cuda_runs, triton_runs)
+    return _fastest(dict(facts(), direction=direction),
+                    "forward" if use == "evaluated" else "step", cuda_runs, triton_runs)
 
   chosen = op.resolve_plan(op_name, implementation, _BACKENDS, _preference(), fastest)
   if implementation == "cuda" and (reason := cuda_refusal()):

@@ -120,7 +120,7 @@ TUNE_ELEMENTS = 2**26
 
 
 # Few rows (a decoding batch): a kernel's program per row leaves most of the GPU idle, and
-# XLA's fusions may win; (rows, length) across the corner where they do.
+# XLA's fusions may win; (rows, length) across where they do.
 FEW_ROWS = (1, 8, 64)
 FEW_ROWS_LENGTHS = (1024, 4096, 12288, 32768)
 
@@ -142,20 +142,25 @@ def _rows_of(label: str) -> int:
 
 def _few_rows_points(rows, op: str, use: str):
   """``((rows, length), XLA's time, the faster kernel's time)`` of ``op``'s few-rows cases."""
-  few = [r for r in rows if r.op == op and _rows_of(r.label) in FEW_ROWS]
   return sorted(((_rows_of(row.label), row.size), mine, theirs) for row, mine, theirs
-                in tune.times_by_case(few, use, "xla", ("triton", "cuda")))
+                in tune.times_by_case([r for r in rows if r.op == op], use, "xla",
+                                      ("triton", "cuda")))
 
 
 def tuned_rows(rows) -> dict:
   """The longest rows up to which Triton's training step, in both norms, beats CUDA's at the
-  least regret (0: CUDA wherever it runs); per norm and direction, the corner of few rows and
-  long ones where XLA beats the faster kernel (see :func:`tune.least_regret_corner`)."""
+  least regret (0: CUDA wherever it runs); per norm, for the forward and the training step,
+  the band of lengths in which XLA beats the faster kernel per row count of :data:`FEW_ROWS`
+  (see :func:`tune.least_regret_bands`). A run gives only the rows its cases measure."""
   rows = [r for r in rows if r.op in {op for op, _, _ in OPS}]
   long_rows = [r for r in rows if _rows_of(r.label) not in FEW_ROWS]
   points = [p for op, _, _ in OPS for p in tune.times_by_size(
       [r for r in long_rows if r.op == op], "step", "triton", "cuda")]
-  corners = {f"{op.split('_')[0]}/{use}": tune.least_regret_corner(_few_rows_points(rows, op, use))
-             for op, _, _ in OPS for use in ("forward", "backward")}
-  return {"triton_max_features": tune.least_regret_prefix(points) or 0,
-          "xla_few_rows": corners}
+  few = [r for r in rows if _rows_of(r.label) in FEW_ROWS]
+  out = {}
+  if points:
+    out["triton_max_features"] = tune.least_regret_prefix(points) or 0
+  if few:
+    out["xla_few_rows"] = {f"{op.split('_')[0]}/{use}": tune.least_regret_bands(
+        _few_rows_points(few, op, use)) for op, _, _ in OPS for use in ("forward", "step")}
+  return out
