@@ -89,8 +89,8 @@ def main(argv=None) -> int:
                  help="put the rows into jaxfuse/ops/FAMILY/tuned/GPU.json, citing the run")
   t.add_argument("--only", action="append", metavar="TEXT",
                  help="time only the cases whose label contains TEXT (repeatable; a space at "
-                      "either end matches the label's start or end), to split a long run: "
-                      "a part gives the rows its cases measure, --from the parts together")
+                      "either end matches the label's start or end), to split a long run; "
+                      "--from writes the rows from the parts together")
   t.add_argument("--from", dest="recorded", action="append", metavar="RUN",
                  help="derive the rows from saved tuning runs of this family (repeatable; no "
                       "GPU needed) instead of timing one")
@@ -105,6 +105,10 @@ def main(argv=None) -> int:
       if args.json or args.only:
         parser.error("--from reads saved runs: --json and --only choose what to time")
       return _tune_from(args.family, args.recorded, args.write)
+    if args.only and args.write:
+      # A part's rows hold only its cases and would replace the table's whole rows.
+      parser.error("--write takes a whole run: time the parts with --only, then write the "
+                   "rows from them together with --from PART --from PART ...")
     # Tables choose for a model's step, which runs as a graph: small problems timed without
     # one measure their launches.
     _graph_every_program()

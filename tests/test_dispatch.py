@@ -107,7 +107,8 @@ def cpu(gpu):
 @pytest.fixture
 def chosen(monkeypatch):
   """The ops' jitted entries replaced by spies; ``chosen()`` pops what the last call chose:
-  (forward, backward) for the norms and softmaxes, (with its gradient, the loss alone) for the
+  (forward, backward) for the norms and softmaxes (the norms' (evaluated, forward, backward)
+  where an evaluated call runs another kernel), (with its gradient, the loss alone) for the
   cross-entropy, (evaluated, differentiated) for attention, one name for the others."""
   choices = []
 
@@ -119,7 +120,12 @@ def chosen(monkeypatch):
 
   def directions(*args):
     plan = args[-1].plan
-    if plan.evaluated != plan.forward:  # only the norms' few rows, measured apart
+    assert plan.evaluated == plan.forward  # an evaluated call runs the forward's kernel
+    return plan.forward, plan.backward
+
+  def norm_directions(*args):
+    plan = args[-1].plan
+    if plan.evaluated != plan.forward:  # few rows: the forward's bands and the step's apart
       return plan.evaluated, plan.forward, plan.backward
     return plan.forward, plan.backward
 
@@ -127,7 +133,7 @@ def chosen(monkeypatch):
     assert plan.evaluated == plan.forward == plan.backward
     return plan.forward
 
-  spy(norm_api, "_norm_jit", directions)
+  spy(norm_api, "_norm_jit", norm_directions)
   spy(softmax_api, "_softmax_jit", directions)
   spy(softmax_api, "_cross_entropy_jit",
       lambda *args: (args[-1].plan.forward, args[-1].plan.evaluated))
@@ -486,7 +492,8 @@ def test_none_on_the_h200_takes_its_own_rows(gpu, chosen, call, expected):
     (8, 12288, "bfloat16", ("xla", "triton", "triton")), (1, 8192, "bfloat16", ("xla", "xla")),
     (1, 2048, "bfloat16", ("triton", "triton")), (9, 12288, "bfloat16", ("triton", "triton")),
     (8, 4096, "bfloat16", ("triton", "triton")), (1, 8192, "float32", ("triton", "triton")),
-    (8, 32768, "bfloat16", ("cuda", "cuda"))])
+    (8, 32768, "bfloat16", ("cuda", "cuda")), (4, 12288, "bfloat16", ("xla", "triton", "triton")),
+    (8, 12289, "bfloat16", ("triton", "triton")), (1, 8191, "bfloat16", ("triton", "xla", "xla"))])
 def test_norm_none_takes_xla_in_the_tuned_bands_of_few_rows(gpu, chosen, monkeypatch,
                                                             rows, n, dtype, expected):
   """Evaluated calls by the forward's steps; both directions of a differentiated call by the

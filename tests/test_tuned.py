@@ -2,6 +2,7 @@
 
 import json
 import logging
+import os
 import math
 import re
 from pathlib import Path
@@ -213,7 +214,9 @@ def test_each_family_reads_its_rows_from_a_tuning_run():
          for rows, n, xla_ms in [(1, 4096, 2.0), (8, 12288, 1.0), (8, 1024, 2.0), (1, 12288, 1.0),
                                  (64, 12288, 2.0)]
          for impl, f in [("xla", xla_ms), ("triton", 1.5), ("cuda", 3.0)]]
-  bands = [[1, 12288, 12288], [8, 12288, 12288], [64]]
+  # XLA wins at 12288 (the longest length measured) on 1 and 8 rows: from the geometric mean
+  # with the length below; the 1-row band up to the geometric mean with 8 rows.
+  bands = [[2, 7095, 12288], [22, 3548, 12288], [64]]
   few_rows = {"rms/forward": bands, "rms/step": bands, "layer/forward": None, "layer/step": None}
   assert norm_bench.tuned_rows(norm + few) == {"triton_max_features": 1024,
                                                "xla_few_rows": few_rows}
@@ -237,22 +240,28 @@ def test_a_part_run_picks_cases_by_the_start_of_their_labels():
 
 def test_a_table_file_holds_a_list_of_numbers_on_one_line():
   from jaxfuse._core import tune
-  table = {"rows": {"bands": {"value": [[1, 4096, 32768], [64]], "source": ["a.json"]}}}
+  table = {"rows": {"bands": {"value": [[1, 4096, 32768], [64, -2.5, 1e+20, None]],
+                              "source": ["runs[1,2].json", "[nul] [e]"]}}}
   text = tune.table_text(table)
   assert json.loads(text) == table
-  assert "[1, 4096, 32768]" in text and '"a.json"\n' in text
+  assert "[1, 4096, 32768]" in text and "[64, -2.5, 1e+20, null]" in text
+  assert '"runs[1,2].json",\n' in text
 
 
 def test_the_least_regret_bands_hold_per_row_count_the_lengths_the_first_wins():
   from jaxfuse._core import tune
   at = lambda rows, n, first, second: ((rows, n), first, second)
+  # Bounds between measurements at their geometric mean, the outermost at the measurement.
   assert tune.least_regret_bands([at(1, 1024, 2.0, 1.0), at(1, 8192, 1.0, 2.0),
-                                  at(64, 8192, 2.0, 1.0)]) == [[1, 8192, 8192], [64]]
-  # A win between losses at 8 rows; a tie goes to the second.
-  assert tune.least_regret_bands([at(1, 1024, 1.0, 2.0), at(1, 4096, 1.0, 1.0),
+                                  at(64, 8192, 2.0, 1.0)]) == [[8, 2897, 8192], [64]]
+  # A win between losses at 8 rows.
+  assert tune.least_regret_bands([at(1, 1024, 1.0, 2.0), at(1, 4096, 2.0, 1.0),
                                   at(8, 1024, 2.0, 1.0), at(8, 4096, 1.0, 2.0),
                                   at(8, 8192, 1.0, 2.0), at(8, 32768, 2.0, 1.0)]
-                                 ) == [[1, 1024, 1024], [8, 4096, 8192]]
+                                 ) == [[2, 1024, 2048], [8, 2048, 16384]]
+  # Ties go to the second, at either edge of a band.
+  assert tune.least_regret_bands([at(1, 1024, 1.0, 1.0), at(1, 4096, 1.0, 2.0),
+                                  at(1, 12288, 1.0, 1.0)]) == [[1, 2048, 7094]]
   assert tune.least_regret_bands([at(1, 1024, 2.0, 1.0), at(8, 8192, 2.0, 1.0)]) is None
   assert tune.least_regret_bands([]) is None
 
@@ -267,8 +276,10 @@ def test_the_tuning_grids_labels_read_back_into_rows():
                  3.0)
           for c in norm_bench.tune_cases() for impl in ("xla", "triton", "cuda")]
   few_rows = norm_bench.tuned_rows(norm)["xla_few_rows"]
+  one, eight, _ = norm_bench.FEW_ROWS
   assert few_rows["rms/forward"] == few_rows["layer/forward"] == [
-      [1, min(norm_bench.FEW_ROWS_LENGTHS), max(norm_bench.FEW_ROWS_LENGTHS)], [8], [64]]
+      [math.isqrt(one * eight), min(norm_bench.FEW_ROWS_LENGTHS),
+       max(norm_bench.FEW_ROWS_LENGTHS)], [math.isqrt(8 * 64)], [64]]
   attention = [_timed(c.op, c.label, c.size, impl,
                       1.0 if (impl == "triton") == c.label.startswith("1x512x") else 2.0, 2.0)
                for c in attention_bench.tune_cases() for impl in ("cudnn", "mosaic", "triton")]
@@ -305,12 +316,15 @@ def test_tune_writes_the_rows_citing_its_run(tmp_path, monkeypatch, capsys):
   monkeypatch.setattr(tuned, "_OPS", ops)
   monkeypatch.setattr(tune, "results_dir", lambda: results)
   monkeypatch.setattr(registry, "device_kind", lambda: "NVIDIA Test GPU")
+  monkeypatch.setenv("XLA_FLAGS", "")
   rows = [_timed("linear_cross_entropy", "a", 1, "cuda", 1.0, 3.0),
           _timed("linear_cross_entropy", "a", 1, "xla", 1.0, 2.0)]
   monkeypatch.setattr(bench, "run", lambda cases, **_: (rows, {}))
   run = results / "run.json"
   assert cli.main(["tune", "linear_cross_entropy", "--json", str(run), "--write"]) == 0
   assert json.loads(run.read_text())["tuned_rows"] == {"order": ["xla", "cuda"]}
+  # Timed as a model's step runs: every program a CUDA graph.
+  assert os.environ["XLA_FLAGS"] == "--xla_gpu_graph_min_graph_size=1"
   path = ops / "linear_cross_entropy" / "tuned" / "nvidia_test_gpu.json"
   table = {"device": "NVIDIA Test GPU", "inherits": None,
            "rows": {"order": {"value": ["xla", "cuda"], "source": "benchmarks/results/run.json"}}}
@@ -340,6 +354,8 @@ def test_tune_writes_the_rows_citing_its_run(tmp_path, monkeypatch, capsys):
   part, label = results / "part.json", lce_bench.tune_cases()[-1].label
   assert cli.main(["tune", "linear_cross_entropy", "--only", label, "--json", str(part)]) == 0
   assert [c.label for c in seen] == [label]
+  with pytest.raises(SystemExit):  # a part's rows would replace the table's whole rows
+    cli.main(["tune", "linear_cross_entropy", "--only", label, "--write"])
   assert json.loads(part.read_text())["tune_family"] == "linear_cross_entropy"
   monkeypatch.setattr(registry, "device_kind", lambda: None)
   assert cli.main(["tune", "linear_cross_entropy", "--from", str(run), "--from", str(part),

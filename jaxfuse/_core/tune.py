@@ -3,7 +3,9 @@
 A family's bench module gives ``tune_cases()``, a grid of problems that crosses its dispatch
 thresholds with only the named implementations, and ``tuned_rows(rows)``, the table rows
 those timings imply (the helpers below: the size up to which, or from which, one
-implementation is used at the least regret against the faster, an order by geometric mean).
+implementation is used at the least regret against the faster, the bands of sizes per row
+count in which it is, an order by geometric mean), each row only where the run timed some
+of its grid (a part run, ``--only``, is written only together with the others, ``--from``).
 The bench checks every implementation against float64 as it times it; one that fails counts
 as infinitely slow there, and ``--write`` refuses such a run. The command saves the run (in
 the checkout's ``benchmarks/results/``, after each case), and with ``--write`` puts the rows,
@@ -106,18 +108,27 @@ def least_regret_suffix(points: Sequence[tuple[int, float, float]]) -> int | Non
 
 def least_regret_bands(points: Sequence[tuple[tuple[int, int], float, float]]
                        ) -> list[list[int]] | None:
-  """``[[rows, least length, most length], ...]``: per row count measured, the band of
+  """``[[most rows, least length, most length], ...]``: per row count measured, the band of
   lengths in which the first implementation is used (the second outside it) at the least
-  regret, as :func:`_least_regret` weighs it (ties to the second); ``[rows]`` where no band
-  is best, and None where none is at any row count. ``points``: ``((rows, length), first's
-  time, second's time)``."""
+  regret, as :func:`_least_regret` weighs it (ties to the second, then to the narrower band);
+  ``[most rows]`` where no band is best, and None where none is at any row count. A bound
+  between two measured counts or lengths lies at their geometric mean (the outermost at the
+  measured one), so a call takes the nearest measurement's choice. ``points``: ``((rows,
+  length), first's time, second's time)``."""
+  counts = sorted({r for (r, _), _, _ in points})
   bands = []
-  for rows in sorted({r for (r, _), _, _ in points}):
+  for i, rows in enumerate(counts):
     at = [(n, first, second) for (r, n), first, second in points if r == rows]
     sizes = sorted({n for n, _, _ in at})
-    band = _least_regret(at, [None] + [(lo, hi) for lo in sizes for hi in sizes if lo <= hi],
-                         lambda band, n: band is not None and band[0] <= n <= band[1])
-    bands.append([rows, *(band or ())])
+    spans = sorted(((j, k) for j in range(len(sizes)) for k in range(j, len(sizes))),
+                   key=lambda span: (span[1] - span[0], span))
+    span = _least_regret(at, [None, *spans], lambda span, n: span is not None
+                         and sizes[span[0]] <= n <= sizes[span[1]])
+    band = [] if span is None else [
+        sizes[0] if span[0] == 0 else math.isqrt(sizes[span[0] - 1] * sizes[span[0]] - 1) + 1,
+        sizes[-1] if span[1] == len(sizes) - 1
+        else math.isqrt(sizes[span[1]] * sizes[span[1] + 1])]
+    bands.append([rows if i == len(counts) - 1 else math.isqrt(rows * counts[i + 1]), *band])
   return bands if any(len(band) > 1 for band in bands) else None
 
 
@@ -157,7 +168,8 @@ def write_rows(family: str, kind: str, values: Mapping[str, Any],
 def table_text(table: Mapping[str, Any]) -> str:
   """``table`` as its file holds it: indented, with lists of numbers on one line each."""
   text = json.dumps(table, indent=1)
-  return re.sub(r"\[([-\d.e\s,nul]*)\]",
+  # Anchored on the line breaks only indenting writes: a JSON string never holds one.
+  return re.sub(r"\[(?:\n *(?:[-+.\deE]+|null),?)+\n *\]",
                 lambda m: json.dumps(json.loads(m.group(0))), text) + "\n"
 
 

@@ -184,10 +184,11 @@ def tuned_rows(rows) -> dict:
   """Per mask and head dim and per use, the most queries up to which 'mosaic' goes before
   cuDNN at the least regret on grids of :data:`TUNE_TOKENS` tokens (no key: cuDNN first);
   per use, from :data:`TUNE_SMALL_GRIDS`, the fewest work tiles from which it does and the
-  most up to which 'triton' goes before both (0: no bound). A run gives only the rows its
-  cases measure, so a part run (``--only``) leaves the table's others as they are."""
+  most up to which 'triton' goes before both (0: no bound). Each only where the run timed its
+  grid."""
   out = {}
-  full = [r for r in rows if _shape(r.label)[0] * _shape(r.label)[1] >= TUNE_TOKENS]
+  tokens = lambda item: _shape(item.label)[0] * _shape(item.label)[1]
+  full = [r for r in rows if tokens(r) >= TUNE_TOKENS]
   if full:
     for use in ("forward", "step"):
       out[f"mosaic_before_cudnn_{use}"] = {}
@@ -197,7 +198,7 @@ def tuned_rows(rows) -> dict:
         most = tune.least_regret_prefix(tune.times_by_size(group, use, "mosaic", "cudnn"))
         if most is not None:
           out[f"mosaic_before_cudnn_{use}"][key] = most
-  small = [r for r in rows if _shape(r.label)[0] * _shape(r.label)[1] < TUNE_TOKENS]
+  small = [r for r in rows if tokens(r) < TUNE_TOKENS]
   for use in ("forward", "step"):
     points = _by_tiles(small, use, "mosaic", ("cudnn",))
     if points:

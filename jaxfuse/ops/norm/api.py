@@ -29,7 +29,7 @@ def _preference():
 def _untuned() -> dict:
   # A GPU never measured: Triton while a program holds a row block in registers, CUDA's
   # cluster kernels past it (where a Pallas program walks a row twice), LayerNorm's backward
-  # on CUDA's short-row kernel, whose lanes hold whole rows, and no corner of few rows for XLA.
+  # on CUDA's short-row kernel, whose lanes hold whole rows, and no bands of few rows for XLA.
   return {"triton_max_features": 16384, "xla_few_rows": {},
           "rules": [{"when": {"op": "layer", "direction": "backward", "cuda_short_rows": True},
                      "use": "cuda"}]}
@@ -43,13 +43,12 @@ def _fastest(facts: dict, few_rows_use: str, cuda_runs, triton_runs) -> str:
   Few rows of long 16-bit features leave a program per row with most of the GPU idle, and
   XLA's fusions win there: ``xla_few_rows`` holds, per norm and ``few_rows_use`` (the
   evaluated ``forward``, or both directions of a training ``step``, which XLA fuses into one
-  program), bands ``[rows, least length, most length]`` where XLA measured faster (a call
-  takes the first entry of at least its rows; ``[rows]``: no band there; none past the last
-  entry, or where empty). Up to
-  ``triton_max_features`` the Triton kernels hold a row block in registers and win. Longer
-  rows a Pallas program walks twice, and there the CUDA kernels, which hold a row in a thread
-  block cluster, win. Both directions share the saved statistics, so any forward
-  pairs with any backward. Where the CUDA kernels cannot run (rows that do not fit a cluster,
+  program), bands ``[most rows, least length, most length]`` where XLA measured faster (a
+  call takes the first entry of at least its rows; ``[most rows]``: no band there; none past
+  the last entry, or where empty). Up to ``triton_max_features`` the Triton kernels hold a
+  row block in registers and win. Longer rows a Pallas program walks twice, and there the
+  CUDA kernels, which hold a row in a thread block cluster, win. Both directions share the
+  saved statistics, so any forward pairs with any backward. Where the CUDA kernels cannot run (rows that do not fit a cluster,
   float64) the two-walk Triton forward still beats XLA's, and XLA's backward beats the
   two-walk Triton one. Without Triton the CUDA kernels come first. ``cuda_runs()`` and
   ``triton_runs()`` say whether those kernels can take this call (the first builds them on

@@ -151,16 +151,16 @@ def tuned_rows(rows) -> dict:
   """The longest rows up to which Triton's training step, in both norms, beats CUDA's at the
   least regret (0: CUDA wherever it runs); per norm, for the forward and the training step,
   the band of lengths in which XLA beats the faster kernel per row count of :data:`FEW_ROWS`
-  (see :func:`tune.least_regret_bands`). A run gives only the rows its cases measure."""
+  (see :func:`tune.least_regret_bands`). Each only where the run timed its grid."""
   rows = [r for r in rows if r.op in {op for op, _, _ in OPS}]
-  long_rows = [r for r in rows if _rows_of(r.label) not in FEW_ROWS]
-  points = [p for op, _, _ in OPS for p in tune.times_by_size(
-      [r for r in long_rows if r.op == op], "step", "triton", "cuda")]
-  few = [r for r in rows if _rows_of(r.label) in FEW_ROWS]
+  few = lambda items: [i for i in items if _rows_of(i.label) in FEW_ROWS]
+  many = lambda items: [i for i in items if _rows_of(i.label) not in FEW_ROWS]
   out = {}
-  if points:
-    out["triton_max_features"] = tune.least_regret_prefix(points) or 0
-  if few:
+  if many(rows):
+    out["triton_max_features"] = tune.least_regret_prefix(
+        [p for op, _, _ in OPS for p in tune.times_by_size(
+            [r for r in many(rows) if r.op == op], "step", "triton", "cuda")]) or 0
+  if few(rows):
     out["xla_few_rows"] = {f"{op.split('_')[0]}/{use}": tune.least_regret_bands(
-        _few_rows_points(few, op, use)) for op, _, _ in OPS for use in ("forward", "step")}
+        _few_rows_points(few(rows), op, use)) for op, _, _ in OPS for use in ("forward", "step")}
   return out
