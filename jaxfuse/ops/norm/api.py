@@ -48,18 +48,18 @@ def _fastest(facts: dict, few_rows_use: str, cuda_runs, triton_runs) -> str:
   the last entry, or where empty). Up to ``triton_max_features`` the Triton kernels hold a
   row block in registers and win. Longer rows a Pallas program walks twice, and there the
   CUDA kernels, which hold a row in a thread block cluster, win. Both directions share the
-  saved statistics, so any forward pairs with any backward. Where the CUDA kernels cannot run (rows that do not fit a cluster,
-  float64) the two-walk Triton forward still beats XLA's, and XLA's backward beats the
-  two-walk Triton one. Without Triton the CUDA kernels come first. ``cuda_runs()`` and
-  ``triton_runs()`` say whether those kernels can take this call (the first builds them on
-  first use), asked only where they would be chosen.
+  saved statistics, so any forward pairs with any backward. Where the CUDA kernels cannot run
+  (rows that do not fit a cluster, float64) the two-walk Triton forward still beats XLA's, and
+  XLA's backward beats the two-walk Triton one. Without Triton the CUDA kernels come first.
+  ``cuda_runs()`` and ``triton_runs()`` say whether those kernels can take this call (the
+  first builds them on first use), asked only where they would be chosen.
   """
   table = tuned.rows("norm", _untuned)
   runs = {"cuda": cuda_runs, "triton": triton_runs, "xla": lambda: True}
   if chosen := tuned.ruled(table["rules"], facts, lambda name: runs[name]()):
     return chosen
   bands = table["xla_few_rows"].get(f"{facts['op']}/{few_rows_use}") or ()
-  band = next((band[1:] for band in bands if facts["rows"] <= band[0]), ())
+  band = next((entry[1:] for entry in bands if facts["rows"] <= entry[0]), ())
   if band and tuned.matches({"itemsize": 2, "out_itemsize": 2, "min_length": band[0],
                              "max_length": band[1]}, facts):
     return "xla"

@@ -153,14 +153,14 @@ def tuned_rows(rows) -> dict:
   the band of lengths in which XLA beats the faster kernel per row count of :data:`FEW_ROWS`
   (see :func:`tune.least_regret_bands`). Each only where the run timed its grid."""
   rows = [r for r in rows if r.op in {op for op, _, _ in OPS}]
-  few = lambda items: [i for i in items if _rows_of(i.label) in FEW_ROWS]
-  many = lambda items: [i for i in items if _rows_of(i.label) not in FEW_ROWS]
+  few = [r for r in rows if _rows_of(r.label) in FEW_ROWS]
+  many = [r for r in rows if _rows_of(r.label) not in FEW_ROWS]
   out = {}
-  if many(rows):
+  if many:
     out["triton_max_features"] = tune.least_regret_prefix(
         [p for op, _, _ in OPS for p in tune.times_by_size(
-            [r for r in many(rows) if r.op == op], "step", "triton", "cuda")]) or 0
-  if few(rows):
+            [r for r in many if r.op == op], "step", "triton", "cuda")]) or 0
+  if few:
     out["xla_few_rows"] = {f"{op.split('_')[0]}/{use}": tune.least_regret_bands(
-        _few_rows_points(few(rows), op, use)) for op, _, _ in OPS for use in ("forward", "step")}
+        _few_rows_points(few, op, use)) for op, _, _ in OPS for use in ("forward", "step")}
   return out
