@@ -93,7 +93,8 @@ def main(argv=None) -> int:
                       "--from writes the rows from the parts together")
   t.add_argument("--from", dest="recorded", action="append", metavar="RUN",
                  help="derive the rows from saved tuning runs of this family (repeatable; no "
-                      "GPU needed) instead of timing one")
+                      "GPU needed; a point in several takes the last one's times) instead of "
+                      "timing one")
   c = sub.add_parser("build", help="build the CUDA kernels now (for an image to bake in), "
                                    "into $JAXFUSE_CACHE or ~/.cache/jaxfuse")
   c.add_argument("--arch", help="GPU architecture, e.g. sm_90 (default: this machine's GPU)")
@@ -262,7 +263,8 @@ def _tune(family: str, path: str | None, write: bool, only: list[str] | None) ->
 
 
 def _tune_from(family: str, paths: list[str], write: bool) -> int:
-  rows, kinds = [], set()
+  # A point timed again by a later run (a part run over a cut-short one) takes its new times.
+  rows, kinds = {}, set()
   for path in paths:
     record = json.loads(Path(path).read_text())
     if (record.get("tune_family") or _family_by_rows(record)) != family:
@@ -271,13 +273,15 @@ def _tune_from(family: str, paths: list[str], write: bool) -> int:
     if write and tune.cited_path(path) is None:
       return _uncitable(path)
     kinds.add(record.get("device_kind") or record["gpu"]["kind"])
-    rows += [bench.Row(**row) for row in record["rows"]]
+    rows.update({(row["op"], row["label"], row["implementation"]): bench.Row(**row)
+                 for row in record["rows"]})
     print(f"jaxfuse tune {family} from {path} ({record['device']}, jax "
           f"{record['jax_version']}, {record['date']})")
   if len(kinds) != 1:
     print(f"jaxfuse tune --from: the runs are of several GPUs: {sorted(kinds)}",
           file=sys.stderr)
     return 2
+  rows = list(rows.values())
   return _tuned_rows(family, kinds.pop(), rows, tune.derive(family, rows), paths, write)
 
 

@@ -107,8 +107,8 @@ def cpu(gpu):
 @pytest.fixture
 def chosen(monkeypatch):
   """The ops' jitted entries replaced by spies; ``chosen()`` pops what the last call chose:
-  (forward, backward) for the norms and softmaxes (the norms' (evaluated, forward, backward)
-  where an evaluated call runs another kernel), (with its gradient, the loss alone) for the
+  (forward, backward) for the norms and softmaxes ((evaluated, forward, backward) where an
+  evaluated call runs another kernel), (with its gradient, the loss alone) for the
   cross-entropy, (evaluated, differentiated) for attention, one name for the others."""
   choices = []
 
@@ -120,12 +120,7 @@ def chosen(monkeypatch):
 
   def directions(*args):
     plan = args[-1].plan
-    assert plan.evaluated == plan.forward  # an evaluated call runs the forward's kernel
-    return plan.forward, plan.backward
-
-  def norm_directions(*args):
-    plan = args[-1].plan
-    if plan.evaluated != plan.forward:  # few rows: the forward's bands and the step's apart
+    if plan.evaluated != plan.forward:  # chosen by the forward's times and the step's apart
       return plan.evaluated, plan.forward, plan.backward
     return plan.forward, plan.backward
 
@@ -133,7 +128,7 @@ def chosen(monkeypatch):
     assert plan.evaluated == plan.forward == plan.backward
     return plan.forward
 
-  spy(norm_api, "_norm_jit", norm_directions)
+  spy(norm_api, "_norm_jit", directions)
   spy(softmax_api, "_softmax_jit", directions)
   spy(softmax_api, "_cross_entropy_jit",
       lambda *args: (args[-1].plan.forward, args[-1].plan.evaluated))
@@ -359,6 +354,8 @@ def test_norm_none_on_hopper(gpu, chosen, op, n, dtype, out_dtype, param_dtype, 
     ("rms_norm", 1, 4096, ("triton", "xla", "xla")), ("rms_norm", 1, 32768, ("xla", "xla")),
     ("rms_norm", 8, 12288, ("xla", "xla")), ("rms_norm", 64, 4096, ("triton", "triton")),
     ("layer_norm", 64, 4096, ("xla", "triton", "triton")),
+    ("layer_norm", 8, 12288, ("xla", "triton", "triton")),
+    ("layer_norm", 8, 32768, ("cuda", "xla", "xla")),
     ("layer_norm", 65, 32768, ("cuda", "cuda"))])
 def test_norm_none_on_hopper_takes_xla_in_the_tables_few_rows_bands(gpu, chosen, op, rows, n,
                                                                      expected):
@@ -441,17 +438,18 @@ def test_norm_cuda_takes_rows_up_to_its_limits(gpu, chosen, n, dtype, out_dtype)
 
 # ------------------------------------------------------------------------------- softmax
 
-# (row length, dtype) -> (forward, backward) on the H100's table: CUDA's forward from 24576
-# and its backward from 12288 (Triton's forward for float32 rows), each where the kernels of
-# that direction hold the row; XLA for rows of up to 256 and for 16-bit rows too long for a
-# Triton tile that CUDA cannot take.
+# (row length, dtype) -> ([evaluated,] forward, backward) on the H100's table: CUDA's
+# evaluated forward from 24576, its differentiated forward and its backward from 12288
+# (Triton's forward for float32 rows), each where the kernels of that direction hold the row;
+# XLA for rows of up to 256 and for 16-bit rows too long for a Triton tile that CUDA cannot
+# take.
 SOFTMAX_ON_HOPPER = [
     (256, "bfloat16", ("xla", "xla")),
     (264, "bfloat16", ("triton", "triton")),
     (12280, "bfloat16", ("triton", "triton")),
-    (12288, "bfloat16", ("triton", "cuda")),
-    (16384, "bfloat16", ("triton", "cuda")),
-    (24568, "bfloat16", ("triton", "cuda")),
+    (12288, "bfloat16", ("triton", "cuda", "cuda")),
+    (16384, "bfloat16", ("triton", "cuda", "cuda")),
+    (24568, "bfloat16", ("triton", "cuda", "cuda")),
     (24576, "bfloat16", ("cuda", "cuda")),
     (32760, "bfloat16", ("cuda", "cuda")),
     (32769, "bfloat16", ("xla", "xla")),
@@ -470,7 +468,8 @@ SOFTMAX_ON_HOPPER = [
 
 
 # The H200's own rows over the H100's: XLA for RMSNorm rows with float32 outputs past 16384
-# and LayerNorm's backward there; the softmax forward from 16376 and its backward from 2048.
+# and LayerNorm's backward there; the softmax's evaluated forward from 16376, its
+# differentiated forward from 12288 and its backward from 2048.
 @pytest.mark.parametrize("call,expected", [
     (lambda: normalize("rms_norm", 32768, param_dtype="float32"), ("xla", "xla")),
     (lambda: normalize("layer_norm", 32768, param_dtype="float32"), ("cuda", "xla")),
@@ -478,10 +477,11 @@ SOFTMAX_ON_HOPPER = [
     (lambda: normalize("layer_norm", 512), ("cuda", "cuda")),
     (lambda: softmax(1024), ("triton", "triton")),
     (lambda: softmax(2048), ("triton", "cuda")),
+    (lambda: softmax(12288), ("triton", "cuda", "cuda")),
     (lambda: softmax(16376), ("cuda", "cuda")),
     (lambda: cross_entropy(131072), ("triton", "triton")),
 ], ids=["rms f32 out", "layer f32 out", "layer", "layer short", "softmax 1024",
-        "softmax 2048", "softmax 16376", "cross-entropy"])
+        "softmax 2048", "softmax 12288", "softmax 16376", "cross-entropy"])
 def test_none_on_the_h200_takes_its_own_rows(gpu, chosen, call, expected):
   gpu.kind("NVIDIA H200")
   call()
@@ -554,7 +554,7 @@ def test_softmax_none_without_triton_takes_cuda_from_its_row(gpu, chosen, n, dty
 
 
 @pytest.mark.parametrize("rows,n,expected", [
-    (MAX_EXTENT, 16368, ("triton", "cuda")),
+    (MAX_EXTENT, 16368, ("triton", "cuda", "cuda")),
     (MAX_EXTENT + 1, 16384, ("cuda", "cuda")),
     (MAX_EXTENT + 1, 8184, ("xla", "xla")),
 ])

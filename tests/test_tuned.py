@@ -188,25 +188,28 @@ def test_each_family_reads_its_rows_from_a_tuning_run():
       "mosaic_before_cudnn_forward": {"causal/64": 4096},
       "mosaic_before_cudnn_step": {"causal/64": 2048}}
   # Small grids (work tiles 64 and 128): Triton's forward wins on the smallest and Mosaic's
-  # on the larger; cuDNN's step wins both.
+  # on the larger, the bound between them at their geometric mean; cuDNN's step wins both.
   step = {"triton": 1.5, "cudnn": 1.0, "mosaic": 2.0}
   small = [_timed("attention", f"1x{t}x8x64 causal", t, impl, f, step[impl])
            for t, impl, f in [(1024, "triton", 1.0), (1024, "cudnn", 2.0), (1024, "mosaic", 3.0),
                               (2048, "triton", 3.0), (2048, "cudnn", 2.0), (2048, "mosaic", 1.5)]]
   rows = attention_bench.tuned_rows(attention + small)
-  assert (rows["triton_most_tiles_forward"], rows["mosaic_least_tiles_forward"]) == (64, 128)
+  assert (rows["triton_most_tiles_forward"], rows["mosaic_least_tiles_forward"]) == (90, 91)
   # Mosaic's step losing on both: from past the largest small grid.
   assert (rows["triton_most_tiles_step"], rows["mosaic_least_tiles_step"]) == (0, 129)
   # A part run of the small grids gives their rows alone.
   assert attention_bench.tuned_rows(small) == {
       k: v for k, v in rows.items() if not k.startswith("mosaic_before")}
+  # CUDA's forward slower at 1024 but its step faster: a differentiated call's forward goes
+  # with the step.
   softmax = [_timed(op, f"{n}", n, impl, f, s) for op in ("softmax", "cross_entropy")
-             for n, impl, f, s in [(1024, "triton", 1.0, 2.0), (1024, "cuda", 1.5, 2.5),
+             for n, impl, f, s in [(1024, "triton", 1.0, 2.0), (1024, "cuda", 1.5, 1.9),
                                    (1024, "xla", 1.0, 2.0), (16384, "triton", 2.0, 5.0),
                                    (16384, "cuda", 1.0, 3.5), (16384, "xla", 3.0, 9.0)]]
   assert softmax_bench.tuned_rows(softmax) == {
-      "cuda_from_forward": 16384, "cuda_from_backward": 1024, "cuda_from_cross_entropy": 16384,
-      "cuda_from_cross_entropy_loss": 16384, "cuda_from_without_triton": 16384}
+      "cuda_from_forward": 16384, "cuda_from_step": 1024, "cuda_from_backward": 1024,
+      "cuda_from_cross_entropy": 1024, "cuda_from_cross_entropy_loss": 16384,
+      "cuda_from_without_triton": 1024}
   norm = [_timed(op, f"{n}", n, impl, 1.0, s) for op in ("rms_norm", "layer_norm")
           for n, impl, s in [(1024, "triton", 1.0), (1024, "cuda", 2.0), (8192, "triton", 1.0),
                              (8192, "cuda", 1.0 if op == "rms_norm" else 0.5)]]
@@ -248,22 +251,25 @@ def test_a_table_file_holds_a_list_of_numbers_on_one_line():
   assert '"runs[1,2].json",\n' in text
 
 
-def test_the_least_regret_bands_hold_per_row_count_the_lengths_the_first_wins():
+def test_the_winning_bands_hold_per_row_count_the_lengths_the_first_wins():
   from jaxfuse._core import tune
   at = lambda rows, n, first, second: ((rows, n), first, second)
   # Bounds between measurements at their geometric mean, the outermost at the measurement.
-  assert tune.least_regret_bands([at(1, 1024, 2.0, 1.0), at(1, 8192, 1.0, 2.0),
-                                  at(64, 8192, 2.0, 1.0)]) == [[8, 2897, 8192], [64]]
+  assert tune.winning_bands([at(1, 1024, 2.0, 1.0), at(1, 8192, 1.0, 2.0),
+                             at(64, 8192, 2.0, 1.0)]) == [[8, 2897, 8192], [64]]
   # A win between losses at 8 rows.
-  assert tune.least_regret_bands([at(1, 1024, 1.0, 2.0), at(1, 4096, 2.0, 1.0),
-                                  at(8, 1024, 2.0, 1.0), at(8, 4096, 1.0, 2.0),
-                                  at(8, 8192, 1.0, 2.0), at(8, 32768, 2.0, 1.0)]
-                                 ) == [[2, 1024, 2048], [8, 2048, 16384]]
+  assert tune.winning_bands([at(1, 1024, 1.0, 2.0), at(1, 4096, 2.0, 1.0),
+                             at(8, 1024, 2.0, 1.0), at(8, 4096, 1.0, 2.0),
+                             at(8, 8192, 1.0, 2.0), at(8, 32768, 2.0, 1.0)]
+                            ) == [[2, 1024, 2048], [8, 2048, 16384]]
   # Ties go to the second, at either edge of a band.
-  assert tune.least_regret_bands([at(1, 1024, 1.0, 1.0), at(1, 4096, 1.0, 2.0),
-                                  at(1, 12288, 1.0, 1.0)]) == [[1, 2048, 7094]]
-  assert tune.least_regret_bands([at(1, 1024, 2.0, 1.0), at(8, 8192, 2.0, 1.0)]) is None
-  assert tune.least_regret_bands([]) is None
+  assert tune.winning_bands([at(1, 1024, 1.0, 1.0), at(1, 4096, 1.0, 2.0),
+                             at(1, 12288, 1.0, 1.0)]) == [[1, 2048, 7094]]
+  # Wins on both sides of a loss: two bands.
+  assert tune.winning_bands([at(1, 1024, 1.0, 2.0), at(1, 4096, 2.0, 1.0),
+                             at(1, 8192, 1.0, 2.0)]) == [[1, 1024, 2048, 5793, 8192]]
+  assert tune.winning_bands([at(1, 1024, 2.0, 1.0), at(8, 8192, 2.0, 1.0)]) is None
+  assert tune.winning_bands([]) is None
 
 
 def test_the_tuning_grids_labels_read_back_into_rows():
@@ -284,7 +290,8 @@ def test_the_tuning_grids_labels_read_back_into_rows():
                       1.0 if (impl == "triton") == c.label.startswith("1x512x") else 2.0, 2.0)
                for c in attention_bench.tune_cases() for impl in ("cudnn", "mosaic", "triton")]
   rows = attention_bench.tuned_rows(attention)
-  assert rows["triton_most_tiles_forward"] == attention_bench.work_tiles(1, 512, 8)
+  assert rows["triton_most_tiles_forward"] == math.isqrt(attention_bench.work_tiles(1, 512, 8)
+                                                        * attention_bench.work_tiles(1, 1024, 8))
 
 
 def test_the_rnn_tuning_run_gives_the_fused_kernels_most_work_per_cell_and_dtype():
@@ -350,7 +357,9 @@ def test_tune_writes_the_rows_citing_its_run(tmp_path, monkeypatch, capsys):
   # A run split by --only: each part saved as it goes, the rows derived from the parts together.
   monkeypatch.setattr(registry, "device_kind", lambda: "NVIDIA Test GPU")
   seen = []
-  monkeypatch.setattr(bench, "run", lambda cases, **_: (seen.extend(cases), (rows, {}))[1])
+  # The part times the point again, CUDA's step faster now.
+  again = [_timed("linear_cross_entropy", "a", 1, "cuda", 1.0, 1.0), rows[1]]
+  monkeypatch.setattr(bench, "run", lambda cases, **_: (seen.extend(cases), (again, {}))[1])
   part, label = results / "part.json", lce_bench.tune_cases()[-1].label
   assert cli.main(["tune", "linear_cross_entropy", "--only", label, "--json", str(part)]) == 0
   assert [c.label for c in seen] == [label]
@@ -360,10 +369,12 @@ def test_tune_writes_the_rows_citing_its_run(tmp_path, monkeypatch, capsys):
   monkeypatch.setattr(registry, "device_kind", lambda: None)
   assert cli.main(["tune", "linear_cross_entropy", "--from", str(run), "--from", str(part),
                    "--write"]) == 0
-  assert json.loads(path.read_text())["rows"]["order"]["source"] == [
-      "benchmarks/results/run.json", "benchmarks/results/part.json"]
+  assert json.loads(path.read_text())["rows"]["order"] == {
+      "value": ["cuda", "xla"],  # the later run's times of a point timed twice
+      "source": ["benchmarks/results/run.json", "benchmarks/results/part.json"]}
   path.write_text(json.dumps(table))
   monkeypatch.setattr(registry, "device_kind", lambda: "NVIDIA Test GPU")
+  monkeypatch.setattr(bench, "run", lambda cases, **_: (rows, {}))
   # A run a table could not cite, or one with a failed check, is not written.
   assert cli.main(["tune", "linear_cross_entropy", "--json", str(tmp_path / "x.json"),
                    "--write"]) == 2

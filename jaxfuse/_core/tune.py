@@ -106,30 +106,30 @@ def least_regret_suffix(points: Sequence[tuple[int, float, float]]) -> int | Non
                        lambda start, size: start is not None and size >= start)
 
 
-def least_regret_bands(points: Sequence[tuple[tuple[int, int], float, float]]
-                       ) -> list[list[int]] | None:
-  """``[[most rows, least length, most length], ...]``: per row count measured, the band of
-  lengths in which the first implementation is used (the second outside it) at the least
-  regret, as :func:`_least_regret` weighs it (ties to the second, then to the narrower band);
-  ``[most rows]`` where no band is best, and None where none is at any row count. A bound
+def winning_bands(points: Sequence[tuple[tuple[int, int], float, float]]
+                  ) -> list[list[int]] | None:
+  """``[[most rows, least length, most length, least length, most length, ...], ...]``: per
+  row count measured, the bands of lengths in which the first implementation is faster (the
+  second outside them; ties go to the second), so no measured point pays a regret;
+  ``[most rows]`` where it wins nowhere, and None where it wins at no row count. A bound
   between two measured counts or lengths lies at their geometric mean (the outermost at the
   measured one), so a call takes the nearest measurement's choice. ``points``: ``((rows,
   length), first's time, second's time)``."""
   counts = sorted({r for (r, _), _, _ in points})
+  between = lambda low, high: math.isqrt(low * high)
   bands = []
   for i, rows in enumerate(counts):
-    at = [(n, first, second) for (r, n), first, second in points if r == rows]
-    sizes = sorted({n for n, _, _ in at})
-    spans = sorted(((j, k) for j in range(len(sizes)) for k in range(j, len(sizes))),
-                   key=lambda span: (span[1] - span[0], span))
-    span = _least_regret(at, [None, *spans], lambda span, n: span is not None
-                         and sizes[span[0]] <= n <= sizes[span[1]])
-    band = [] if span is None else [
-        sizes[0] if span[0] == 0 else math.isqrt(sizes[span[0] - 1] * sizes[span[0]] - 1) + 1,
-        sizes[-1] if span[1] == len(sizes) - 1
-        else math.isqrt(sizes[span[1]] * sizes[span[1] + 1])]
-    bands.append([rows if i == len(counts) - 1 else math.isqrt(rows * counts[i + 1]), *band])
-  return bands if any(len(band) > 1 for band in bands) else None
+    at = sorted((n, first < second) for (r, n), first, second in points if r == rows)
+    entry = [rows if i == len(counts) - 1 else between(rows, counts[i + 1])]
+    for j, (n, wins) in enumerate(at):
+      if not wins:
+        continue
+      if j == 0 or not at[j - 1][1]:
+        entry.append(n if j == 0 else math.isqrt(at[j - 1][0] * n - 1) + 1)
+      if j == len(at) - 1 or not at[j + 1][1]:
+        entry.append(n if j == len(at) - 1 else between(n, at[j + 1][0]))
+    bands.append(entry)
+  return bands if any(len(entry) > 1 for entry in bands) else None
 
 
 def order_by_geometric_mean(rows: Iterable[Row], use: str, names: Sequence[str]) -> list[str]:

@@ -8,6 +8,7 @@ backward's five).
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -184,8 +185,9 @@ def tuned_rows(rows) -> dict:
   """Per mask and head dim and per use, the most queries up to which 'mosaic' goes before
   cuDNN at the least regret on grids of :data:`TUNE_TOKENS` tokens (no key: cuDNN first);
   per use, from :data:`TUNE_SMALL_GRIDS`, the fewest work tiles from which it does and the
-  most up to which 'triton' goes before both (0: no bound). Each only where the run timed its
-  grid."""
+  most up to which 'triton' goes before both (0: no bound), each bound at the geometric mean
+  between the grids measured either side, so a call takes the nearest grid's choice. Each only
+  where the run timed its grid."""
   out = {}
   tokens = lambda item: _shape(item.label)[0] * _shape(item.label)[1]
   full = [r for r in rows if tokens(r) >= TUNE_TOKENS]
@@ -203,11 +205,15 @@ def tuned_rows(rows) -> dict:
     points = _by_tiles(small, use, "mosaic", ("cudnn",))
     if points:
       least = tune.least_regret_suffix(points)
+      below = max((tiles for tiles, _, _ in points if tiles < (least or math.inf)), default=None)
       # Mosaic losing on every small grid: from past the largest (the full grids say where it
       # wins); winning from the fewest tiles run: no bound.
-      out[f"mosaic_least_tiles_{use}"] = (points[-1][0] + 1 if least is None
-                                          else 0 if least == points[0][0] else least)
+      out[f"mosaic_least_tiles_{use}"] = (points[-1][0] + 1 if least is None else 0
+                                          if below is None else math.isqrt(below * least - 1) + 1)
     points = _by_tiles(small, use, "triton", ("cudnn", "mosaic"))
     if points:
-      out[f"triton_most_tiles_{use}"] = tune.least_regret_prefix(points) or 0
+      most = tune.least_regret_prefix(points)
+      above = min((tiles for tiles, _, _ in points if tiles > (most or math.inf)), default=None)
+      out[f"triton_most_tiles_{use}"] = (0 if most is None else most if above is None
+                                         else math.isqrt(most * above))
   return out

@@ -43,9 +43,9 @@ def _fastest(facts: dict, few_rows_use: str, cuda_runs, triton_runs) -> str:
   Few rows of long 16-bit features leave a program per row with most of the GPU idle, and
   XLA's fusions win there: ``xla_few_rows`` holds, per norm and ``few_rows_use`` (the
   evaluated ``forward``, or both directions of a training ``step``, which XLA fuses into one
-  program), bands ``[most rows, least length, most length]`` where XLA measured faster (a
-  call takes the first entry of at least its rows; ``[most rows]``: no band there; none past
-  the last entry, or where empty). Up to ``triton_max_features`` the Triton kernels hold a
+  program), bands ``[most rows, least length, most length, ...]`` (pairs of bounds) where XLA
+  measured faster (a call takes the first entry of at least its rows; ``[most rows]``: no band
+  there; none past the last entry, or where empty). Up to ``triton_max_features`` the Triton kernels hold a
   row block in registers and win. Longer rows a Pallas program walks twice, and there the
   CUDA kernels, which hold a row in a thread block cluster, win. Both directions share the
   saved statistics, so any forward pairs with any backward. Where the CUDA kernels cannot run
@@ -59,9 +59,10 @@ def _fastest(facts: dict, few_rows_use: str, cuda_runs, triton_runs) -> str:
   if chosen := tuned.ruled(table["rules"], facts, lambda name: runs[name]()):
     return chosen
   bands = table["xla_few_rows"].get(f"{facts['op']}/{few_rows_use}") or ()
-  band = next((entry[1:] for entry in bands if facts["rows"] <= entry[0]), ())
-  if band and tuned.matches({"itemsize": 2, "out_itemsize": 2, "min_length": band[0],
-                             "max_length": band[1]}, facts):
+  bounds = next((entry[1:] for entry in bands if facts["rows"] <= entry[0]), ())
+  if any(tuned.matches({"itemsize": 2, "out_itemsize": 2, "min_length": least,
+                        "max_length": most}, facts)
+         for least, most in zip(bounds[::2], bounds[1::2])):
     return "xla"
   longest, n = table["triton_max_features"], facts["length"]
   if (n > longest or not triton_runs()) and cuda_runs():

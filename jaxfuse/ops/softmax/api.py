@@ -33,17 +33,18 @@ def _untuned() -> dict:
   # kernels, which hold a row on chip in a thread-block cluster, for the longer rows a Pallas
   # program walks twice; without Triton they are weighed against XLA's fusions, which hold
   # short rows well and long ones badly.
-  return {"cuda_from_forward": 32768, "cuda_from_backward": 16384,
+  return {"cuda_from_forward": 32768, "cuda_from_step": 32768, "cuda_from_backward": 16384,
           "cuda_from_cross_entropy": None, "cuda_from_cross_entropy_loss": None,
           "cuda_from_without_triton": 16384, "rules": []}
 
 
 def _fastest(op: str, direction: str, n: int, x, cuda_refusal, extents,
-             plain: bool = True) -> str:
+             plain: bool = True, threshold: str | None = None) -> str:
   """The fastest implementation for ``direction`` by this GPU's tuned table
   (``jaxfuse/ops/softmax/tuned/``): its ``rules``, measured exceptions matched on the call's
-  facts, else 'cuda' for rows it can take from the length the table gives (``None``: never
-  while Triton runs), else 'triton' where it runs, else 'xla'. ``n`` is the row length, ``x``
+  facts, else 'cuda' for rows it can take from the length the table's ``cuda_from_`` row for
+  ``threshold`` (default: ``direction``) gives (``None``: never while Triton runs), else
+  'triton' where it runs, else 'xla'. ``n`` is the row length, ``x``
   the array whose rows are normalized, ``cuda_refusal()`` says why the CUDA kernels cannot
   take the call, ``extents`` is the array as the Triton kernels view it, and ``plain`` says
   the rows are the last axis, without a mask."""
@@ -57,7 +58,8 @@ def _fastest(op: str, direction: str, n: int, x, cuda_refusal, extents,
   runs = {"cuda": cuda_runs, "triton": lambda: triton_runs, "xla": lambda: True}
   if chosen := tuned.ruled(table["rules"], facts, lambda name: runs[name]()):
     return chosen
-  cuda_from = table[f"cuda_from_{direction}" if triton_runs else "cuda_from_without_triton"]
+  cuda_from = table[f"cuda_from_{threshold or direction}" if triton_runs
+                    else "cuda_from_without_triton"]
   if cuda_from is not None and n >= cuda_from and cuda_runs():
     return "cuda"
   return "triton" if triton_runs else "xla"
@@ -149,11 +151,14 @@ def _softmax_entry(op, log, x, axis, scale, mask, is_causal, causal_offset, impl
       return "the 'cuda' kernels take the softmax over the last axis, without a mask"
     return cuda_kernels.unsupported(x.shape[-1], x.dtype, directions=directions)
 
+  # A differentiated call's forward goes with the kernels whose whole step is the faster: its
+  # residuals are what the backward reads.
   def fastest(use):
     direction = "backward" if use == "backward" else "forward"
     plain = axis == x.ndim - 1 and mask is None and not is_causal
     return _fastest(op, direction, x.shape[axis], x, lambda: cuda_refusal((direction,)),
-                    (layout.pre, layout.n, layout.post), plain)
+                    (layout.pre, layout.n, layout.post), plain,
+                    threshold={"forward": "step"}.get(use))
 
   plan = resolve_plan(op, implementation, _BACKENDS, _preference(), fastest)
   if implementation == "cuda" and (reason := cuda_refusal()):

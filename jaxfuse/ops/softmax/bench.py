@@ -154,13 +154,15 @@ def tune_cases() -> list[Case]:
 
 def tuned_rows(rows) -> dict:
   """The lengths from which CUDA goes before Triton (XLA where Triton is gone) at the least
-  regret, per direction (None: never)."""
+  regret, per use (None: never): an evaluated call's forward, a differentiated call's forward
+  (by the whole step, which its residuals serve), the backward."""
   by_op = {op: [r for r in rows if r.op == op] for op in ("softmax", "cross_entropy")}
 
   def cuda_from(op, use, other):
     return tune.least_regret_suffix(tune.times_by_size(by_op[op], use, "cuda", other))
 
   return {"cuda_from_forward": cuda_from("softmax", "forward", "triton"),
+          "cuda_from_step": cuda_from("softmax", "step", "triton"),
           "cuda_from_backward": cuda_from("softmax", "backward", "triton"),
           "cuda_from_cross_entropy": cuda_from("cross_entropy", "step", "triton"),
           "cuda_from_cross_entropy_loss": cuda_from("cross_entropy", "forward", "triton"),
