@@ -287,12 +287,12 @@ def _tune_from(family: str, paths: list[str], write: bool) -> int:
 
 def _family_by_rows(record) -> str | None:
   """The family of a run saved before records named it, by the rows it derived: all of one
-  family's, or some of them (its grid grew since) that no other family's rows also hold."""
+  family's, or else the one family whose rows share any (its rows changed since)."""
   derived = set(record.get("tuned_rows") or ())
   names = {family: set(tune.derive_names(family)) for family in FAMILIES}
   exact = [family for family, rows in names.items() if derived == rows]
-  within = [family for family, rows in names.items() if derived and derived <= rows]
-  return exact[0] if exact else within[0] if len(within) == 1 else None
+  sharing = [family for family, rows in names.items() if derived & rows]
+  return exact[0] if exact else sharing[0] if len(sharing) == 1 else None
 
 
 def _graph_every_program():

@@ -468,20 +468,26 @@ SOFTMAX_ON_HOPPER = [
 
 
 # The H200's own rows over the H100's: XLA for RMSNorm rows with float32 outputs past 16384
-# and LayerNorm's backward there; the softmax's evaluated forward from 16376, its
-# differentiated forward from 12288 and its backward from 2048.
+# and LayerNorm's backward there; the softmax's evaluated forward from 16376 (Triton's up to
+# 2^23 elements of rows up to 16384), a differentiated call's CUDA kernels from 12288, and
+# Triton's step where neither CUDA's kernels nor a Triton tile hold 16-bit rows up to 50257.
 @pytest.mark.parametrize("call,expected", [
     (lambda: normalize("rms_norm", 32768, param_dtype="float32"), ("xla", "xla")),
     (lambda: normalize("layer_norm", 32768, param_dtype="float32"), ("cuda", "xla")),
     (lambda: normalize("layer_norm", 32768), ("cuda", "cuda")),
     (lambda: normalize("layer_norm", 512), ("cuda", "cuda")),
     (lambda: softmax(1024), ("triton", "triton")),
-    (lambda: softmax(2048), ("triton", "cuda")),
+    (lambda: softmax(2048), ("triton", "triton")),
     (lambda: softmax(12288), ("triton", "cuda", "cuda")),
-    (lambda: softmax(16376), ("cuda", "cuda")),
+    (lambda: softmax(16376), ("triton", "cuda", "cuda")),
+    (lambda: softmax(16376, rows=1024), ("cuda", "cuda")),
+    (lambda: softmax(50257), ("xla", "triton", "triton")),
+    (lambda: softmax(50264), ("cuda", "cuda")),
+    (lambda: softmax(65545), ("xla", "xla")),
     (lambda: cross_entropy(131072), ("triton", "triton")),
 ], ids=["rms f32 out", "layer f32 out", "layer", "layer short", "softmax 1024",
-        "softmax 2048", "softmax 12288", "softmax 16376", "cross-entropy"])
+        "softmax 2048", "softmax 12288", "softmax 16376", "softmax 16376 many rows",
+        "softmax 50257", "softmax 50264", "softmax 65545", "cross-entropy"])
 def test_none_on_the_h200_takes_its_own_rows(gpu, chosen, call, expected):
   gpu.kind("NVIDIA H200")
   call()
@@ -841,10 +847,11 @@ ATTENTION_BY_TABLE = [
     ("NVIDIA H200", dict(t=16384, is_causal=True), ("mosaic", "cudnn")),
     ("NVIDIA H200", dict(t=8192, h=256, is_causal=False), ("cudnn", "mosaic")),
     ("NVIDIA H100 80GB HBM3", dict(t=6144, h=64, is_causal=True), ("mosaic", "mosaic")),
-    ("NVIDIA H100 80GB HBM3", dict(t=8192, h=64, is_causal=True), ("cudnn", "cudnn")),
+    ("NVIDIA H100 80GB HBM3", dict(t=8192, h=64, is_causal=True), ("mosaic", "mosaic")),
+    ("NVIDIA H100 80GB HBM3", dict(t=16384, h=64, is_causal=True), ("mosaic", "cudnn")),
     ("NVIDIA H100 80GB HBM3", dict(t=16384, h=64, is_causal=False), ("mosaic", "cudnn")),
-    ("NVIDIA H100 80GB HBM3", dict(t=3072, is_causal=False), ("mosaic", "mosaic")),
-    ("NVIDIA H100 80GB HBM3", dict(t=4096, is_causal=False), ("mosaic", "cudnn")),
+    ("NVIDIA H100 80GB HBM3", dict(t=3072, is_causal=False), ("cudnn", "cudnn")),
+    ("NVIDIA H100 80GB HBM3", dict(t=1024, is_causal=False), ("cudnn", "mosaic")),
     ("NVIDIA H100 PCIe", dict(t=4096, is_causal=True), ("cudnn", "cudnn")),
     # A grid of 64 work tiles: Triton's forward, cuDNN's step, below Mosaic's least tiles.
     ("NVIDIA H100 80GB HBM3", dict(t=1024, h=64, batch=1, heads=8), ("triton", "cudnn")),

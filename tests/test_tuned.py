@@ -24,7 +24,7 @@ TABLES = sorted((ROOT / "jaxfuse" / "ops").glob("*/tuned/*.json"))
 # The facts each family's rules may test (see its ``_fastest``), besides the length and element
 # bounds.
 FACTS = {"norm": {"op", "direction", "itemsize", "out_itemsize", "cuda_short_rows"},
-         "softmax": {"op", "direction", "itemsize", "plain", "cuda_takes"}}
+         "softmax": {"op", "use", "direction", "itemsize", "plain", "cuda_takes"}}
 BOUNDS = {"min_length", "max_length", "min_elements", "max_elements"}
 
 
@@ -200,16 +200,15 @@ def test_each_family_reads_its_rows_from_a_tuning_run():
   # A part run of the small grids gives their rows alone.
   assert attention_bench.tuned_rows(small) == {
       k: v for k, v in rows.items() if not k.startswith("mosaic_before")}
-  # CUDA's forward slower at 1024 but its step faster: a differentiated call's forward goes
-  # with the step.
+  # CUDA's forward slower at 1024 but its step faster: a differentiated call goes with the
+  # step.
   softmax = [_timed(op, f"{n}", n, impl, f, s) for op in ("softmax", "cross_entropy")
              for n, impl, f, s in [(1024, "triton", 1.0, 2.0), (1024, "cuda", 1.5, 1.9),
                                    (1024, "xla", 1.0, 2.0), (16384, "triton", 2.0, 5.0),
                                    (16384, "cuda", 1.0, 3.5), (16384, "xla", 3.0, 9.0)]]
   assert softmax_bench.tuned_rows(softmax) == {
-      "cuda_from_forward": 16384, "cuda_from_step": 1024, "cuda_from_backward": 1024,
-      "cuda_from_cross_entropy": 1024, "cuda_from_cross_entropy_loss": 16384,
-      "cuda_from_without_triton": 1024}
+      "cuda_from_forward": 16384, "cuda_from_step": 1024, "cuda_from_cross_entropy": 1024,
+      "cuda_from_cross_entropy_loss": 16384, "cuda_from_without_triton": 1024}
   norm = [_timed(op, f"{n}", n, impl, 1.0, s) for op in ("rms_norm", "layer_norm")
           for n, impl, s in [(1024, "triton", 1.0), (1024, "cuda", 2.0), (8192, "triton", 1.0),
                              (8192, "cuda", 1.0 if op == "rms_norm" else 0.5)]]

@@ -147,7 +147,7 @@ def regret_cases() -> list[Case]:
 # The tuning grid: for each head dim (with its head count) and mask, query counts across the
 # tables' limits, the batch keeping 16384 tokens so that every point does as much work per query.
 TUNE_HEAD_DIMS = {64: 16, 128: 16, 256: 8}
-TUNE_QUERIES = (1024, 2048, 3072, 4096, 6144, 8192, 16384)
+TUNE_QUERIES = (512, 1024, 2048, 3072, 4096, 6144, 8192, 16384)
 
 
 # Small grids, (batch, queries, heads) per head dim and mask: from a fraction of the SMs'

@@ -33,33 +33,32 @@ def _untuned() -> dict:
   # kernels, which hold a row on chip in a thread-block cluster, for the longer rows a Pallas
   # program walks twice; without Triton they are weighed against XLA's fusions, which hold
   # short rows well and long ones badly.
-  return {"cuda_from_forward": 32768, "cuda_from_step": 32768, "cuda_from_backward": 16384,
+  return {"cuda_from_forward": 32768, "cuda_from_step": 16384,
           "cuda_from_cross_entropy": None, "cuda_from_cross_entropy_loss": None,
           "cuda_from_without_triton": 16384, "rules": []}
 
 
-def _fastest(op: str, direction: str, n: int, x, cuda_refusal, extents,
-             plain: bool = True, threshold: str | None = None) -> str:
-  """The fastest implementation for ``direction`` by this GPU's tuned table
+def _fastest(op: str, use: str, row: str, n: int, x, cuda_refusal, extents,
+             plain: bool = True) -> str:
+  """The fastest implementation for ``use`` (see :data:`op.USES`) by this GPU's tuned table
   (``jaxfuse/ops/softmax/tuned/``): its ``rules``, measured exceptions matched on the call's
-  facts, else 'cuda' for rows it can take from the length the table's ``cuda_from_`` row for
-  ``threshold`` (default: ``direction``) gives (``None``: never while Triton runs), else
-  'triton' where it runs, else 'xla'. ``n`` is the row length, ``x``
-  the array whose rows are normalized, ``cuda_refusal()`` says why the CUDA kernels cannot
-  take the call, ``extents`` is the array as the Triton kernels view it, and ``plain`` says
-  the rows are the last axis, without a mask."""
+  facts, else 'cuda' for rows it can take from the length the table's ``cuda_from_<row>``
+  gives (``None``: never while Triton runs), else 'triton' where it runs, else 'xla'. ``n``
+  is the row length, ``x`` the array whose rows are normalized, ``cuda_refusal()`` says why
+  the CUDA kernels cannot take the call, ``extents`` is the array as the Triton kernels view
+  it, and ``plain`` says the rows are the last axis, without a mask."""
   triton_runs = registry.runs(
       op, "triton", lambda: registry.triton_unavailable() or triton.unsupported(extents))
   cuda_takes = cuda_refusal() is None
   cuda_runs = lambda: cuda_takes and registry.runs(op, "cuda", cuda_kernels.unavailable)
   table = tuned.rows("softmax", _untuned)
-  facts = dict(op=op, direction=direction, length=n, elements=x.size, plain=plain,
-               itemsize=jnp.dtype(x.dtype).itemsize, cuda_takes=cuda_takes)
+  facts = dict(op=op, use=use, direction="backward" if use == "backward" else "forward",
+               length=n, elements=x.size, plain=plain, itemsize=jnp.dtype(x.dtype).itemsize,
+               cuda_takes=cuda_takes)
   runs = {"cuda": cuda_runs, "triton": lambda: triton_runs, "xla": lambda: True}
   if chosen := tuned.ruled(table["rules"], facts, lambda name: runs[name]()):
     return chosen
-  cuda_from = table[f"cuda_from_{threshold or direction}" if triton_runs
-                    else "cuda_from_without_triton"]
+  cuda_from = table[f"cuda_from_{row}" if triton_runs else "cuda_from_without_triton"]
   if cuda_from is not None and n >= cuda_from and cuda_runs():
     return "cuda"
   return "triton" if triton_runs else "xla"
@@ -151,14 +150,14 @@ def _softmax_entry(op, log, x, axis, scale, mask, is_causal, causal_offset, impl
       return "the 'cuda' kernels take the softmax over the last axis, without a mask"
     return cuda_kernels.unsupported(x.shape[-1], x.dtype, directions=directions)
 
-  # A differentiated call's forward goes with the kernels whose whole step is the faster: its
-  # residuals are what the backward reads.
+  # Both directions of a differentiated call go with the kernels whose whole step is faster:
+  # a forward and a backward of different kernels were never timed together.
   def fastest(use):
     direction = "backward" if use == "backward" else "forward"
     plain = axis == x.ndim - 1 and mask is None and not is_causal
-    return _fastest(op, direction, x.shape[axis], x, lambda: cuda_refusal((direction,)),
-                    (layout.pre, layout.n, layout.post), plain,
-                    threshold={"forward": "step"}.get(use))
+    return _fastest(op, use, "forward" if use == "evaluated" else "step", x.shape[axis], x,
+                    lambda: cuda_refusal((direction,)), (layout.pre, layout.n, layout.post),
+                    plain)
 
   plan = resolve_plan(op, implementation, _BACKENDS, _preference(), fastest)
   if implementation == "cuda" and (reason := cuda_refusal()):
@@ -332,8 +331,8 @@ def softmax_cross_entropy(logits, labels, *, ignore_index: int | None = None,
   # The loss and its gradient come from one pass (the training step's kernel), or the loss
   # alone where the call is only evaluated.
   def fastest(use):
-    direction = "cross_entropy_loss" if use == "evaluated" else "cross_entropy"
-    return _fastest(op, direction, vocab, logits, cuda_refusal, (labels.size, vocab))
+    row = "cross_entropy_loss" if use == "evaluated" else "cross_entropy"
+    return _fastest(op, use, row, vocab, logits, cuda_refusal, (labels.size, vocab))
 
   plan = resolve_plan(op, implementation, _BACKENDS, _preference(), fastest)
   if implementation == "cuda" and (reason := cuda_refusal()):

@@ -154,8 +154,8 @@ def tune_cases() -> list[Case]:
 
 def tuned_rows(rows) -> dict:
   """The lengths from which CUDA goes before Triton (XLA where Triton is gone) at the least
-  regret, per use (None: never): an evaluated call's forward, a differentiated call's forward
-  (by the whole step, which its residuals serve), the backward."""
+  regret (None: never): for an evaluated call's forward, and for both directions of a
+  differentiated call, by the whole step's times (a pair of kernels is timed together)."""
   by_op = {op: [r for r in rows if r.op == op] for op in ("softmax", "cross_entropy")}
 
   def cuda_from(op, use, other):
@@ -163,7 +163,6 @@ def tuned_rows(rows) -> dict:
 
   return {"cuda_from_forward": cuda_from("softmax", "forward", "triton"),
           "cuda_from_step": cuda_from("softmax", "step", "triton"),
-          "cuda_from_backward": cuda_from("softmax", "backward", "triton"),
           "cuda_from_cross_entropy": cuda_from("cross_entropy", "step", "triton"),
           "cuda_from_cross_entropy_loss": cuda_from("cross_entropy", "forward", "triton"),
           "cuda_from_without_triton": cuda_from("softmax", "step", "xla")}
