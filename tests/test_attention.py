@@ -579,13 +579,14 @@ def test_default_takes_mosaic_before_cudnn_where_it_measured_faster(monkeypatch)
   assert chosen(h100, True, 16385, 128) == cudnn
   assert chosen(h100, True, 8192, 256) == ("mosaic", "cudnn")
   assert chosen(h100, True, 2048, 128, hv=256) == ("mosaic", "cudnn")
-  assert chosen(h100, False, 4096, 128) == ("mosaic", "cudnn")
-  assert chosen(h100, False, 4097, 128) == cudnn
+  assert chosen(h100, False, 1024, 128) == ("cudnn", "mosaic")
+  assert chosen(h100, False, 1025, 128) == cudnn
   assert chosen(h100, False, 8192, 256) == ("cudnn", "mosaic")
-  assert chosen(h100, True, 6144, 64) == mosaic
-  assert chosen(h100, True, 6145, 64) == cudnn
-  assert chosen(h100, False, 2048, 64) == mosaic
-  assert chosen(h100, False, 2049, 64) == ("mosaic", "cudnn")
+  assert chosen(h100, True, 8192, 64) == mosaic
+  assert chosen(h100, True, 8193, 64) == ("mosaic", "cudnn")
+  assert chosen(h100, True, 16385, 64) == cudnn
+  assert chosen(h100, False, 1024, 64) == mosaic
+  assert chosen(h100, False, 1025, 64) == ("mosaic", "cudnn")
   assert chosen(h100, False, 16385, 64) == cudnn
   assert chosen(h100, False, 8192, 256, implementation="cudnn") == cudnn
   assert chosen(h100, True, 16384, 128, implementation="mosaic") == mosaic

@@ -165,8 +165,8 @@ def test_none_moves_on_from_a_failed_build(failing_build):
   for _ in range(3):
     assert _norm_directions("rms_norm", "rms", None, 32768, 64, jnp.bfloat16, jnp.bfloat16,
                             [jnp.bfloat16], lambda: "x") == ("triton", "xla")
-    assert softmax_api._fastest("softmax", "forward", 131072, _rows(64, 131072), lambda: None,
-                                (1, 131072, 64)) == "triton"
+    assert softmax_api._fastest("softmax", "evaluated", "forward", 131072, _rows(64, 131072),
+                                lambda: None, (1, 131072, 64)) == "triton"
   # Each source was built once, the failure remembered.
   assert len(failing_build.read_text().splitlines()) == 2
   for op, library in (("rms_norm", norm_cuda), ("softmax", softmax_cuda)):
@@ -179,16 +179,16 @@ def test_none_without_triton_takes_cuda_then_xla(failing_build, monkeypatch):
   monkeypatch.setattr(registry, "triton_unavailable", lambda: "no Triton here")
   assert _norm_directions("layer_norm", "layer", None, 1024, 64, jnp.bfloat16, jnp.bfloat16,
                           [jnp.bfloat16], lambda: "x") == ("xla", "xla")
-  assert softmax_api._fastest("softmax", "forward", 1024, _rows(64, 1024), lambda: None,
-                              (64, 1024, 1)) == "xla"
+  assert softmax_api._fastest("softmax", "evaluated", "forward", 1024, _rows(64, 1024),
+                              lambda: None, (64, 1024, 1)) == "xla"
   monkeypatch.setattr(norm_cuda, "unavailable", lambda: None)
   assert _norm_directions("layer_norm", "layer", None, 1024, 64, jnp.bfloat16, jnp.bfloat16,
                           [jnp.bfloat16], lambda: "x") == ("cuda", "cuda")
 
 
 def test_none_passes_over_triton_for_a_dimension_past_int32(failing_build):
-  assert softmax_api._fastest("softmax", "forward", 8, _rows(2**31, 8), lambda: None,
-                              (1, 8, 2**31)) == "xla"
+  assert softmax_api._fastest("softmax", "evaluated", "forward", 8, _rows(2**31, 8),
+                              lambda: None, (1, 8, 2**31)) == "xla"
   assert _norm_directions("rms_norm", "rms", None, 8, 2**31, jnp.bfloat16, jnp.bfloat16, [],
                           lambda: "x") == ("xla", "xla")
 
