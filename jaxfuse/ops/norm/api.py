@@ -45,12 +45,13 @@ def _fastest(facts: dict, few_rows_use: str, cuda_runs, triton_runs) -> str:
   evaluated ``forward``, or both directions of a training ``step``, which XLA fuses into one
   program), bands ``[most rows, least length, most length, ...]`` (pairs of bounds) where XLA
   measured faster (a call takes the first entry of at least its rows; ``[most rows]``: no band
-  there; none past the last entry, or where empty). Up to ``triton_max_features`` the Triton kernels hold a
-  row block in registers and win. Longer rows a Pallas program walks twice, and there the
-  CUDA kernels, which hold a row in a thread block cluster, win. Both directions share the
-  saved statistics, so any forward pairs with any backward. Where the CUDA kernels cannot run
-  (rows that do not fit a cluster, float64) the two-walk Triton forward still beats XLA's, and
-  XLA's backward beats the two-walk Triton one. Without Triton the CUDA kernels come first.
+  there; none past the last entry, or where empty). Up to ``triton_max_features`` the Triton
+  kernels hold a row block in registers and win. Longer rows a Pallas program walks twice, and
+  there the CUDA kernels, which hold a row in a thread block cluster, win. Both directions
+  share the saved statistics, so any forward pairs with any backward. Where the CUDA kernels
+  cannot run (rows that do not fit a cluster, float64) the two-walk Triton forward still beats
+  XLA's, and XLA's backward beats the two-walk Triton one. Without Triton the CUDA kernels come
+  first.
   ``cuda_runs()`` and ``triton_runs()`` say whether those kernels can take this call (the
   first builds them on first use), asked only where they would be chosen.
   """
