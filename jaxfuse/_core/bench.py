@@ -127,6 +127,10 @@ class Row:
   train_pct: float | None = None
   steps: int | None = None
   note: str = ""
+  # Host seconds this row took to compile, to check and to time: where a sweep's time goes.
+  compile_s: float | None = None
+  check_s: float | None = None
+  time_s: float | None = None
 
 
 def _rate(work, ms, unit):
@@ -543,6 +547,7 @@ def _check_and_time(case, impl, row, references, sets, time_it, ceilings):
   """Compiles the forward and the training step once each, checks the outputs of those very
   programs against the references, and times them if they pass."""
   ref_fwd, ref_train, floors = references
+  started = time.perf_counter()
   try:
     traced = registry.without_triton if impl == DEFAULT_WITHOUT_TRITON else contextlib.nullcontext
     with traced():
@@ -554,6 +559,7 @@ def _check_and_time(case, impl, row, references, sets, time_it, ceilings):
           train, row.train_ran = _compiled(case.train(impl), sets[0], ("forward", "backward"))
       except NotImplementedError as e:  # a forward-only kernel: its forward is still timed
         row.note = f"{FORWARD_ONLY}: {e}"
+    row.compile_s, started = time.perf_counter() - started, time.perf_counter()
     _, out = measure(forward, sets, time_it=False)
     errors = _errors(out, ref_fwd, case)
     row.forward_error = max(e for e, _ in errors)
@@ -567,6 +573,7 @@ def _check_and_time(case, impl, row, references, sets, time_it, ceilings):
       mem = train.memory_analysis()
       row.train_temp_mib = getattr(mem, "temp_size_in_bytes", 0) / 2 ** 20 if mem else None
     wrong = [(e, bound) for e, bound in errors if not e <= bound]
+    row.check_s, started = time.perf_counter() - started, time.perf_counter()
     if wrong and not is_comparator(impl):
       row.note = "FAILED: relative error {:.2e} above {:.1e}".format(*wrong[0])
       return
@@ -576,6 +583,7 @@ def _check_and_time(case, impl, row, references, sets, time_it, ceilings):
     _set_timing(row, "forward", measure(forward, sets)[0])
     if train is not None:
       _set_timing(row, "train", measure(train, sets)[0])
+    row.time_s = time.perf_counter() - started
     _set_rates(row, case, ceilings)
   except NotImplementedError as e:
     row.note = str(e)
