@@ -4,7 +4,8 @@ is batched.
 A call's :class:`Plan` names the implementation for each use: only evaluated, the forward of a
 differentiated call, and its backward. A named implementation runs every use; ``None`` may find
 a different fastest one for each (cuDNN attention for inference and Mosaic's for training, a
-Triton forward beside a CUDA backward), by the family's measurements (its tuned tables).
+norm's Triton forward beside XLA's backward where CUDA's kernels cannot take the row), by the
+family's measurements (its tuned tables, see :func:`timed_as`).
 
 Every fused op differentiates through a VJP of its own (the kernels' backward, residuals it
 chooses), built here from a primal, a forward and a backward, and kernel calls that JAX cannot
@@ -23,6 +24,13 @@ from jax.custom_batching import custom_vmap
 from jaxfuse._core import registry
 
 USES = ("evaluated", "forward", "backward")
+
+
+def timed_as(use: str) -> str:
+  """What a use is chosen by: an evaluated call by the forward's time, both directions of a
+  differentiated call by the whole training step's (a forward and a backward chosen apart
+  were never timed together)."""
+  return "forward" if use == "evaluated" else "step"
 
 
 @dataclasses.dataclass(frozen=True)

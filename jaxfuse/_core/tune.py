@@ -106,6 +106,16 @@ def least_regret_suffix(points: Sequence[tuple[int, float, float]]) -> int | Non
                        lambda start, size: start is not None and size >= start)
 
 
+def geometric_floor(low: int, high: int) -> int:
+  """The geometric mean of two sizes, rounded down: the last size nearer ``low`` by ratio."""
+  return math.isqrt(low * high)
+
+
+def geometric_ceil(low: int, high: int) -> int:
+  """The geometric mean of two sizes, rounded up: the first size nearer ``high`` by ratio."""
+  return math.isqrt(low * high - 1) + 1
+
+
 def winning_bands(points: Sequence[tuple[tuple[int, int], float, float]]
                   ) -> list[list[int]] | None:
   """``[[most rows, least length, most length, least length, most length, ...], ...]``: per
@@ -116,18 +126,17 @@ def winning_bands(points: Sequence[tuple[tuple[int, int], float, float]]
   measured one), so a call takes the nearest measurement's choice. ``points``: ``((rows,
   length), first's time, second's time)``."""
   counts = sorted({r for (r, _), _, _ in points})
-  between = lambda low, high: math.isqrt(low * high)
   bands = []
   for i, rows in enumerate(counts):
     at = sorted((n, first < second) for (r, n), first, second in points if r == rows)
-    entry = [rows if i == len(counts) - 1 else between(rows, counts[i + 1])]
+    entry = [rows if i == len(counts) - 1 else geometric_floor(rows, counts[i + 1])]
     for j, (n, wins) in enumerate(at):
       if not wins:
         continue
       if j == 0 or not at[j - 1][1]:
-        entry.append(n if j == 0 else math.isqrt(at[j - 1][0] * n - 1) + 1)
+        entry.append(n if j == 0 else geometric_ceil(at[j - 1][0], n))
       if j == len(at) - 1 or not at[j + 1][1]:
-        entry.append(n if j == len(at) - 1 else between(n, at[j + 1][0]))
+        entry.append(n if j == len(at) - 1 else geometric_floor(n, at[j + 1][0]))
     bands.append(entry)
   return bands if any(len(entry) > 1 for entry in bands) else None
 

@@ -360,8 +360,7 @@ def _resolve(implementation, call, arrays) -> op.Plan:
     return (first,) + tuple(n for n in ("cudnn", "mosaic", "triton", "xla") if n != first)
 
   def fastest(use):
-    return registry.resolve(OP, None, backends,
-                            preference("forward" if use == "evaluated" else "step"))
+    return registry.resolve(OP, None, backends, preference(op.timed_as(use)))
 
   return op.resolve_plan(OP, implementation, backends, preference("step"), fastest)
 

@@ -209,11 +209,11 @@ def tuned_rows(rows) -> dict:
       # Mosaic losing on every small grid: from past the largest (the full grids say where it
       # wins); winning from the fewest tiles run: no bound.
       out[f"mosaic_least_tiles_{use}"] = (points[-1][0] + 1 if least is None else 0
-                                          if below is None else math.isqrt(below * least - 1) + 1)
+                                          if below is None else tune.geometric_ceil(below, least))
     points = _by_tiles(small, use, "triton", ("cudnn", "mosaic"))
     if points:
       most = tune.least_regret_prefix(points)
       above = min((tiles for tiles, _, _ in points if tiles > (most or math.inf)), default=None)
       out[f"triton_most_tiles_{use}"] = (0 if most is None else most if above is None
-                                         else math.isqrt(most * above))
+                                         else tune.geometric_floor(most, above))
   return out

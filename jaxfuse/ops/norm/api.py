@@ -51,9 +51,8 @@ def _fastest(facts: dict, few_rows_use: str, cuda_runs, triton_runs) -> str:
   share the saved statistics, so any forward pairs with any backward. Where the CUDA kernels
   cannot run (rows that do not fit a cluster, float64) the two-walk Triton forward still beats
   XLA's, and XLA's backward beats the two-walk Triton one. Without Triton the CUDA kernels come
-  first.
-  ``cuda_runs()`` and ``triton_runs()`` say whether those kernels can take this call (the
-  first builds them on first use), asked only where they would be chosen.
+  first. ``cuda_runs()`` and ``triton_runs()`` say whether those kernels can take this call
+  (the first builds them on first use), asked only where they would be chosen.
   """
   table = tuned.rows("norm", _untuned)
   runs = {"cuda": cuda_runs, "triton": triton_runs, "xla": lambda: True}
@@ -197,8 +196,8 @@ def _plan(op_name, kind, implementation, n, rows, x_dtype, out_dtype, param_dtyp
 
   def fastest(use):
     direction = "backward" if use == "backward" else "forward"
-    return _fastest(dict(facts(), direction=direction),
-                    "forward" if use == "evaluated" else "step", cuda_runs, triton_runs)
+    return _fastest(dict(facts(), direction=direction), op.timed_as(use), cuda_runs,
+                    triton_runs)
 
   chosen = op.resolve_plan(op_name, implementation, _BACKENDS, _preference(), fastest)
   if implementation == "cuda" and (reason := cuda_refusal()):

@@ -11,7 +11,7 @@ import numpy as np
 
 from jaxfuse._core import op, registry, tuned
 from jaxfuse._core.batching import fold_into_batch
-from jaxfuse._core.op import resolve_plan
+from jaxfuse._core.op import resolve_plan, timed_as
 from jaxfuse._core.sharding import parallel_call
 from jaxfuse._core.validation import (check_array, counted_labels, cross_entropy_options,
                                       describe, int32_labels, poison_stray_rows,
@@ -150,12 +150,10 @@ def _softmax_entry(op, log, x, axis, scale, mask, is_causal, causal_offset, impl
       return "the 'cuda' kernels take the softmax over the last axis, without a mask"
     return cuda_kernels.unsupported(x.shape[-1], x.dtype, directions=directions)
 
-  # Both directions of a differentiated call go with the kernels whose whole step is faster:
-  # a forward and a backward of different kernels were never timed together.
   def fastest(use):
     direction = "backward" if use == "backward" else "forward"
     plain = axis == x.ndim - 1 and mask is None and not is_causal
-    return _fastest(op, use, "forward" if use == "evaluated" else "step", x.shape[axis], x,
+    return _fastest(op, use, timed_as(use), x.shape[axis], x,
                     lambda: cuda_refusal((direction,)), (layout.pre, layout.n, layout.post),
                     plain)
 
