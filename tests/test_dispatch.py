@@ -307,9 +307,12 @@ def test_none_takes_triton_from_compute_capability_8(gpu, chosen, capability, ex
 
 # (op, features, x dtype, out_dtype, param dtype) -> (forward, backward) on the H100's table.
 NORM_ON_HOPPER = [
-    # Up to 16384 features Triton, above CUDA, where CUDA takes the rows.
-    ("rms_norm", 16384, "bfloat16", None, None, ("triton", "triton")),
-    ("rms_norm", 16392, "bfloat16", None, None, ("cuda", "cuda")),
+    # Up to 16384 features Triton (RMSNorm's up to 24576), above CUDA, where CUDA takes the
+    # rows.
+    ("rms_norm", 16385, "bfloat16", None, None, ("triton", "triton")),
+    ("rms_norm", 16392, "bfloat16", None, None, ("triton", "triton")),
+    ("rms_norm", 24576, "bfloat16", None, None, ("triton", "triton")),
+    ("rms_norm", 24584, "bfloat16", None, None, ("cuda", "cuda")),
     ("layer_norm", 16384, "bfloat16", None, None, ("triton", "triton")),
     ("layer_norm", 16392, "bfloat16", None, None, ("cuda", "cuda")),
     ("layer_norm", 16392, "float32", None, None, ("cuda", "cuda")),
@@ -321,7 +324,8 @@ NORM_ON_HOPPER = [
     ("rms_norm", 65536, "float32", None, None, ("xla", "xla")),
     ("rms_norm", 65544, "float32", None, None, ("xla", "xla")),
     # Where CUDA refuses the rows: Triton's two-walk forward, XLA's backward.
-    ("rms_norm", 16385, "bfloat16", None, None, ("triton", "xla")),
+    ("rms_norm", 24577, "bfloat16", None, None, ("triton", "xla")),
+    ("layer_norm", 16385, "bfloat16", None, None, ("triton", "xla")),
     ("rms_norm", 131080, "bfloat16", None, None, ("triton", "xla")),
     ("layer_norm", 131080, "float16", None, None, ("triton", "xla")),
     ("layer_norm", 65544, "float32", None, None, ("triton", "xla")),
@@ -467,15 +471,24 @@ SOFTMAX_ON_HOPPER = [
 ]
 
 
-# The H200's own rows over the H100's: XLA for RMSNorm rows with float32 outputs past 16384
-# and LayerNorm's backward there; the softmax's evaluated forward from 16376 (Triton's up to
+# The H200's own rows over the H100's: XLA for rows with float32 outputs past 16384, and for
+# RMSNorm's evaluated forward of float32 rows from 5120 and of 16-bit rows up to 128; Triton's
+# evaluated RMSNorm up to 24576 and LayerNorm's step up to 8192; CUDA's LayerNorm of 16-bit
+# rows up to 128 and Triton's evaluated one of few rows past 65536; the softmax's evaluated forward from 16376 (Triton's up to
 # 2^23 elements of rows up to 16384), a differentiated call's CUDA kernels from 12288, and
 # Triton's step where neither CUDA's kernels nor a Triton tile hold 16-bit rows up to 50257.
 @pytest.mark.parametrize("call,expected", [
     (lambda: normalize("rms_norm", 32768, param_dtype="float32"), ("xla", "xla")),
-    (lambda: normalize("layer_norm", 32768, param_dtype="float32"), ("cuda", "xla")),
+    (lambda: normalize("layer_norm", 32768, param_dtype="float32"), ("xla", "xla")),
     (lambda: normalize("layer_norm", 32768), ("cuda", "cuda")),
     (lambda: normalize("layer_norm", 512), ("cuda", "cuda")),
+    (lambda: normalize("rms_norm", 8192, "float32"), ("xla", "triton", "triton")),
+    (lambda: normalize("rms_norm", 128), ("xla", "triton", "triton")),
+    (lambda: normalize("rms_norm", 16392), ("triton", "cuda", "cuda")),
+    (lambda: normalize("layer_norm", 12288), ("triton", "cuda", "cuda")),
+    (lambda: normalize("layer_norm", 128), ("cuda", "cuda")),
+    (lambda: normalize("layer_norm", 131072, rows=256), ("triton", "cuda", "cuda")),
+    (lambda: normalize("layer_norm", 131072), ("cuda", "cuda")),
     (lambda: softmax(1024), ("triton", "triton")),
     (lambda: softmax(2048), ("triton", "triton")),
     (lambda: softmax(12288), ("triton", "cuda", "cuda")),
@@ -485,7 +498,9 @@ SOFTMAX_ON_HOPPER = [
     (lambda: softmax(50264), ("cuda", "cuda")),
     (lambda: softmax(65545), ("xla", "xla")),
     (lambda: cross_entropy(131072), ("triton", "triton")),
-], ids=["rms f32 out", "layer f32 out", "layer", "layer short", "softmax 1024",
+], ids=["rms f32 out", "layer f32 out", "layer", "layer short", "rms f32 evaluated",
+        "rms shortest", "rms 16392", "layer 12288", "layer shortest", "layer few long rows",
+        "layer long rows", "softmax 1024",
         "softmax 2048", "softmax 12288", "softmax 16376", "softmax 16376 many rows",
         "softmax 50257", "softmax 50264", "softmax 65545", "cross-entropy"])
 def test_none_on_the_h200_takes_its_own_rows(gpu, chosen, call, expected):
@@ -505,8 +520,9 @@ def test_norm_none_takes_xla_in_the_tuned_bands_of_few_rows(gpu, chosen, monkeyp
   """Evaluated calls by the forward's steps; both directions of a differentiated call by the
   training step's, where XLA runs the whole step."""
   gpu.kind("NVIDIA GPU without a table")
+  longest = norm_api._untuned()["triton_max_features"]
   monkeypatch.setattr(norm_api, "_untuned", lambda: {
-      "triton_max_features": 16384, "rules": [],
+      "triton_max_features": longest, "rules": [],
       "xla_few_rows": {"rms/forward": [[8, 8192, 12288]], "rms/step": [[1, 4096, 8192], [8]]}})
   normalize("rms_norm", n, dtype, rows=rows)
   assert chosen() == expected

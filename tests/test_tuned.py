@@ -23,7 +23,7 @@ UNTUNED = {"norm": norm_api._untuned, "softmax": softmax_api._untuned,
 TABLES = sorted((ROOT / "jaxfuse" / "ops").glob("*/tuned/*.json"))
 # The facts each family's rules may test (see its ``_fastest``), besides the length and element
 # bounds.
-FACTS = {"norm": {"op", "direction", "itemsize", "out_itemsize", "cuda_short_rows"},
+FACTS = {"norm": {"op", "use", "direction", "itemsize", "out_itemsize", "cuda_short_rows"},
          "softmax": {"op", "use", "direction", "itemsize", "plain", "cuda_takes"}}
 BOUNDS = {"min_length", "max_length", "min_elements", "max_elements"}
 
@@ -209,9 +209,13 @@ def test_each_family_reads_its_rows_from_a_tuning_run():
   assert softmax_bench.tuned_rows(softmax) == {
       "cuda_from_forward": 16384, "cuda_from_step": 1024, "cuda_from_cross_entropy": 1024,
       "cuda_from_cross_entropy_loss": 16384, "cuda_from_without_triton": 1024}
-  norm = [_timed(op, f"{n}", n, impl, 1.0, s) for op in ("rms_norm", "layer_norm")
-          for n, impl, s in [(1024, "triton", 1.0), (1024, "cuda", 2.0), (8192, "triton", 1.0),
-                             (8192, "cuda", 1.0 if op == "rms_norm" else 0.5)]]
+  # Per norm and use: RMSNorm's forward Triton's at both lengths, its step and LayerNorm's
+  # forward and step CUDA's at the longer.
+  norm = [_timed(op, f"{n}", n, impl, f, s) for op in ("rms_norm", "layer_norm")
+          for n, impl, f, s in [(1024, "triton", 1.0, 1.0), (1024, "cuda", 2.0, 2.0),
+                                (8192, "triton", 1.0, 1.0),
+                                (8192, "cuda", 1.5 if op == "rms_norm" else 0.5, 0.5)]]
+  longest = {"rms/forward": 8192, "rms/step": 1024, "layer/forward": 1024, "layer/step": 1024}
   few = [_timed("rms_norm", f"{rows}x{n} bfloat16", n, impl, f, f + 1.0)
          for rows, n, xla_ms in [(1, 4096, 2.0), (8, 12288, 1.0), (8, 1024, 2.0), (1, 12288, 1.0),
                                  (64, 12288, 2.0)]
@@ -220,10 +224,10 @@ def test_each_family_reads_its_rows_from_a_tuning_run():
   # with the length below; the 1-row band up to the geometric mean with 8 rows.
   bands = [[2, 7095, 12288], [22, 3548, 12288], [64]]
   few_rows = {"rms/forward": bands, "rms/step": bands, "layer/forward": None, "layer/step": None}
-  assert norm_bench.tuned_rows(norm + few) == {"triton_max_features": 1024,
+  assert norm_bench.tuned_rows(norm + few) == {"triton_max_features": longest,
                                                "xla_few_rows": few_rows}
   assert norm_bench.tuned_rows(few) == {"xla_few_rows": few_rows}
-  assert norm_bench.tuned_rows(norm) == {"triton_max_features": 1024}
+  assert norm_bench.tuned_rows(norm) == {"triton_max_features": longest}
 
 
 def test_a_part_run_picks_cases_by_the_start_of_their_labels():

@@ -30,7 +30,9 @@ def _untuned() -> dict:
   # A GPU never measured: Triton while a program holds a row block in registers, CUDA's
   # cluster kernels past it (where a Pallas program walks a row twice), LayerNorm's backward
   # on CUDA's short-row kernel, whose lanes hold whole rows, and no bands of few rows for XLA.
-  return {"triton_max_features": 16384, "xla_few_rows": {},
+  return {"triton_max_features": {f"{op}/{use}": 16384 for op in ("rms", "layer")
+                                  for use in ("forward", "step")},
+          "xla_few_rows": {},
           "rules": [{"when": {"op": "layer", "direction": "backward", "cuda_short_rows": True},
                      "use": "cuda"}]}
 
@@ -45,13 +47,13 @@ def _fastest(facts: dict, few_rows_use: str, cuda_runs, triton_runs) -> str:
   evaluated ``forward``, or both directions of a training ``step``, which XLA fuses into one
   program), bands ``[most rows, least length, most length, ...]`` (pairs of bounds) where XLA
   measured faster (a call takes the first entry of at least its rows; ``[most rows]``: no band
-  there; none past the last entry, or where empty). Up to ``triton_max_features`` the Triton
-  kernels hold a row block in registers and win. Longer rows a Pallas program walks twice, and
-  there the CUDA kernels, which hold a row in a thread block cluster, win. Both directions
-  share the saved statistics, so any forward pairs with any backward. Where the CUDA kernels
-  cannot run (rows that do not fit a cluster, float64) the two-walk Triton forward still beats
-  XLA's, and XLA's backward beats the two-walk Triton one. Without Triton the CUDA kernels come
-  first. ``cuda_runs()`` and ``triton_runs()`` say whether those kernels can take this call
+  there; none past the last entry, or where empty). Up to ``triton_max_features`` (per norm
+  and ``few_rows_use`` too) the Triton kernels hold a row block in registers and win. Longer
+  rows a Pallas program walks twice, and there the CUDA kernels, which hold a row in a thread
+  block cluster, mostly win. Both directions share the saved statistics, so any forward pairs
+  with any backward. Where the CUDA kernels cannot run (rows that do not fit a cluster,
+  float64) the two-walk Triton forward still beats XLA's, and XLA's backward beats the
+  two-walk Triton one. Without Triton the CUDA kernels come first. ``cuda_runs()`` and ``triton_runs()`` say whether those kernels can take this call
   (the first builds them on first use), asked only where they would be chosen.
   """
   table = tuned.rows("norm", _untuned)
@@ -64,7 +66,8 @@ def _fastest(facts: dict, few_rows_use: str, cuda_runs, triton_runs) -> str:
                         "max_length": most}, facts)
          for least, most in zip(bounds[::2], bounds[1::2])):
     return "xla"
-  longest, n = table["triton_max_features"], facts["length"]
+  longest = table["triton_max_features"][f"{facts['op']}/{few_rows_use}"]
+  n = facts["length"]
   if (n > longest or not triton_runs()) and cuda_runs():
     return "cuda"
   if (facts["direction"] == "forward" or n <= longest) and triton_runs():
@@ -196,7 +199,7 @@ def _plan(op_name, kind, implementation, n, rows, x_dtype, out_dtype, param_dtyp
 
   def fastest(use):
     direction = "backward" if use == "backward" else "forward"
-    return _fastest(dict(facts(), direction=direction), op.timed_as(use), cuda_runs,
+    return _fastest(dict(facts(), direction=direction, use=use), op.timed_as(use), cuda_runs,
                     triton_runs)
 
   chosen = op.resolve_plan(op_name, implementation, _BACKENDS, _preference(), fastest)

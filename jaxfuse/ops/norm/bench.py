@@ -148,18 +148,19 @@ def _few_rows_points(rows, op: str, use: str):
 
 
 def tuned_rows(rows) -> dict:
-  """The longest rows up to which Triton's training step, in both norms, beats CUDA's at the
-  least regret (0: CUDA wherever it runs); per norm, for the forward and the training step,
-  the bands of lengths in which XLA beats the faster kernel per row count of :data:`FEW_ROWS`
-  (see :func:`tune.winning_bands`). Each only where the run timed its grid."""
+  """Per norm, for the evaluated forward and the training step: the longest rows up to which
+  Triton's kernels beat CUDA's at the least regret (0: CUDA wherever it runs), and the bands
+  of lengths in which XLA beats the faster kernel per row count of :data:`FEW_ROWS` (see
+  :func:`tune.winning_bands`). Each only where the run timed its grid."""
   rows = [r for r in rows if r.op in {op for op, _, _ in OPS}]
   few = [r for r in rows if _rows_of(r.label) in FEW_ROWS]
   many = [r for r in rows if _rows_of(r.label) not in FEW_ROWS]
   out = {}
   if many:
-    out["triton_max_features"] = tune.least_regret_prefix(
-        [p for op, _, _ in OPS for p in tune.times_by_size(
-            [r for r in many if r.op == op], "step", "triton", "cuda")]) or 0
+    out["triton_max_features"] = {
+        f"{op.split('_')[0]}/{use}": tune.least_regret_prefix(tune.times_by_size(
+            [r for r in many if r.op == op], use, "triton", "cuda")) or 0
+        for op, _, _ in OPS for use in ("forward", "step")}
   if few:
     out["xla_few_rows"] = {f"{op.split('_')[0]}/{use}": tune.winning_bands(
         _few_rows_points(few, op, use)) for op, _, _ in OPS for use in ("forward", "step")}
