@@ -597,6 +597,9 @@ def test_gpu_default_takes_cuda_for_long_rows(rng):
 @pytest.mark.parametrize("shape", [(3, 8), (7, 1000), (2, 3, 40000), (5, 131072)], ids=str)
 @pytest.mark.parametrize("smoothing,z_loss", [(0.0, 0.0), (0.1, 1e-3)])
 def test_gpu_cuda_cross_entropy_matches_float64(rng, shape, smoothing, z_loss):
+  from jaxfuse.ops.softmax import cuda as cuda_kernels
+  if cuda_kernels.unsupported(shape[-1], jnp.float32):
+    pytest.skip("row too long for this GPU's kernels")
   test_cross_entropy_matches_float64(rng, "cuda", shape, smoothing, z_loss)
 
 
