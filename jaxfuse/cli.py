@@ -11,7 +11,6 @@ import importlib
 import itertools
 import json
 import os
-import re
 import sys
 from pathlib import Path
 
@@ -346,12 +345,14 @@ def _build(arch: str | None) -> int:
             f"a GPU", file=sys.stderr)
       return 1
     arch = build.gpu_arch()
-  match = re.fullmatch(r"sm_(\d+)a?", arch)
-  if match is None or int(match.group(1)) < 90:
-    print(f"jaxfuse build: the 'cuda' kernels use Hopper's thread-block clusters and need "
-          f"sm_90 or newer; got --arch {arch!r}", file=sys.stderr)
+  number = build.arch_number(arch)
+  if number is None or number < 80:
+    print(f"jaxfuse build: the 'cuda' kernels need sm_80 (Ampere) or newer, or compute_80 or "
+          f"newer for PTX; got --arch {arch!r}", file=sys.stderr)
     return 2
-  libraries = [importlib.import_module(module).LIBRARY for module in CUDA_LIBRARIES]
+  libraries = [library for library in (importlib.import_module(module).LIBRARY
+                                       for module in CUDA_LIBRARIES)
+               if number >= library.min_arch]
   # Each build is an nvcc process: they run side by side.
   with concurrent.futures.ThreadPoolExecutor(len(libraries)) as pool:
     builds = [(library, pool.submit(build.build, library.source, arch)) for library in libraries]

@@ -212,12 +212,27 @@ def test_cli_build_builds_every_library(tmp_path, toolchain, monkeypatch, capsys
   assert _compiles(tmp_path) == len(cli.CUDA_LIBRARIES)
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "90", "hopper"])
-def test_cli_build_refuses_an_architecture_before_hopper_at_once(toolchain, monkeypatch, capsys,
+@pytest.mark.parametrize("arch", ["sm_75", "90", "hopper"])
+def test_cli_build_refuses_an_architecture_before_ampere_at_once(toolchain, monkeypatch, capsys,
                                                                  arch):
   monkeypatch.setattr(build, "_toolchain", lambda: toolchain)
   assert cli.main(["build", "--arch", arch]) == 2
-  assert "need sm_90 or newer" in capsys.readouterr().err
+  assert "need sm_80 (Ampere) or newer" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "compute_80"])
+def test_cli_build_for_ampere_leaves_out_what_only_hopper_runs(tmp_path, toolchain, monkeypatch,
+                                                               capsys, arch):
+  monkeypatch.setattr(build, "_toolchain", lambda: toolchain)
+  assert cli.main(["build", "--arch", arch]) == 0
+  out = capsys.readouterr().out
+  assert f"norm.cu for {arch}:" in out and "rnn.cu" not in out
+  assert _compiles(tmp_path) == len(cli.CUDA_LIBRARIES) - 1
+
+
+def test_architectures_read_as_numbers():
+  assert [build.arch_number(a) for a in ("sm_90", "sm_90a", "compute_80", "sm_100", "ampere",
+                                         "sm90")] == [90, 90, 80, 100, None, None]
 
 
 def test_cli_build_without_gpu_or_arch_says_why(capsys):

@@ -49,7 +49,8 @@ class Machine:
     self.capability((9, 0))
     monkeypatch.setattr(build, "_toolchain", lambda: build.Toolchain("/fake/bin/nvcc"))
     for module in (norm_cuda, softmax_cuda, rnn_cuda):
-      library = build.Library(module.LIBRARY.source, module.LIBRARY.handlers)
+      library = build.Library(module.LIBRARY.source, module.LIBRARY.handlers,
+                              module.LIBRARY.min_arch)
       # The rules only ask whether a library loads; loading would run nvcc.
       monkeypatch.setattr(library, "_load", lambda: None)
       monkeypatch.setattr(module, "LIBRARY", library)
@@ -256,8 +257,8 @@ def test_cuda_runs_from_compute_capability_9(gpu, chosen, capability):
 CUDA_MISSING = {
     "cpu": (lambda gpu: gpu.platform("cpu"),
             "needs an NVIDIA GPU; the default backend here is 'cpu'"),
-    "ada": (lambda gpu: gpu.capability((8, 9)),
-            r"compute capability 9.0 \(Hopper\) or newer; found compute capability \(8, 9\)"),
+    "turing": (lambda gpu: gpu.capability((7, 5)),
+               r"compute capability 8.0 \(Ampere\) or newer; found compute capability \(7, 5\)"),
     "no device": (lambda gpu: gpu.capability(None), "found no CUDA device"),
     "no nvcc": (lambda gpu: gpu.without_nvcc(), "built on first use and nvcc was not found"),
     "failed build": (lambda gpu: gpu.failing_builds("nvcc: unsupported gpu architecture"),
@@ -273,6 +274,36 @@ def test_cuda_refuses_without_what_it_needs(gpu, chosen, op, missing):
   with pytest.raises(NotImplementedError,
                      match=rf"{op}\(implementation='cuda'\) cannot run here: .*{reason}"):
     CUDA_CALLS[op]()
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (8, 9)])
+def test_cuda_on_ampere_and_ada_holds_a_row_in_one_cta(gpu, chosen, capability):
+  """Without thread-block clusters the norm and softmax kernels take the rows one CTA holds;
+  the RNN kernels, tested on Hopper only, refuse."""
+  gpu.capability(capability)
+  normalize("rms_norm", 8192, implementation="cuda")
+  assert chosen() == ("cuda", "cuda")
+  softmax(16384, implementation="cuda")
+  assert chosen() == ("cuda", "cuda")
+  with pytest.raises(NotImplementedError, match=r"no thread-block clusters before sm_90"):
+    normalize("rms_norm", 8200, implementation="cuda")
+  with pytest.raises(NotImplementedError, match=r"no thread-block clusters before sm_90"):
+    softmax(16392, implementation="cuda")
+  with pytest.raises(NotImplementedError, match=r"rnn.cu is built for sm_90 or newer, not sm_8"):
+    recurrent("lstm", 64, implementation="cuda")
+
+
+def test_cuda_forced_to_the_ampere_path_on_hopper(gpu, chosen, monkeypatch):
+  monkeypatch.setenv(build.ARCH_VARIABLE, "compute_80")
+  assert build.gpu_arch() == "compute_80" and build.cluster_limit() == 1
+  with pytest.raises(NotImplementedError, match=r"no thread-block clusters before sm_90"):
+    normalize("rms_norm", 8200, implementation="cuda")
+  monkeypatch.setenv(build.ARCH_VARIABLE, "sm_100")
+  with pytest.raises(NotImplementedError, match=r"JAXFUSE_CUDA_ARCH=sm_100 is newer than this"):
+    normalize("rms_norm", 1024, implementation="cuda")
+  monkeypatch.setenv(build.ARCH_VARIABLE, "sm_75")
+  with pytest.raises(ValueError, match=r"JAXFUSE_CUDA_ARCH='sm_75': expected sm_XY or "):
+    build.gpu_arch()
 
 
 TRITON_MISSING = {
@@ -395,10 +426,8 @@ def test_norm_none_passes_over_triton_for_rows_past_int32(gpu, chosen, rows, dty
 
 
 @pytest.mark.triton
-@pytest.mark.parametrize("take_away", [Machine.without_nvcc, lambda gpu: gpu.capability((8, 0))],
-                         ids=["no nvcc", "ampere"])
-def test_norm_none_without_cuda(gpu, chosen, take_away):
-  take_away(gpu)
+def test_norm_none_without_cuda(gpu, chosen):
+  gpu.without_nvcc()
   normalize("rms_norm", 32768)
   assert chosen() == ("triton", "xla")
   normalize("layer_norm", 512)
@@ -716,9 +745,8 @@ def test_linear_cross_entropy_none_says_why_it_passes_over_cuda(gpu, chosen, cap
              for r in caplog.records)
 
 
-@pytest.mark.parametrize("take_away", [Machine.without_nvcc, lambda gpu: gpu.capability((8, 0)),
-                                       lambda gpu: gpu.platform("cpu")],
-                         ids=["no nvcc", "ampere", "cpu"])
+@pytest.mark.parametrize("take_away", [Machine.without_nvcc, lambda gpu: gpu.platform("cpu")],
+                         ids=["no nvcc", "cpu"])
 def test_linear_cross_entropy_none_without_cuda(gpu, chosen, take_away):
   take_away(gpu)
   linear_cross_entropy(1024)

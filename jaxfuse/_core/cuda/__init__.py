@@ -8,9 +8,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jaxfuse._core.cuda.build import Library, unavailable
+from jaxfuse._core.cuda.build import Library, cluster_limit, unavailable
 
-__all__ = ["Library", "Tiling", "longest_row", "short_tiling", "tiling", "unavailable"]
+__all__ = ["Library", "Tiling", "cluster_limit", "holder", "longest_row", "short_tiling",
+           "tiling", "unavailable"]
 
 UNIT = 8  # elements per 16-byte (or, for float32, 32-byte) vector
 MAX_CLUSTER = 16  # CTAs; non-portable above 8, an H100 launches up to 16
@@ -44,16 +45,24 @@ class Tiling:
       raise ValueError(f"{self} holds {self.capacity} elements of a row, fewer than its {n_cols}")
 
 
-def longest_row(units_choices) -> int:
-  """Elements of the longest row 16 CTAs of 512 threads hold at the widest of these slices."""
-  return MAX_CLUSTER * MAX_THREADS * max(units_choices) * UNIT
+def holder(max_cluster: int) -> str:
+  """What holds a long row, in words, for clusters of up to ``max_cluster`` CTAs."""
+  return "cluster" if max_cluster > 1 else "CTA (no thread-block clusters before sm_90)"
+
+
+def longest_row(units_choices, max_cluster: int = MAX_CLUSTER) -> int:
+  """Elements of the longest row ``max_cluster`` CTAs of 512 threads hold at the widest of
+  these slices."""
+  return max_cluster * MAX_THREADS * max(units_choices) * UNIT
 
 
 def tiling(n_cols: int, units_choices, *, min_cluster: int = 1, max_cluster: int = MAX_CLUSTER,
            max_threads: int = MAX_THREADS, stages: int = 0) -> Tiling | None:
-  """The first ``units`` per thread at which ``max_cluster`` CTAs of at most ``max_threads``
-  threads hold the row: the smallest such cluster of at least ``min_cluster`` CTAs, trimmed to
-  the fewest threads (whole warps) that still cover it."""
+  """The first ``units`` per thread at which ``max_cluster`` CTAs (at most the
+  :func:`cluster_limit` of the kernels built here) of at most ``max_threads`` threads hold the
+  row: the smallest such cluster of at least ``min_cluster`` CTAs, trimmed to the fewest
+  threads (whole warps) that still cover it."""
+  max_cluster = min(max_cluster, cluster_limit())
   n_units = math.ceil(n_cols / UNIT)
   for units in units_choices:
     cluster = min(max_cluster, max(min_cluster, math.ceil(n_units / (max_threads * units))))

@@ -11,6 +11,10 @@ build is remembered for the process: :meth:`Library.unavailable` then reports it
 ``implementation=None`` moves on and ``'cuda'`` raises it, without running nvcc again.
 ``jaxfuse build`` builds every library ahead of time (for an image to bake in).
 
+The architecture is this GPU's (``sm_90`` on an H100), or ``$JAXFUSE_CUDA_ARCH``:
+``compute_80`` builds PTX of the path a GPU before Hopper runs (no thread-block clusters: a row
+in one CTA), which the driver compiles for the GPU at hand, so a Hopper GPU tests that path.
+
 nvcc is looked for in ``$JAXFUSE_NVCC``, on ``PATH``, in ``$CUDA_HOME``, ``/usr/local/cuda``,
 then in the NVIDIA wheels that ``pip install "jax[cuda13]"`` (or ``cuda12``) brings into
 site-packages (``nvidia/cu13/bin/nvcc`` beside ``nvidia/cu13/include`` and ``lib``).
@@ -25,6 +29,7 @@ import fcntl
 import functools
 import hashlib
 import os
+import re
 import shutil
 import site
 import subprocess
@@ -112,24 +117,59 @@ NO_NVCC = ("nvcc was not found (set JAXFUSE_NVCC, put CUDA's bin directory on PA
            "install nvidia-cuda-nvcc and nvidia-cuda-runtime, which 'jax[cuda13]' brings)")
 
 
+ARCH_VARIABLE = "JAXFUSE_CUDA_ARCH"
+# Thread-block clusters, which split a long row over several CTAs, from this architecture on.
+CLUSTERS_FROM = 90
+
+
+def arch_number(arch: str) -> int | None:
+  """``'sm_90'``, ``'sm_90a'`` or ``'compute_80'`` -> 90 or 80; None for anything else."""
+  match = re.fullmatch(r"(?:sm|compute)_(\d+)a?", arch)
+  return int(match.group(1)) if match else None
+
+
+def _forced_arch() -> str | None:
+  arch = os.environ.get(ARCH_VARIABLE)
+  if arch and (arch_number(arch) or 0) < 80:
+    raise ValueError(f"{ARCH_VARIABLE}={arch!r}: expected sm_XY or compute_XY of 80 or newer")
+  return arch or None
+
+
 def unavailable() -> str | None:
-  """Why no CUDA kernel can run here (no Hopper GPU, no nvcc), or ``None``."""
+  """Why no CUDA kernel can run here (no GPU of compute capability 8.0 or newer, no nvcc), or
+  ``None``."""
   if registry.platform() != "gpu":
     return (f"the 'cuda' implementation needs an NVIDIA GPU; the default backend here is "
             f"{registry.platform()!r}")
   capability = registry.cuda_compute_capability()
-  if capability is None or capability < (9, 0):
+  if capability is None or capability < (8, 0):
     found = "no CUDA device" if capability is None else f"compute capability {capability}"
-    return (f"the 'cuda' kernels split rows across thread-block clusters, which need compute "
-            f"capability 9.0 (Hopper) or newer; found {found}")
+    return (f"the 'cuda' kernels need compute capability 8.0 (Ampere) or newer; found {found}")
+  if (arch_number(gpu_arch()) or 0) > 10 * capability[0] + capability[1]:
+    return (f"{ARCH_VARIABLE}={gpu_arch()} is newer than this GPU (compute capability "
+            f"{capability[0]}.{capability[1]})")
   if _toolchain() is None:
     return f"the 'cuda' kernels are built on first use and {NO_NVCC}"
   return None
 
 
 def gpu_arch() -> str:
+  """The architecture the kernels are built for: ``$JAXFUSE_CUDA_ARCH``, else this GPU's."""
+  if forced := _forced_arch():
+    return forced
   major, minor = registry.cuda_compute_capability()
   return f"sm_{major}{minor}"
+
+
+def cluster_limit() -> int:
+  """The most CTAs of a cluster the kernels built here may use: 16, or 1 (the CTA alone) for
+  an architecture before Hopper (a forced one included); 16 with no GPU, where nothing runs."""
+  forced = _forced_arch()
+  capability = registry.cuda_compute_capability()
+  if forced is None and capability is None:
+    return 16
+  arch = arch_number(forced) if forced else 10 * capability[0] + capability[1]
+  return 16 if arch >= CLUSTERS_FROM else 1
 
 
 def _version(command) -> str:
@@ -251,11 +291,13 @@ def build(source: Path, arch: str, toolchain: Toolchain | None = None) -> Path:
 
 
 class Library:
-  """One CUDA source of a kernel family and the FFI targets its handlers register."""
+  """One CUDA source of a kernel family and the FFI targets its handlers register, built for
+  architectures from ``min_arch`` (90: tested on Hopper only)."""
 
-  def __init__(self, source: Path, handlers: Mapping[str, str]):
+  def __init__(self, source: Path, handlers: Mapping[str, str], min_arch: int = 80):
     self.source = Path(source)
     self.handlers = dict(handlers)
+    self.min_arch = min_arch
     self._library: ctypes.CDLL | None = None
     self._failure: str | None = None
     self._lock = threading.Lock()
@@ -266,6 +308,9 @@ class Library:
     reason = unavailable()
     if reason is not None:
       return reason
+    if arch_number(gpu_arch()) < self.min_arch:
+      return (f"{self.source.name} is built for sm_{self.min_arch} or newer, not "
+              f"{gpu_arch()}")
     with self._lock:
       if self._library is None and self._failure is None:
         try:

@@ -31,6 +31,30 @@ namespace jaxfuse {
 namespace cg = cooperative_groups;
 namespace ffi = xla::ffi;
 
+// The thread-block cluster this CTA runs in. A GPU before sm_90 has none: there the cluster is
+// the CTA alone, so the same kernels reduce within it (such a build tiles rows for one CTA).
+struct ThisCluster {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  __device__ __forceinline__ unsigned block_rank() const { return 0; }
+  __device__ __forceinline__ unsigned num_blocks() const { return 1; }
+  template <typename T> __device__ __forceinline__ T* map_shared_rank(T* p, int) const {
+    return p;
+  }
+  __device__ __forceinline__ void sync() const { __syncthreads(); }
+#else
+  __device__ __forceinline__ unsigned block_rank() const {
+    return cg::this_cluster().block_rank();
+  }
+  __device__ __forceinline__ unsigned num_blocks() const {
+    return cg::this_cluster().num_blocks();
+  }
+  template <typename T> __device__ __forceinline__ T* map_shared_rank(T* p, int rank) const {
+    return cg::this_cluster().map_shared_rank(p, rank);
+  }
+  __device__ __forceinline__ void sync() const { cg::this_cluster().sync(); }
+#endif
+};
+
 constexpr int kUnit = 8;
 constexpr int kMaxCluster = 16;  // non-portable above 8; an H100 launches up to 16
 constexpr int kMaxThreads = 1024;
@@ -136,7 +160,7 @@ struct RowSlice {
   int first, threads, n;
 
   __device__ __forceinline__ static RowSlice mine(int units_per_thread, int n) {
-    const int rank = static_cast<int>(cg::this_cluster().block_rank());
+    const int rank = static_cast<int>(ThisCluster().block_rank());
     return {rank * units_per_thread * static_cast<int>(blockDim.x) * kUnit,
             static_cast<int>(blockDim.x), n};
   }
@@ -176,7 +200,7 @@ struct RowWalk {
   int64_t first, step;
 
   __device__ __forceinline__ static RowWalk of_cluster() {
-    const int64_t ctas = cg::this_cluster().num_blocks();
+    const int64_t ctas = ThisCluster().num_blocks();
     return {blockIdx.x / ctas, gridDim.x / ctas};
   }
   // Short rows: the groups of `lanes` lanes of every CTA, in order, take consecutive rows.
@@ -372,7 +396,7 @@ template <typename S, typename Op>
 __device__ __forceinline__ S cluster_reduce(S value, S identity, Op op,
                                             ClusterScratch<S>& scratch, int parity) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
-  cg::cluster_group cluster = cg::this_cluster();
+  const ThisCluster cluster;
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) value = op(value, shuffle(value, offset, true));
   if (lane == 0) scratch.warp[warp] = value;
@@ -430,7 +454,7 @@ __device__ __forceinline__ float3 moments_of(float3 sums, float shift) {
 __device__ __forceinline__ float3 cluster_moments(float3 moments, ClusterScratch<float3>& scratch,
                                                   int parity) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
-  cg::cluster_group cluster = cg::this_cluster();
+  const ThisCluster cluster;
   auto merge_warp = [&](float3 m) {
     const float shift = __shfl_sync(0xffffffffu, m.y, 0);
     float3 sums = shifted_sums(m, shift);
@@ -484,6 +508,23 @@ inline cudaLaunchConfig_t cluster_config(dim3 grid, int threads, size_t smem_byt
   return config;
 }
 
+// A kernel that does nothing: its attributes say how this library's kernels were built.
+__global__ void build_probe() {}
+
+// Whether this library was built for thread-block clusters (from PTX of sm_90 or newer); one
+// built for an older GPU launches plain CTAs, each its own cluster (ThisCluster).
+inline bool built_for_clusters() {
+  static const bool clusters = [] {
+    cudaFuncAttributes attributes;
+    if (cudaFuncGetAttributes(&attributes, build_probe) != cudaSuccess) {
+      cudaGetLastError();
+      return true;  // the launch then reports what is wrong
+    }
+    return attributes.ptxVersion >= 90;
+  }();
+  return clusters;
+}
+
 // Launches `kernel` on `grid` CTAs of `threads`, in clusters of `cluster` CTAs along x.
 template <typename... KernelArgs, typename... Args>
 cudaError_t launch_clustered(void (*kernel)(KernelArgs...), dim3 grid, int threads, int cluster,
@@ -491,8 +532,12 @@ cudaError_t launch_clustered(void (*kernel)(KernelArgs...), dim3 grid, int threa
   cudaError_t err = prepare_clustered(kernel, cluster, smem_bytes);
   if (err != cudaSuccess) return err;
   cudaLaunchAttribute attribute;
-  const cudaLaunchConfig_t config =
+  cudaLaunchConfig_t config =
       cluster_config(grid, threads, smem_bytes, stream, &attribute, cluster);
+  if (!built_for_clusters()) {
+    if (cluster != 1) return cudaErrorInvalidConfiguration;
+    config.numAttrs = 0;
+  }
   return cudaLaunchKernelEx(&config, kernel, static_cast<KernelArgs>(args)...);
 }
 
@@ -505,7 +550,17 @@ int max_active_clusters(void (*kernel)(KernelArgs...), int threads, int cluster,
   const cudaLaunchConfig_t config =
       cluster_config(dim3(cluster, 1, 1), threads, smem_bytes, nullptr, &attribute, cluster);
   int clusters = 0;
-  if (err == cudaSuccess) err = cudaOccupancyMaxActiveClusters(&clusters, kernel, &config);
+  if (err == cudaSuccess && built_for_clusters()) {
+    err = cudaOccupancyMaxActiveClusters(&clusters, kernel, &config);
+  } else if (err == cudaSuccess && cluster == 1) {
+    int device = 0, sms = 0, per_sm = 0;
+    err = cudaGetDevice(&device);
+    if (err == cudaSuccess)
+      err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (err == cudaSuccess)
+      err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem_bytes);
+    clusters = sms * per_sm;
+  }
   if (err != cudaSuccess) {
     cudaGetLastError();
     return 0;

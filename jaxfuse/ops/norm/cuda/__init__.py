@@ -81,9 +81,10 @@ def backward_tiling(n_cols: int, x_dtype) -> Tiling | None:
           or cuda.tiling(n_cols, BACKWARD_UNITS[width]))
 
 
-def longest_row(x_dtype) -> int:
-  """The longest row both directions hold, for x of ``x_dtype``."""
-  return cuda.longest_row(BACKWARD_UNITS[jnp.dtype(x_dtype).itemsize])
+def longest_row(x_dtype, max_cluster: int = cuda.MAX_CLUSTER) -> int:
+  """The longest row both directions hold in clusters of up to ``max_cluster`` CTAs, for x of
+  ``x_dtype``."""
+  return cuda.longest_row(BACKWARD_UNITS[jnp.dtype(x_dtype).itemsize], max_cluster)
 
 
 def limits() -> str:
@@ -107,10 +108,10 @@ def unsupported(n_cols: int, x_dtype, out_dtype, param_dtypes) -> str | None:
     return (f"the 'cuda' kernels move rows in {cuda.UNIT}-element vectors; the normalized size "
             f"{n_cols} is not a multiple of {cuda.UNIT}")
   if backward_tiling(n_cols, x_dtype) is None or forward_tiling(n_cols, x_dtype) is None:
-    most = longest_row(x_dtype)
-    return (f"the 'cuda' kernels hold a row in the registers of one cluster, at most {most} "
-            f"{jnp.dtype(x_dtype).name} elements; the normalized size is {n_cols} ('triton' "
-            f"walks rows of any length)")
+    clusters = cuda.cluster_limit()
+    return (f"the 'cuda' kernels hold a row in the registers of one {cuda.holder(clusters)}, at "
+            f"most {longest_row(x_dtype, clusters)} {jnp.dtype(x_dtype).name} elements; the "
+            f"normalized size is {n_cols} ('triton' walks rows of any length)")
   return None
 
 

@@ -97,7 +97,7 @@ __global__ void __launch_bounds__(kStaged ? kStagedThreads : kThreads, kStaged ?
   uint4* staging = shared + (has_weight + has_bias) * param_words;
   const RowWalk walk = RowWalk::of_cluster();
   const RowSlice slice = RowSlice::mine(V, n);
-  const bool leader = cg::this_cluster().block_rank() == 0 && threadIdx.x == 0;
+  const bool leader = ThisCluster().block_rank() == 0 && threadIdx.x == 0;
   int parity = 0;
 
   for (int64_t group = 0; group < groups; ++group) {
@@ -224,7 +224,7 @@ __global__ void __launch_bounds__(kThreads, 2) norm_backward_kernel(
   const ParamSlice<TP> w_slice{{shared}};
   const UnitSums dw_sum{{reinterpret_cast<float4*>(shared + (has_weight ? param_words : 0))}};
   const UnitSums db_sum{{dw_sum.words.base + (has_weight ? V * 2 * blockDim.x : 0)}};
-  cg::cluster_group cluster = cg::this_cluster();
+  const ThisCluster cluster;
   const int64_t clusters = gridDim.x / cluster.num_blocks();
   const int64_t me = blockIdx.x / cluster.num_blocks();
   const RowSlice slice = RowSlice::mine(V, n);

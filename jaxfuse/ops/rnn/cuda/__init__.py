@@ -33,7 +33,8 @@ _SOURCE = Path(__file__).with_name("rnn.cu")
 _HANDLERS = {"jaxfuse_rnn_forward": "JaxfuseRnnForward",
              "jaxfuse_rnn_backward": "JaxfuseRnnBackward"}
 _SUPPORTED = tuple(map(jnp.dtype, (jnp.float16, jnp.bfloat16, jnp.float32)))
-LIBRARY = cuda.Library(_SOURCE, _HANDLERS)
+# Tuned and tested on Hopper only.
+LIBRARY = cuda.Library(_SOURCE, _HANDLERS, min_arch=90)
 
 # rnn.cu's constants: warps per CTA (16 rather than 8: faster training steps in most cases
 # measured, benchmarks/results/), the most weight columns a CTA holds, the most (batch row,

@@ -75,12 +75,14 @@ def backward_tiling(n_cols: int, dtype) -> Tiling | None:
   return cuda.tiling(n_cols, BACKWARD_UNITS[jnp.dtype(dtype).itemsize])
 
 
-def longest_row(dtype, directions=("forward", "backward")) -> int:
-  """The longest row of ``dtype`` the kernels of every one of ``directions`` hold."""
+def longest_row(dtype, directions=("forward", "backward"),
+                max_cluster: int = cuda.MAX_CLUSTER) -> int:
+  """The longest row of ``dtype`` the kernels of every one of ``directions`` hold in clusters
+  of up to ``max_cluster`` CTAs."""
   width = jnp.dtype(dtype).itemsize
   units = {"forward": FORWARD_UNITS[width] + (STAGED_UNITS[width],),
            "backward": BACKWARD_UNITS[width]}
-  return min(cuda.longest_row(units[d]) for d in directions)
+  return min(cuda.longest_row(units[d], max_cluster) for d in directions)
 
 
 def limits() -> str:
@@ -97,11 +99,12 @@ def unsupported(n_cols: int, dtype, *, directions=("forward", "backward")) -> st
   if n_cols % cuda.UNIT:
     return (f"the 'cuda' kernels move rows in {cuda.UNIT}-element vectors; the row length "
             f"{n_cols} is not a multiple of {cuda.UNIT}")
-  longest = longest_row(dtype, directions)
+  clusters = cuda.cluster_limit()
+  longest = longest_row(dtype, directions, clusters)
   if n_cols > longest:
-    return (f"the 'cuda' kernels hold a row on chip in one cluster, at most {longest} "
-            f"{jnp.dtype(dtype).name} elements; the row length is {n_cols} ('triton' walks "
-            f"rows of any length)")
+    return (f"the 'cuda' kernels hold a row on chip in one {cuda.holder(clusters)}, at most "
+            f"{longest} {jnp.dtype(dtype).name} elements; the row length is {n_cols} ('triton' "
+            f"walks rows of any length)")
   return None
 
 

@@ -39,7 +39,7 @@ template <bool kTotal>
 __device__ __forceinline__ float3 cluster_max_sum(float3 part, ClusterScratch<float3>& scratch,
                                                   int parity) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
-  cg::cluster_group cluster = cg::this_cluster();
+  const ThisCluster cluster;
   const int ranks = static_cast<int>(cluster.num_blocks());
   auto merge_warp = [](float3 p) {
     float m = p.x;
@@ -226,7 +226,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   extern __shared__ uint4 staging[];
   const RowSlice slice = RowSlice::mine(V, n);
   const RowWalk walk = RowWalk::of_cluster();
-  const bool leader = cg::this_cluster().block_rank() == 0 && threadIdx.x == 0;
+  const bool leader = ThisCluster().block_rank() == 0 && threadIdx.x == 0;
   const int classes = args.counted;
   auto xs = feed_of<RowFeed<T, V, kStaged, 1>>(logits, rows, n, walk, slice, staging, stages);
   auto unit = [&](int k, float (&v)[kUnit]) {
