@@ -503,9 +503,10 @@ SOFTMAX_ON_HOPPER = [
 # The H200's own rows over the H100's: XLA for rows with float32 outputs past 16384, and for
 # RMSNorm's evaluated forward of float32 rows from 5120 and of 16-bit rows up to 128; Triton's
 # evaluated RMSNorm up to 24576 and LayerNorm's step up to 8192; CUDA's LayerNorm of 16-bit
-# rows up to 128 and Triton's evaluated one of few rows past 65536; the softmax's evaluated forward from 16376 (Triton's up to
-# 2^23 elements of rows up to 16384), a differentiated call's CUDA kernels from 12288, and
-# Triton's step where neither CUDA's kernels nor a Triton tile hold 16-bit rows up to 50257.
+# rows up to 128 and Triton's evaluated one of few rows past 65536; the softmax's evaluated
+# forward from 16376 (Triton's up to 2^23 elements of rows up to 16384), a differentiated
+# call's CUDA kernels from 12288, and Triton's step where neither CUDA's kernels nor a Triton
+# tile hold 16-bit rows up to 50257.
 @pytest.mark.parametrize("call,expected", [
     (lambda: normalize("rms_norm", 32768, param_dtype="float32"), ("xla", "xla")),
     (lambda: normalize("layer_norm", 32768, param_dtype="float32"), ("xla", "xla")),

@@ -53,8 +53,9 @@ def _fastest(facts: dict, few_rows_use: str, cuda_runs, triton_runs) -> str:
   block cluster, mostly win. Both directions share the saved statistics, so any forward pairs
   with any backward. Where the CUDA kernels cannot run (rows that do not fit a cluster,
   float64) the two-walk Triton forward still beats XLA's, and XLA's backward beats the
-  two-walk Triton one. Without Triton the CUDA kernels come first. ``cuda_runs()`` and ``triton_runs()`` say whether those kernels can take this call
-  (the first builds them on first use), asked only where they would be chosen.
+  two-walk Triton one. Without Triton the CUDA kernels come first. ``cuda_runs()`` and
+  ``triton_runs()`` say whether those kernels can take this call (the first builds them on
+  first use), asked only where they would be chosen.
   """
   table = tuned.rows("norm", _untuned)
   runs = {"cuda": cuda_runs, "triton": triton_runs, "xla": lambda: True}
