@@ -8,13 +8,12 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jaxfuse._core.cuda.build import Library, cluster_limit, unavailable
+from jaxfuse._core.cuda.build import MAX_CLUSTER, Library, cluster_limit, unavailable
 
 __all__ = ["Library", "Tiling", "cluster_limit", "holder", "longest_row", "short_tiling",
            "tiling", "unavailable"]
 
 UNIT = 8  # elements per 16-byte (or, for float32, 32-byte) vector
-MAX_CLUSTER = 16  # CTAs; non-portable above 8, an H100 launches up to 16
 MAX_THREADS = 512
 
 

@@ -120,6 +120,7 @@ NO_NVCC = ("nvcc was not found (set JAXFUSE_NVCC, put CUDA's bin directory on PA
 ARCH_VARIABLE = "JAXFUSE_CUDA_ARCH"
 # Thread-block clusters, which split a long row over several CTAs, from this architecture on.
 CLUSTERS_FROM = 90
+MAX_CLUSTER = 16  # CTAs; non-portable above 8, an H100 launches up to 16
 
 
 def arch_number(arch: str) -> int | None:
@@ -162,14 +163,12 @@ def gpu_arch() -> str:
 
 
 def cluster_limit() -> int:
-  """The most CTAs of a cluster the kernels built here may use: 16, or 1 (the CTA alone) for
-  an architecture before Hopper (a forced one included); 16 with no GPU, where nothing runs."""
-  forced = _forced_arch()
-  capability = registry.cuda_compute_capability()
-  if forced is None and capability is None:
-    return 16
-  arch = arch_number(forced) if forced else 10 * capability[0] + capability[1]
-  return 16 if arch >= CLUSTERS_FROM else 1
+  """The most CTAs of a cluster the kernels built here may use: :data:`MAX_CLUSTER`, or 1 (the
+  CTA alone) for an architecture before Hopper (a forced one included); :data:`MAX_CLUSTER`
+  with no GPU, where nothing runs."""
+  if _forced_arch() is None and registry.cuda_compute_capability() is None:
+    return MAX_CLUSTER
+  return MAX_CLUSTER if arch_number(gpu_arch()) >= CLUSTERS_FROM else 1
 
 
 def _version(command) -> str:
