@@ -29,7 +29,7 @@ FAMILIES = {
 }
 # Families with CUDA kernels: each module declares its ``LIBRARY``.
 CUDA_LIBRARIES = ("jaxfuse.ops.norm.cuda", "jaxfuse.ops.softmax.cuda", "jaxfuse.ops.rnn.cuda",
-                  "jaxfuse._core.cuda.copies")
+                  "jaxfuse.ops.rnn.cudnn", "jaxfuse._core.cuda.copies")
 
 
 def _cases(names, quick, mode):
@@ -353,9 +353,13 @@ def _build(arch: str | None) -> int:
   libraries = [library for library in (importlib.import_module(module).LIBRARY
                                        for module in CUDA_LIBRARIES)
                if number >= library.min_arch]
+  for library in [library for library in libraries if library.flags() is None]:
+    print(f"jaxfuse build: {library.source.name} left out: {build.NO_CUDNN}", file=sys.stderr)
+    libraries.remove(library)
   # Each build is an nvcc process: they run side by side.
   with concurrent.futures.ThreadPoolExecutor(len(libraries)) as pool:
-    builds = [(library, pool.submit(build.build, library.source, arch)) for library in libraries]
+    builds = [(library, pool.submit(build.build, library.source, arch, None, library.flags()))
+              for library in libraries]
   failed = False
   for library, future in builds:
     try:

@@ -45,6 +45,7 @@ def toolchain(tmp_path, monkeypatch):
   monkeypatch.setenv("JAXFUSE_CACHE", str(tmp_path / "cache"))
   monkeypatch.setenv("FAKE_NVCC_LOG", str(tmp_path / "compiles"))
   monkeypatch.delenv("JAXFUSE_BUILD_TIMEOUT", raising=False)
+  monkeypatch.setattr(build, "_cudnn_flags", lambda: ("-lcudnn",))
   return build.Toolchain(nvcc)
 
 
@@ -210,6 +211,26 @@ def test_cli_build_builds_every_library(tmp_path, toolchain, monkeypatch, capsys
   out = capsys.readouterr().out
   assert "norm.cu for sm_90:" in out and "softmax.cu for sm_90:" in out
   assert _compiles(tmp_path) == len(cli.CUDA_LIBRARIES)
+
+
+def test_cli_build_leaves_out_what_links_cudnn_without_it(tmp_path, toolchain, monkeypatch,
+                                                          capsys):
+  monkeypatch.setattr(build, "_toolchain", lambda: toolchain)
+  monkeypatch.setattr(build, "_cudnn_flags", lambda: None)
+  assert cli.main(["build", "--arch", "sm_90"]) == 0
+  assert "rnn_cudnn.cu left out: cuDNN 9 was not found" in capsys.readouterr().err
+  assert _compiles(tmp_path) == len(cli.CUDA_LIBRARIES) - 1
+
+
+def test_cudnn_is_found_in_the_wheel_jax_brings(tmp_path):
+  home = tmp_path / "nvidia" / "cudnn"
+  (home / "include").mkdir(parents=True)
+  (home / "lib").mkdir()
+  (home / "include" / "cudnn.h").write_text("")
+  (home / "lib" / "libcudnn.so.9").write_text("")
+  flags = build.find_cudnn([tmp_path])
+  assert flags[:3] == (f"-I{home / 'include'}", f"-L{home / 'lib'}", "-l:libcudnn.so.9")
+  assert f"-rpath={home / 'lib'}" in flags
 
 
 @pytest.mark.parametrize("arch", ["sm_75", "90", "hopper"])

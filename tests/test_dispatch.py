@@ -25,6 +25,7 @@ from jaxfuse.ops.norm import api as norm_api
 from jaxfuse.ops.norm import cuda as norm_cuda
 from jaxfuse.ops.rnn import api as rnn_api
 from jaxfuse.ops.rnn import cuda as rnn_cuda
+from jaxfuse.ops.rnn import cudnn as rnn_cudnn
 from jaxfuse.ops.softmax import api as softmax_api
 from jaxfuse.ops.softmax import cuda as softmax_cuda
 
@@ -48,9 +49,10 @@ class Machine:
     monkeypatch.setattr(registry, "device_kind", lambda: H100)
     self.capability((9, 0))
     monkeypatch.setattr(build, "_toolchain", lambda: build.Toolchain("/fake/bin/nvcc"))
-    for module in (norm_cuda, softmax_cuda, rnn_cuda):
+    monkeypatch.setattr(build, "_cudnn_flags", lambda: ("-lcudnn",))
+    for module in (norm_cuda, softmax_cuda, rnn_cuda, rnn_cudnn):
       library = build.Library(module.LIBRARY.source, module.LIBRARY.handlers,
-                              module.LIBRARY.min_arch)
+                              module.LIBRARY.min_arch, module.LIBRARY.cudnn)
       # The rules only ask whether a library loads; loading would run nvcc.
       monkeypatch.setattr(library, "_load", lambda: None)
       monkeypatch.setattr(module, "LIBRARY", library)
@@ -142,7 +144,8 @@ def chosen(monkeypatch):
   final_state = lambda x, initial_state, *rest: (None, initial_state)
   spy(rnn_api, "_fused_forward", lambda *args: "cuda", lambda cell, *args: final_state(*args))
   spy(rnn_api.reference, "forward", lambda *args: "xla", lambda cell, *args: final_state(*args))
-  spy(rnn_api, "_cudnn", lambda *args: "cudnn", final_state)
+  spy(rnn_api, "_cudnn", lambda *args: "cudnn",
+      lambda call, x, initial_state, *rest: (None, initial_state))
   return choices.pop
 
 
@@ -173,14 +176,17 @@ def linear_cross_entropy(vocab, dtype="bfloat16", *, implementation=None):
 
 
 def recurrent(cell, hidden, dtype="bfloat16", *, batch=64, layers=1, implementation=None,
-              **kwargs):
+              on_host=False, **kwargs):
+  """A call over whole sequences of 4 steps, their lengths on the device or (``on_host``)
+  left out."""
   sizes = dict(input_size=8, hidden_size=hidden, num_layers=layers)
   count = (jaxfuse.lstm_weight_count if cell == "lstm" else jaxfuse.gru_weight_count)(**sizes)
   dtype = jnp.dtype(dtype)
   state = Array((layers, batch, hidden), dtype)
   states = (state, state) if cell == "lstm" else (state,)
   return getattr(jaxfuse, cell)(Array((batch, 4, 8), dtype), *states, Array((count,), dtype),
-                                jnp.full((batch,), 4, jnp.int32), implementation=implementation,
+                                None if on_host else jnp.full((batch,), 4, jnp.int32),
+                                implementation=implementation,
                                 **sizes, **kwargs)
 
 
@@ -819,22 +825,20 @@ def test_rnn_cuda_takes_an_empty_batch_of_any_hidden_size(gpu, chosen):
   assert chosen() == "xla"
 
 
-@pytest.mark.parametrize("take_away", [Machine.without_nvcc, lambda gpu: gpu.capability((8, 0))],
-                         ids=["no nvcc", "ampere"])
-def test_rnn_none_never_takes_cudnn(gpu, chosen, take_away):
-  # The float32 LSTM that cuDNN takes.
-  take_away(gpu)
-  recurrent("lstm", 64, "float32")
-  assert chosen() == "xla"
-  recurrent("lstm", 64, "float32", implementation="cudnn")
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_rnn_none_takes_cudnn_only_where_a_table_orders_it(gpu, chosen, cell, dtype):
+  recurrent(cell, 64, dtype, on_host=True)
+  assert chosen() == "cuda"
+  recurrent(cell, 64, dtype, on_host=True, implementation="cudnn")
   assert chosen() == "cudnn"
 
 
 @pytest.mark.parametrize("cell,dtype,kwargs,reason", [
-    ("gru", "float32", {}, "jax.experimental.rnn has only the LSTM"),
-    ("lstm", "bfloat16", {}, r"cuDNN LSTM takes float32 only \(here bfloat16\)"),
-    ("lstm", "float32", dict(layers=2, dropout=0.1, dropout_key=jax.random.key(0)),
-     "draws its dropout from a fixed seed"),
+    ("gru", "float32", {}, "reads the sequence lengths on the host: pass seq_lengths=None"),
+    ("lstm", "float64", dict(on_host=True), "takes float32, float16 and bfloat16, not float64"),
+    ("lstm", "float32", dict(layers=2, dropout=0.1, dropout_key=jax.random.key(0),
+                             on_host=True), "draws its dropout masks from its own generator"),
 ])
 def test_rnn_cudnn_refuses(gpu, chosen, cell, dtype, kwargs, reason):
   with pytest.raises(NotImplementedError,
@@ -842,9 +846,13 @@ def test_rnn_cudnn_refuses(gpu, chosen, cell, dtype, kwargs, reason):
     recurrent(cell, 64, dtype, implementation="cudnn", **kwargs)
 
 
-def test_rnn_cudnn_refuses_off_the_gpu(cpu, chosen):
-  with pytest.raises(NotImplementedError, match="runs cuDNN's RNN on an NVIDIA GPU only"):
-    recurrent("lstm", 64, "float32", implementation="cudnn")
+def test_rnn_cudnn_refuses_without_nvcc_or_off_the_gpu(gpu, chosen):
+  gpu.without_nvcc()
+  with pytest.raises(NotImplementedError, match="nvcc was not found"):
+    recurrent("lstm", 64, "float32", on_host=True, implementation="cudnn")
+  gpu.platform("cpu")
+  with pytest.raises(NotImplementedError, match="needs an NVIDIA GPU"):
+    recurrent("lstm", 64, "float32", on_host=True, implementation="cudnn")
 
 
 # ----------------------------------------------------------------------------- attention

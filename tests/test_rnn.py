@@ -450,9 +450,9 @@ def test_implementations(rng):
   with pytest.raises(NotImplementedError, match="gru has no 'triton' implementation"):
     call("gru", *args, 1, False, implementation="triton")
   if jax.default_backend() == "gpu":
-    reason = "jax.experimental.rnn has only the LSTM"
+    reason = "cuDNN reads the sequence lengths on the host"
   else:
-    reason = "NVIDIA GPU only"
+    reason = "needs an NVIDIA GPU"
     with pytest.raises(NotImplementedError, match="implementation='cuda'.* cannot run here"):
       call("gru", *args, 1, False, implementation="cuda")
     default = call("gru", *args, 1, False)
@@ -776,18 +776,64 @@ def test_gpu_vmap(rng, cell):
     np.testing.assert_allclose(grads[1], expected, rtol=1e-4, atol=1e-5)
 
 
+def _cudnn_or_skip():
+  from jaxfuse.ops.rnn import cudnn as rnn_cudnn
+  reason = rnn_cudnn.unavailable()
+  if reason:
+    pytest.skip(reason)
+
+
 @pytest.mark.gpu
-def test_gpu_cudnn_lstm(rng):
-  pytest.importorskip("jax.experimental.rnn")
-  args = gpu_make(rng, "lstm", 2, True, jnp.float32)
-  out = gpu_call("lstm", args, 2, True, implementation="cudnn",
-                 precision=jax.lax.Precision.HIGHEST)
-  ref = numpy_rnn("lstm", *args, 2, True)
-  for a, e, name in zip(out, ref, ("y", "h_n", "c_n")):
-    assert_close(a, e, jnp.float32, factor=10, name=name, floor=0.1)
-  with pytest.raises(NotImplementedError, match="float32 only"):
-    gpu_call("lstm", [a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a for a in args],
-             2, True, implementation="cudnn")
+@pytest.mark.parametrize("cell", CELLS)
+@pytest.mark.parametrize("num_layers,bidirectional", [(1, False), (2, True)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
+def test_gpu_cudnn_against_float64(rng, cell, num_layers, bidirectional, dtype):
+  """cuDNN's outputs and gradients against float64, over ragged host lengths with an empty
+  sequence, on poisoned memory."""
+  from jaxfuse._core.testing import poison_device_memory
+  _cudnn_or_skip()
+  args = gpu_make(rng, cell, num_layers, bidirectional, dtype, batch=7, hidden_size=40)
+  lengths = np.asarray(args[4])
+  args = args[:4] + (lengths,)
+  highest = jax.lax.Precision.HIGHEST
+  poison_device_memory(1 << 24)
+  out = gpu_call(cell, args, num_layers, bidirectional, implementation="cudnn",
+                 precision=highest)
+  expected = numpy_rnn(cell, *args, num_layers, bidirectional)
+  for a, e, name in zip(out, expected, ("y", "h_n", "c_n")):
+    if e is not None:
+      assert a.dtype == dtype
+      assert_close(a, e, dtype, factor=10, name=name, floor=0.1)
+  directions = 2 if bidirectional else 1
+  x, h_0 = args[0], args[1]
+  cotangents = [random(rng, (x.shape[0], x.shape[1], directions * h_0.shape[2]), jnp.float32),
+                random(rng, h_0.shape, jnp.float32), random(rng, h_0.shape, jnp.float32)]
+  argnums = (0, 1, 2, 3) if cell == "lstm" else (0, 1, 3)
+  grads = jax.grad(_loss(cell, num_layers, bidirectional, lengths, cotangents, "cudnn",
+                         highest), argnums)(*args[:4])
+  with x64():
+    wide = [jnp.asarray(np.asarray(a, np.float64)) for a in args[:4]]
+    wanted = jax.grad(_loss(cell, num_layers, bidirectional, jnp.asarray(lengths), cotangents,
+                            "xla", highest), argnums)(*wide)
+  names = ("x", "h_0", "c_0", "weights") if cell == "lstm" else ("x", "h_0", "weights")
+  for g, e, name in zip(grads, wanted, names):
+    assert g.dtype == dtype
+    assert_close(g, np.asarray(e), dtype, factor=20 if dtype == jnp.float32 else 4, name=name,
+                 floor=0.1)
+
+
+@pytest.mark.gpu
+def test_gpu_cudnn_runs_whole_sequences_without_lengths_and_refuses_device_lengths(rng):
+  _cudnn_or_skip()
+  args = gpu_make(rng, "lstm", 2, True, jnp.float32, full=True)
+  step = jax.jit(lambda *a: gpu_call("lstm", a + (None,), 2, True, implementation="cudnn"))
+  with jax.transfer_guard("disallow"):
+    out = step(*args[:4])
+  expected = gpu_call("lstm", args, 2, True, implementation="xla")
+  for a, e in zip(out, expected):
+    np.testing.assert_allclose(a, e, rtol=2e-2, atol=2e-2)
+  with pytest.raises(NotImplementedError, match="reads the sequence lengths on the host"):
+    gpu_call("lstm", args, 2, True, implementation="cudnn")
 
 
 @pytest.mark.gpu
@@ -796,10 +842,10 @@ def test_gpu_cudnn_lstm(rng):
 def test_gpu_matches_torch(rng, cell, impl):
   """PyTorch's RNN (float64 on the CPU) on weights converted from ours."""
   torch = pytest.importorskip("torch")
-  if impl == "cudnn" and cell == "gru":
-    pytest.skip("jax.experimental.rnn has only the LSTM")
   args = gpu_make(rng, cell, 2, True, jnp.float32, full=True)
-  x, h_0, c_0, weights, _ = args
+  x, h_0, c_0, weights, lengths = args
+  if impl == "cudnn":
+    args = args[:4] + (np.asarray(lengths),)
   sizes = (x.shape[2], h_0.shape[2], 2, True)
   to_torch = jaxfuse.lstm_weights_to_torch if cell == "lstm" else jaxfuse.gru_weights_to_torch
   module = (torch.nn.LSTM if cell == "lstm" else torch.nn.GRU)(
@@ -846,8 +892,67 @@ def _stand_in_kernels(monkeypatch):
   monkeypatch.setattr(rnn_cuda, "backward", backward)
 
 
+def _stand_in_cudnn(monkeypatch):
+  """Replaces cuDNN's calls by the XLA reference under the same contract (the reserve a byte
+  a sequence), so that the custom VJP, empty sequences and sharding around them run on the
+  CPU."""
+  from jaxfuse.ops.rnn import cudnn as rnn_cudnn
+
+  def run(call, x, h0, c0, w):
+    sizes = dict(input_size=call.input_size, hidden_size=call.hidden_size,
+                 num_layers=call.num_layers, bidirectional=call.bidirectional,
+                 implementation="xla")
+    # Whole sequences run shard by shard, where a function may hold no constant arrays.
+    lengths = (jnp.full(call.batch, call.time, jnp.int32) if set(call.lengths) == {call.time}
+               else jnp.asarray(call.lengths, jnp.int32))
+    if call.cell == "lstm":
+      return jaxfuse.lstm(x, h0, c0, w, lengths, **sizes)
+    return (*jaxfuse.gru(x, h0, w, lengths, **sizes), None)
+
+  def forward(call, x, h0, c0, w, *, training):
+    return (*run(call, x, h0, c0, w), jnp.zeros((call.batch, 1), jnp.uint8))
+
+  def backward(call, dy, dh_n, dc_n, x, h0, c0, w, y, reserve):
+    if call.cell == "lstm":
+      _, vjp = jax.vjp(lambda x, h0, c0, w: run(call, x, h0, c0, w), x, h0, c0, w)
+      return vjp((dy, dh_n, dc_n))
+    _, vjp = jax.vjp(lambda x, h0, w: run(call, x, h0, None, w)[:2], x, h0, w)
+    dx, dh0, dw = vjp((dy, dh_n))
+    return dx, dh0, None, dw
+
+  monkeypatch.setattr(rnn_cudnn, "unavailable", lambda: None)
+  monkeypatch.setattr(rnn_cudnn, "forward", forward)
+  monkeypatch.setattr(rnn_cudnn, "backward", backward)
+
+
 @pytest.mark.parametrize("cell", CELLS)
-@pytest.mark.parametrize("impl", ["xla", "cuda"])
+def test_cudnn_glue_keeps_empty_sequences_and_differentiates(rng, monkeypatch, cell):
+  """cuDNN's custom VJP (cuDNN stood in for on the CPU): host lengths with empty sequences
+  give XLA's outputs and gradients; lengths on the device are refused, naming the way out."""
+  _stand_in_cudnn(monkeypatch)
+  x, h_0, c_0, weights, lengths = make(rng, cell, 2, True, batch=4)
+  host = np.asarray(lengths)
+  assert (host == 0).any()
+
+  def loss(impl, lengths):
+    def f(x, h_0, c_0, weights):
+      out = call(cell, x, h_0, c_0, weights, lengths, 2, True, implementation=impl)
+      return sum(jnp.sum(jnp.sin(o)) for o in out if o is not None)
+    return jax.value_and_grad(f, (0, 1, 2, 3))(x, h_0, c_0, weights)
+
+  for a, e in zip(jax.tree.leaves(loss("cudnn", host)), jax.tree.leaves(loss("xla", lengths))):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-5, atol=1e-6)
+  whole = call(cell, x, h_0, c_0, weights, None, 2, True, implementation="cudnn")
+  full = call(cell, x, h_0, c_0, weights, jnp.full(4, TIME), 2, True, implementation="xla")
+  for a, e in zip(whole, full):
+    if e is not None:
+      np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-6)
+  with pytest.raises(NotImplementedError, match="seq_lengths=None"):
+    call(cell, x, h_0, c_0, weights, lengths, 2, True, implementation="cudnn")
+
+
+@pytest.mark.parametrize("cell", CELLS)
+@pytest.mark.parametrize("impl", ["xla", "cuda", "cudnn"])
 @pytest.mark.parametrize("explicit", [False, True])
 def test_batch_sharding_never_gathers(rng, monkeypatch, cell, impl, explicit):
   """The scan, and the kernels' calls (stood in for on the CPU), run shard by shard: on 8 CPU
@@ -858,16 +963,21 @@ def test_batch_sharding_never_gathers(rng, monkeypatch, cell, impl, explicit):
     pytest.skip("needs 2, 4 or 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
   if impl == "cuda" and jax.default_backend() != "gpu":
     _stand_in_kernels(monkeypatch)
+  if impl == "cudnn" and jax.default_backend() != "gpu":
+    _stand_in_cudnn(monkeypatch)
   from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
   axis_type = AxisType.Explicit if explicit else AxisType.Auto
   mesh = jax.make_mesh((devices,), ("d",), devices=jax.devices()[:devices],
                        axis_types=(axis_type,))
   x, h_0, c_0, weights, _ = make(rng, cell, 2, True, batch=16)
   lengths = jnp.asarray(rng.integers(0, TIME + 1, 16), jnp.int32)
+  if impl == "cudnn":  # cuDNN shards whole sequences, which need no lengths
+    lengths = jnp.full(16, TIME, jnp.int32)
 
   def step(x, h_0, c_0, weights, lengths):
     def loss(x, h_0, c_0, weights):
-      out = call(cell, x, h_0, c_0, weights, lengths, 2, True, implementation=impl)
+      out = call(cell, x, h_0, c_0, weights, None if impl == "cudnn" else lengths, 2, True,
+                 implementation=impl)
       return sum(jnp.sum(jnp.sin(o)) for o in out if o is not None)
     return jax.value_and_grad(loss, (0, 1, 2, 3))(x, h_0, c_0, weights)
 

@@ -195,13 +195,38 @@ def _compiler_versions(toolchain: Toolchain) -> str:
   return _version([toolchain.nvcc]) + _version([host])
 
 
-def _command(toolchain: Toolchain, source: Path, arch: str, output: str) -> list[str]:
+def _command(toolchain: Toolchain, source: Path, arch: str, output: str,
+             extra: tuple[str, ...] = ()) -> list[str]:
   includes = [f"-I{d}" for d in (jax.ffi.include_dir(), _HERE, *toolchain.include_dirs)]
-  return [toolchain.nvcc, *FLAGS, f"-arch={arch}", *includes, *toolchain.link_flags(),
+  return [toolchain.nvcc, *FLAGS, f"-arch={arch}", *includes, *toolchain.link_flags(), *extra,
           "-o", output, str(source)]
 
 
-def cache_key(source: Path, arch: str, toolchain: Toolchain) -> str:
+def find_cudnn(site_dirs=None) -> tuple[str, ...] | None:
+  """nvcc's flags to compile and link against cuDNN 9: the wheel that ``jax[cuda13]`` (or
+  ``cuda12``) brings (``nvidia/cudnn``, whose library has only its versioned name), else a
+  toolkit's or the system's; None: not found."""
+  for root in (_site_dirs() if site_dirs is None else [Path(d) for d in site_dirs]):
+    home = root / "nvidia" / "cudnn"
+    if (home / "include" / "cudnn.h").is_file() and (home / "lib" / "libcudnn.so.9").exists():
+      return (f"-I{home / 'include'}", f"-L{home / 'lib'}", "-l:libcudnn.so.9", "-Xlinker",
+              f"-rpath={home / 'lib'}")
+  for include in (os.environ.get("CUDA_HOME"), DEFAULT_TOOLKIT, "/usr"):
+    if include and (Path(include) / "include" / "cudnn.h").is_file():
+      return (f"-I{Path(include) / 'include'}", "-lcudnn")
+  return None
+
+
+@functools.cache
+def _cudnn_flags() -> tuple[str, ...] | None:
+  return find_cudnn()
+
+
+NO_CUDNN = ("cuDNN 9 was not found (pip install nvidia-cudnn-cu13, which 'jax[cuda13]' brings, "
+            "or a cuDNN under CUDA_HOME)")
+
+
+def cache_key(source: Path, arch: str, toolchain: Toolchain, extra: tuple[str, ...] = ()) -> str:
   """A digest of everything the built library depends on."""
   digest = hashlib.sha256()
   headers = sorted({*source.parent.glob("*.cuh"), *source.parent.glob("*.h"),
@@ -209,7 +234,7 @@ def cache_key(source: Path, arch: str, toolchain: Toolchain) -> str:
   for path in (source, *headers):
     digest.update(path.name.encode())
     digest.update(path.read_bytes())
-  flags = _command(toolchain, Path(source.name), arch, "OUT")
+  flags = _command(toolchain, Path(source.name), arch, "OUT", extra)
   digest.update("\0".join(flags).encode())
   digest.update(_ffi_headers_digest().encode())
   digest.update(_compiler_versions(toolchain).encode())
@@ -250,14 +275,16 @@ def _exclusive(lock_path: Path, what: str):
       fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def build(source: Path, arch: str, toolchain: Toolchain | None = None) -> Path:
-  """The shared library of ``source`` for ``arch`` (e.g. ``'sm_90'``): from the cache, or
-  built now. Raises RuntimeError when nvcc fails or runs out of time."""
+def build(source: Path, arch: str, toolchain: Toolchain | None = None,
+          extra: tuple[str, ...] = ()) -> Path:
+  """The shared library of ``source`` for ``arch`` (e.g. ``'sm_90'``), with nvcc's ``extra``
+  flags: from the cache, or built now. Raises RuntimeError when nvcc fails or runs out of
+  time."""
   toolchain = toolchain or _toolchain()
   if toolchain is None:
     raise RuntimeError(NO_NVCC)
   source = Path(source)
-  target = cache_dir() / f"{source.stem}-{arch}-{cache_key(source, arch, toolchain)}.so"
+  target = cache_dir() / f"{source.stem}-{arch}-{cache_key(source, arch, toolchain, extra)}.so"
   if target.exists():
     return target
   target.parent.mkdir(parents=True, exist_ok=True)
@@ -268,7 +295,7 @@ def build(source: Path, arch: str, toolchain: Toolchain | None = None) -> Path:
     fd, partial = tempfile.mkstemp(prefix=f".{target.stem}-", suffix=".partial",
                                    dir=target.parent)
     os.close(fd)
-    command = _command(toolchain, source, arch, partial)
+    command = _command(toolchain, source, arch, partial, extra)
     timeout = _timeout_s()
     _say(f"building {source.name} for {arch} with {toolchain.nvcc} (once; cached in "
          f"{target.parent})")
@@ -291,12 +318,15 @@ def build(source: Path, arch: str, toolchain: Toolchain | None = None) -> Path:
 
 class Library:
   """One CUDA source of a kernel family and the FFI targets its handlers register, built for
-  architectures from ``min_arch`` (90: tested on Hopper only)."""
+  architectures from ``min_arch`` (90: tested on Hopper only), linked against cuDNN where
+  ``cudnn``."""
 
-  def __init__(self, source: Path, handlers: Mapping[str, str], min_arch: int = 80):
+  def __init__(self, source: Path, handlers: Mapping[str, str], min_arch: int = 80,
+               cudnn: bool = False):
     self.source = Path(source)
     self.handlers = dict(handlers)
     self.min_arch = min_arch
+    self.cudnn = cudnn
     self._library: ctypes.CDLL | None = None
     self._failure: str | None = None
     self._lock = threading.Lock()
@@ -310,6 +340,8 @@ class Library:
     if arch_number(gpu_arch()) < self.min_arch:
       return (f"{self.source.name} is built for sm_{self.min_arch} or newer, not "
               f"{gpu_arch()}")
+    if self.flags() is None:
+      return NO_CUDNN
     with self._lock:
       if self._library is None and self._failure is None:
         try:
@@ -317,6 +349,11 @@ class Library:
         except Exception as e:  # noqa: BLE001  (any failure to build or load is a reason)
           self._failure = f"{type(e).__name__}: {e}"
     return self._failure
+
+  def flags(self) -> tuple[str, ...] | None:
+    """nvcc's flags beside the common ones; None where cuDNN, which this library links, was
+    not found."""
+    return _cudnn_flags() if self.cudnn else ()
 
   def load(self) -> ctypes.CDLL:
     """The loaded library, its handlers registered; NotImplementedError saying why not."""
@@ -326,7 +363,7 @@ class Library:
     return self._library
 
   def _load(self):
-    library = ctypes.CDLL(str(build(self.source, gpu_arch())))
+    library = ctypes.CDLL(str(build(self.source, gpu_arch(), extra=self.flags())))
     for target, symbol in self.handlers.items():
       jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),
                                   platform="CUDA")

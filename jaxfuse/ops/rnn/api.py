@@ -16,15 +16,15 @@ from jaxfuse._core.sharding import parallel_call, replicated_sharding
 from jaxfuse._core.validation import (check_array, check_lengths_range, describe, static_float,
                                       static_int)
 from jaxfuse.ops.rnn import cuda as cuda_kernels
+from jaxfuse.ops.rnn import cudnn as cudnn_kernels
 from jaxfuse.ops.rnn import reference
 from jaxfuse.ops.rnn.weights import unpack, weight_count
 
 
 
 def _untuned() -> dict:
-  # 'cudnn' is never chosen unasked: jax.experimental.rnn's forward and backward copy the
-  # lengths to the host and wait for the stream, which stalls the program around them. No
-  # limit on the fused kernels' work per step where none was measured.
+  # 'cudnn' only where a GPU's table measured it (it takes lengths the host holds, and is
+  # compiled for them). No limit on the fused kernels' work per step where none was measured.
   return {"order": ["cuda", "xla"], "cuda_most_work": {}}
 
 
@@ -54,7 +54,8 @@ def lstm(x, h_0, c_0, weights, seq_lengths, *, input_size: int, hidden_size: int
       ``layer * directions + direction`` first.
     weights: ``(lstm_weight_count(...),)`` in cuDNN's flat layout (see
       :mod:`jaxfuse.ops.rnn.weights`), gates ``i, f, g, o``.
-    seq_lengths: ``(B,)`` integers in ``[0, T]``; checked when concrete.
+    seq_lengths: ``(B,)`` integers in ``[0, T]``, checked when concrete, or None: every
+      sequence runs all ``T`` steps.
     input_size, hidden_size, num_layers: the network's sizes.
     dropout: probability of zeroing each element between layers (not after the last); needs
       ``dropout_key``.
@@ -62,10 +63,11 @@ def lstm(x, h_0, c_0, weights, seq_lengths, *, input_size: int, hidden_size: int
     precision: passed to the matmuls (``None``: the default).
     dropout_key: a ``jax.random`` key for the dropout masks.
     implementation: ``'xla'`` (``lax.scan``, runs anywhere), ``'cuda'`` (the persistent
-      fused kernels: {cuda_limits}), ``'cudnn'`` (``jax.experimental.rnn``: float32, no
-      dropout; its backward synchronizes with the host) or ``None``: ``'cuda'`` where it
-      runs, up to the work per step (batch x hidden) the GPU's tuned table measured it
-      faster, else ``'xla'``.
+      fused kernels: {cuda_limits}), ``'cudnn'`` (cuDNN's RNN: one dtype for x, the states
+      and the weights, float32 with TF32 products unless ``precision`` asks for more, float16
+      or bfloat16; ``seq_lengths`` None or a NumPy array, which cuDNN reads on the host; no
+      dropout) or ``None``: in the order the GPU's tuned table measured, ``'cuda'`` up to the
+      work per step (batch x hidden) it measured the fused kernels faster, else ``'xla'``.
 
   Returns:
     ``(y, h_n, c_n)``: ``y`` ``(B, T, directions * hidden_size)``, zero past each sequence's
@@ -138,20 +140,23 @@ def _run(cell, x, initial_state, weights, seq_lengths, input_size, hidden_size, 
                      f"{input_size}, hidden_size={hidden_size}, num_layers={num_layers}, "
                      f"bidirectional={bidirectional}) = {count} elements, got "
                      f"{describe(weights)}")
-  seq_lengths = _check_lengths(op, seq_lengths, batch, time)
+  seq_lengths, host_lengths = _check_lengths(op, seq_lengths, batch, time)
 
   op_dtype = jnp.result_type(x, weights)
   layer = _Layer(cell, batch, time, hidden_size, directions, jnp.dtype(op_dtype))
   backends = {"xla": registry.xla_available,
               "cuda": functools.partial(_cuda_unavailable, layer),
-              "cudnn": functools.partial(_cudnn_unavailable, layer, x, initial_state, weights,
-                                         dropout)}
+              "cudnn": lambda: (cudnn_kernels.unavailable() or cudnn_kernels.unsupported(
+                  (x.dtype, weights.dtype, *(s.dtype for s in initial_state)), dropout,
+                  host_lengths))}
   # One implementation for every use: each path brings its own derivatives.
   impl = resolve_plan(op, implementation, backends,
                       _preference(cell, op_dtype, batch * hidden_size)).forward
-  if impl == "cudnn":
-    return _cudnn(x, initial_state, weights, seq_lengths, input_size, hidden_size, num_layers,
-                  bidirectional, precision)
+  if impl == "cudnn" and batch and time:
+    call = cudnn_kernels.Call(cell, input_size, hidden_size, num_layers, bool(bidirectional),
+                              batch, time, jnp.dtype(x.dtype), _exact(precision, x.dtype),
+                              tuple(max(n, 1) for n in host_lengths))
+    return _cudnn(call, x, initial_state, weights, host_lengths)
   unpacked = unpack(cell, weights, input_size, hidden_size, num_layers, bidirectional)
   if impl == "xla" or batch == 0 or time == 0:
     return reference.forward(cell, x, initial_state, unpacked, seq_lengths,
@@ -166,6 +171,11 @@ lstm.__doc__ = lstm.__doc__.replace("{cuda_limits}", cuda_kernels.limits())
 
 
 def _check_lengths(op, seq_lengths, batch, time):
+  """The lengths as an array, and as a tuple where the host holds them (None: every sequence
+  runs all ``time`` steps; a NumPy array or a list), else None."""
+  if seq_lengths is None:
+    return jnp.full((batch,), time, jnp.int32), (time,) * batch
+  on_host = not isinstance(seq_lengths, jax.Array)
   seq_lengths = check_array(op, "seq_lengths", seq_lengths, floating=False)
   if not jnp.issubdtype(seq_lengths.dtype, jnp.integer):
     raise TypeError(f"{op}: seq_lengths must be integers, got {describe(seq_lengths)}")
@@ -173,7 +183,7 @@ def _check_lengths(op, seq_lengths, batch, time):
     raise ValueError(f"{op}: seq_lengths must have shape (batch,) = ({batch},), got "
                      f"{describe(seq_lengths)}")
   check_lengths_range(op, "seq_lengths", seq_lengths, time, f"T={time}")
-  return seq_lengths
+  return seq_lengths, tuple(np.asarray(seq_lengths).tolist()) if on_host else None
 
 
 # ---- The fused kernels ('cuda').
@@ -395,34 +405,76 @@ def _unfold(a, axis, size):
   return jnp.moveaxis(a, axis, 0)
 
 
-# ---- jax.experimental.rnn ('cudnn').
+# ---- cuDNN ('cudnn').
 
 
-def _cudnn_unavailable(layer: _Layer, x, initial_state, weights, dropout) -> str | None:
-  if registry.platform() != "gpu":
-    return "jax.experimental.rnn runs cuDNN's RNN on an NVIDIA GPU only"
-  if layer.cell != "lstm":
-    return "jax.experimental.rnn has only the LSTM"
-  dtypes = {jnp.dtype(a.dtype).name for a in (x, weights, *initial_state)}
-  if dtypes != {"float32"}:
-    return (f"jax.experimental.rnn's cuDNN LSTM takes float32 only (here "
-            f"{', '.join(sorted(dtypes))})")
-  if dropout > 0:
-    return "jax.experimental.rnn draws its dropout from a fixed seed, not from dropout_key"
-  try:
-    from jax.experimental import rnn  # noqa: F401
-  except ImportError as e:
-    return f"jax.experimental.rnn cannot be imported: {e}"
-  return None
+def _cudnn(call, x, initial_state, weights, host_lengths):
+  h_0 = initial_state[0]
+  c_0 = initial_state[1] if call.cell == "lstm" else jnp.zeros((1,), call.dtype)
+  y, h_n, c_n = _cudnn_layers(x, h_0, c_0, weights, call)
+  # An empty sequence ran one step (cuDNN takes none shorter): its output is zero and its
+  # final state the initial one.
+  empty = np.asarray(host_lengths) == 0
+  if empty.any():
+    y = jnp.where(empty[:, None, None], jnp.zeros_like(y), y)
+    keep = lambda final, initial: jnp.where(empty[None, :, None], initial, final)
+    return y, tuple(keep(f, i) for f, i in zip((h_n, c_n), initial_state))
+  return y, (h_n, c_n)[:len(initial_state)]
 
 
-def _cudnn(x, initial_state, weights, seq_lengths, input_size, hidden_size, num_layers,
-           bidirectional, precision):
-  from jax.experimental import rnn
-  h_0, c_0 = initial_state
-  y, h_n, c_n = rnn.lstm(x, h_0, c_0, weights, seq_lengths.astype(jnp.int32),
-                         input_size=input_size, hidden_size=hidden_size, num_layers=num_layers,
-                         dropout=0.0, bidirectional=bidirectional, precision=precision)
-  # cuDNN leaves the final state of an empty sequence zero; it is the initial state.
-  empty = (seq_lengths == 0)[None, :, None]
-  return y, (jnp.where(empty, h_0, h_n), jnp.where(empty, c_0, c_n))
+def _cudnn_sharded(call, kernel, *args, in_dims, out_dims):
+  """``kernel(call, *args)`` on each shard of the batch where every sequence runs all steps
+  (each shard's call then differs only in its batch); ragged host lengths name every
+  sequence of the whole batch and run unsharded."""
+  if len(set(call.lengths)) == 1 and call.lengths[0] == call.time:
+    local = lambda *local_args: kernel(call.uniform(local_args[0].shape[0]), *local_args)
+    return parallel_call(call.cell, local, *args, in_dims=in_dims, out_dims=out_dims,
+                         parallel={"b"})
+  return kernel(call, *args)
+
+
+_STATE = ("p", "b", "h")
+
+
+def _cell_dims(call):
+  return _STATE if call.cell == "lstm" else ("one",)
+
+
+def _cudnn_primal(x, h_0, c_0, weights, call):
+  return _cudnn_forward(call, x, h_0, c_0, weights, training=False)[0]
+
+
+def _cudnn_forward(call, x, h_0, c_0, weights, *, training):
+  def kernel(call, x, h_0, c_0, weights):
+    y, h_n, c_n, reserve = cudnn_kernels.forward(call, x, h_0, c_0, weights, training=training)
+    return y, h_n, c_0 if c_n is None else c_n, reserve
+
+  y, h_n, c_n, reserve = _cudnn_sharded(
+      call, kernel, x, h_0, c_0, weights,
+      in_dims=[("b", "s", "i"), _STATE, _cell_dims(call), ("w",)],
+      out_dims=[("b", "s", "o"), _STATE, _cell_dims(call), ("b", "r")])
+  return (y, h_n, c_n), reserve
+
+
+def _cudnn_fwd(x, h_0, c_0, weights, call):
+  outputs, reserve = _cudnn_forward(call, x, h_0, c_0, weights, training=True)
+  return outputs, (x, h_0, c_0, weights, outputs[0], reserve)
+
+
+def _cudnn_bwd(call, residuals, cotangents):
+  dy, dh_n, dc_n = cotangents
+
+  def kernel(call, dy, dh_n, dc_n, x, h_0, c_0, weights, y, reserve):
+    dx, dh_0, dc_0, dw = cudnn_kernels.backward(call, dy, dh_n, dc_n, x, h_0, c_0, weights, y,
+                                                reserve)
+    return dx, dh_0, jnp.zeros_like(c_0) if dc_0 is None else dc_0, dw
+
+  sequence = ("b", "s", "o")
+  return _cudnn_sharded(
+      call, kernel, dy, dh_n, dc_n, *residuals,
+      in_dims=[sequence, _STATE, _cell_dims(call), ("b", "s", "i"), _STATE, _cell_dims(call),
+               ("w",), sequence, ("b", "r")],
+      out_dims=[("b", "s", "i"), _STATE, _cell_dims(call), ("w",)])
+
+
+_cudnn_layers = op.differentiable(_cudnn_primal, _cudnn_fwd, _cudnn_bwd, static=(4,))

@@ -1,8 +1,8 @@
 """Bench cases for ``lstm`` and ``gru``: the forward and a training step (a loss over y, the
-gradients for x and the weights), with jax.experimental.rnn (the ``'cudnn'`` row) and PyTorch's
-cuDNN RNNs (``torch``, timed from its profiler's trace as JAX's rows are, its training step's
-temporary memory counted as JAX's: the peak over what the module and inputs hold, less the
-outputs) side by side.
+gradients for x and the weights) of whole sequences, with PyTorch's cuDNN RNNs (``torch``,
+timed from its profiler's trace as JAX's rows are, its training step's temporary memory
+counted as JAX's: the peak over what the module and inputs hold, less the outputs) side by
+side.
 
 ``jaxfuse bench rnn --grid`` sweeps :data:`GRID_BATCHES` x :data:`GRID_HIDDEN` for both cells,
 float32 and bfloat16, one layer and two bidirectional ones, and reports None's ratio to the
@@ -42,25 +42,25 @@ def _inputs(key, cell, b, t, i, h, layers, bidirectional, dtype):
           0.5 * jax.random.normal(keys[1], state, dtype),
           0.5 * jax.random.normal(keys[2], state, dtype),
           jax.random.uniform(keys[3], (count,), dtype, -h ** -0.5, h ** -0.5),
-          jnp.full((b,), t, jnp.int32),
           jax.random.normal(keys[4], (b, t, directions * h), dtype))
 
 
-def _call(cell, i, h, layers, bidirectional, impl, x, h0, c0, w, lengths):
+def _call(cell, i, h, layers, bidirectional, impl, x, h0, c0, w):
+  # Whole sequences (no lengths), which every implementation, cuDNN's included, takes.
   sizes = dict(input_size=i, hidden_size=h, num_layers=layers, bidirectional=bidirectional,
                implementation=implementation_arg(impl))
   if cell == "lstm":
-    return api.lstm(x, h0, c0, w, lengths, **sizes)[0]
-  return api.gru(x, h0, w, lengths, **sizes)[0]
+    return api.lstm(x, h0, c0, w, None, **sizes)[0]
+  return api.gru(x, h0, w, None, **sizes)[0]
 
 
 def _forward(spec, impl):
-  return lambda x, h0, c0, w, lengths, dy: _call(*spec, impl, x, h0, c0, w, lengths)
+  return lambda x, h0, c0, w, dy: _call(*spec, impl, x, h0, c0, w)
 
 
 def _train(spec, impl):
-  def step(x, h0, c0, w, lengths, dy):
-    y, vjp = jax.vjp(lambda x, w: _call(*spec, impl, x, h0, c0, w, lengths), x, w)
+  def step(x, h0, c0, w, dy):
+    y, vjp = jax.vjp(lambda x, w: _call(*spec, impl, x, h0, c0, w), x, w)
     return (y,) + vjp(dy)
   return step
 
@@ -130,8 +130,7 @@ def _case(cell, b, t, i, h, layers, bidirectional, dtype, impls, external=None):
                  else None))
 
 
-def _gpu_implementations(cell, dtype):
-  return ("cuda", DEFAULT) + (("cudnn",) if cell == "lstm" and dtype == jnp.float32 else ())
+_GPU_IMPLEMENTATIONS = ("cuda", DEFAULT, "cudnn")
 
 
 def cases(quick: bool = False) -> list[Case]:
@@ -142,7 +141,7 @@ def cases(quick: bool = False) -> list[Case]:
     for dtype in (jnp.float32, jnp.bfloat16):
       impls, external = ("xla",), {}
       if on_gpu:
-        impls = _gpu_implementations(cell, dtype)
+        impls = _GPU_IMPLEMENTATIONS
         external = {"torch": functools.partial(_torch_timer, cell, i, h, layers, bidirectional,
                                                dtype)}
       out.append(_case(cell, b, t, i, h, layers, bidirectional, dtype, impls, external))
@@ -165,7 +164,7 @@ def regret_cases() -> list[Case]:
   """``None`` against every implementation over :data:`REGRET_GRID` (the CPU cases there)."""
   if registry.platform() != "gpu":
     return [_case(*shape, jnp.float32, ("xla", DEFAULT)) for shape in CPU_CASES[:1]]
-  return [_case(*shape, ("xla",) + _gpu_implementations(shape[0], shape[-1]))
+  return [_case(*shape, ("xla",) + _GPU_IMPLEMENTATIONS)
           for shape in REGRET_GRID]
 
 
@@ -215,8 +214,8 @@ GRID_HIDDEN = (128, 256, 512, 1024, 2048)
 GRID_LAYOUTS = ((1, False), (2, True))
 GRID_STEPS = 256
 GRID_SAVED_BYTES = 8 << 30
-# What None is weighed against on the grid: PyTorch's cuDNN RNNs and jax.experimental.rnn.
-COMPARATORS = ("torch", "cudnn")
+# What None is weighed against on the grid: PyTorch's cuDNN RNNs.
+COMPARATORS = ("torch",)
 
 
 def grid_steps(cell, b, h, layers, bidirectional) -> int:
@@ -243,7 +242,7 @@ def grid_cases() -> list[Case]:
             t = grid_steps(cell, b, h, layers, bidirectional) if on_gpu else 8
             impls, external = (DEFAULT, "xla"), {}
             if on_gpu:
-              impls = ("xla",) + _gpu_implementations(cell, dtype)
+              impls = ("xla",) + _GPU_IMPLEMENTATIONS
               external = {"torch": functools.partial(_torch_timer, cell, h, h, layers,
                                                      bidirectional, dtype)}
             out.append(_case(cell, b, t, h, h, layers, bidirectional, dtype, impls, external))

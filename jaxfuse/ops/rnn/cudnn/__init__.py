@@ -1,0 +1,156 @@
+"""cuDNN's LSTM and GRU (``cudnnRNNForward``, ``cudnnRNNBackwardData_v8`` and
+``cudnnRNNBackwardWeights_v8``) through XLA's FFI (``rnn_cudnn.cu``): every layer and direction
+in one call, on tensor cores at any size.
+
+The flat weight vector of :mod:`jaxfuse.ops.rnn.weights` is cuDNN's weight space itself, so the
+weights go in as they are. cuDNN reads the sequence lengths from the host when it sets a call
+up (it ignores a copy on the device), so they are an attribute of the compiled call: a
+:class:`Call` holds them, known at trace time. Lengths that live on the device would need a
+copy to the host and a wait on the stream in every call; these kernels refuse them.
+
+Calling convention (L layers, D directions, B batch, T steps, I input, H hidden, one dtype):
+forward ``(x (B, T, I), h0 (L*D, B, H), c0 (L*D, B, H) or (1,) for GRU, w (count,)) ->
+y (B, T, D*H), h_n, c_n`` plus the reserve the backward needs, bytes shaped ``(B, bytes / B)``
+so that a shard of the batch holds its own; backward ``(dy, dh_n,
+dc_n, x, h0, c0, w, y, reserve) -> dx, dh0, dc0, dw``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxfuse._core import cuda
+
+_SOURCE = Path(__file__).with_name("rnn_cudnn.cu")
+_HANDLERS = {"jaxfuse_cudnn_rnn_forward": "JaxfuseCudnnRnnForward",
+             "jaxfuse_cudnn_rnn_backward": "JaxfuseCudnnRnnBackward"}
+LIBRARY = cuda.Library(_SOURCE, _HANDLERS, cudnn=True)
+_CELLS = {"lstm": 0, "gru": 1}
+_DTYPES = {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.float16): 1, jnp.dtype(jnp.bfloat16): 2}
+# cudnnMathType_t: the default lets float32 products take TF32 (as cuDNN and torch do), FMA
+# keeps them in float32.
+_DEFAULT_MATH, _FMA_MATH = 0, 3
+
+
+def unavailable() -> str | None:
+  """Why cuDNN's RNN cannot run here (no GPU, no nvcc or cuDNN, a failed build), or None."""
+  return LIBRARY.unavailable()
+
+
+def unsupported(dtypes, dropout: float, lengths: tuple[int, ...] | None) -> str | None:
+  """Why these kernels cannot take a call of ``dtypes`` (x, states, weights), ``dropout`` and
+  ``lengths`` (None: on the device), or None."""
+  names = sorted({jnp.dtype(d).name for d in dtypes})
+  if len(names) > 1:
+    return f"cuDNN's RNN takes x, the states and the weights in one dtype (here {names})"
+  if jnp.dtype(names[0]) not in _DTYPES:
+    return f"cuDNN's RNN takes float32, float16 and bfloat16, not {names[0]}"
+  if dropout > 0:
+    return "cuDNN draws its dropout masks from its own generator, not from dropout_key"
+  if lengths is None:
+    return ("cuDNN reads the sequence lengths on the host: pass seq_lengths=None (every "
+            "sequence runs all T steps) or a NumPy array; lengths on the device would make "
+            "every call wait for a copy to the host")
+  return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+  """One configuration, its host lengths included (each at least 1: an empty sequence runs one
+  step whose results the caller discards)."""
+  cell: str
+  input_size: int
+  hidden_size: int
+  num_layers: int
+  bidirectional: bool
+  batch: int
+  time: int
+  dtype: jnp.dtype
+  exact: bool
+  lengths: tuple[int, ...]
+
+  def attributes(self) -> dict:
+    return dict(cell=np.int64(_CELLS[self.cell]), dtype=np.int64(_DTYPES[self.dtype]),
+                math=np.int64(_FMA_MATH if self.exact else _DEFAULT_MATH),
+                input_size=np.int64(self.input_size), hidden_size=np.int64(self.hidden_size),
+                num_layers=np.int64(self.num_layers),
+                bidirectional=np.int64(self.bidirectional), batch=np.int64(self.batch),
+                time=np.int64(self.time), lengths=np.asarray(self.lengths, np.int32))
+
+  def uniform(self, batch: int) -> Call:
+    """This configuration for a shard of ``batch`` sequences, all ``time`` long."""
+    return dataclasses.replace(self, batch=batch, lengths=(self.time,) * batch)
+
+  @property
+  def states(self) -> tuple[int, int, int]:
+    return (self.num_layers * (2 if self.bidirectional else 1), self.batch, self.hidden_size)
+
+
+@functools.cache
+def scratch_bytes(call: Call, training: bool) -> tuple[int, int]:
+  """``(workspace, reserve)`` bytes cuDNN asks for ``call`` (asked once per configuration)."""
+  library = LIBRARY.load()
+  function = library.jaxfuse_cudnn_rnn_sizes
+  function.argtypes = ([ctypes.c_int64] * 9 + [ctypes.POINTER(ctypes.c_int32), ctypes.c_int64]
+                       + [ctypes.POINTER(ctypes.c_uint64)] * 3
+                       + [ctypes.c_char_p, ctypes.c_int64])
+  attrs = call.attributes()
+  lengths = np.ascontiguousarray(attrs.pop("lengths"))
+  workspace, reserve, weights = (ctypes.c_uint64(0) for _ in range(3))
+  error = ctypes.create_string_buffer(512)
+  status = function(*(int(attrs[k]) for k in ("cell", "dtype", "math", "input_size",
+                                                "hidden_size", "num_layers", "bidirectional",
+                                                "batch", "time")),
+                    lengths.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), int(training),
+                    ctypes.byref(workspace), ctypes.byref(reserve), ctypes.byref(weights),
+                    error, len(error))
+  if status:
+    raise NotImplementedError(f"cuDNN's RNN refuses this call: {error.value.decode()}")
+  return max(workspace.value, 1), max(reserve.value, 1)
+
+
+def _cell_state(call: Call, c0):
+  # GRU has no cell state: the handlers take and give a placeholder.
+  return c0 if call.cell == "lstm" else jnp.zeros((1,), call.dtype)
+
+
+def forward(call: Call, x, h0, c0, w, *, training: bool):
+  """``(y, h_n, c_n, reserve)``; ``c_n`` is None for GRU."""
+  workspace, reserve = scratch_bytes(call, training)
+  states = jax.ShapeDtypeStruct(call.states, call.dtype)
+  cell_state = states if call.cell == "lstm" else jax.ShapeDtypeStruct((1,), call.dtype)
+  directions = 2 if call.bidirectional else 1
+  outputs = (jax.ShapeDtypeStruct((call.batch, call.time, directions * call.hidden_size),
+                                  call.dtype), states, cell_state,
+             jax.ShapeDtypeStruct((call.batch, -(-reserve // call.batch)), jnp.uint8),
+             jax.ShapeDtypeStruct((workspace,), jnp.uint8))
+  y, h_n, c_n, reserved, _ = jax.ffi.ffi_call(
+      "jaxfuse_cudnn_rnn_forward", outputs, vmap_method="sequential")(
+          x, h0, _cell_state(call, c0), w, training=np.int64(training), **call.attributes())
+  return y, h_n, c_n if call.cell == "lstm" else None, reserved
+
+
+def backward(call: Call, dy, dh_n, dc_n, x, h0, c0, w, y, reserve):
+  """``(dx, dh0, dc0, dw)``; ``dc0`` is None for GRU."""
+  workspace, _ = scratch_bytes(call, True)
+  cell_state = (jax.ShapeDtypeStruct(call.states, call.dtype) if call.cell == "lstm"
+                else jax.ShapeDtypeStruct((1,), call.dtype))
+  outputs = (jax.ShapeDtypeStruct(x.shape, call.dtype),
+             jax.ShapeDtypeStruct(call.states, call.dtype), cell_state,
+             jax.ShapeDtypeStruct(w.shape, call.dtype),
+             jax.ShapeDtypeStruct(reserve.shape, jnp.uint8),
+             jax.ShapeDtypeStruct((workspace,), jnp.uint8))
+  # cudnnRNNBackwardData_v8 writes into the reserve: the call owns its copy.
+  dx, dh0, dc0, dw, _, _ = jax.ffi.ffi_call(
+      "jaxfuse_cudnn_rnn_backward", outputs, vmap_method="sequential",
+      input_output_aliases={8: 4})(
+          dy, dh_n, _cell_state(call, dc_n), x, h0, _cell_state(call, c0), w, y, reserve,
+          **call.attributes())
+  return dx, dh0, dc0 if call.cell == "lstm" else None, dw
