@@ -789,7 +789,8 @@ def test_rnn_none_takes_cuda_up_to_the_largest_hidden_size(gpu, chosen, cell, dt
 def test_rnn_none_passes_cuda_over_past_the_work_its_table_measured_it_faster(
     gpu, chosen, monkeypatch):
   monkeypatch.setattr(rnn_api, "_untuned", lambda: {"order": ["cuda", "xla"],
-                                                    "cuda_most_work": {"lstm/bfloat16": 4096}})
+                                                    "cuda_most_work": {"lstm/bfloat16": 4096},
+                                                    "cudnn_least_work": {}})
   recurrent("lstm", 64, batch=64)
   assert chosen() == "cuda"
   recurrent("lstm", 64, batch=65)
@@ -825,9 +826,27 @@ def test_rnn_cuda_takes_an_empty_batch_of_any_hidden_size(gpu, chosen):
   assert chosen() == "xla"
 
 
+def test_rnn_none_takes_cudnn_from_the_work_its_table_measured_it_fastest(
+    gpu, chosen, monkeypatch):
+  monkeypatch.setattr(rnn_api, "_untuned", lambda: {
+      "order": ["cuda", "xla"], "cuda_most_work": {"lstm/bfloat16": 8192},
+      "cudnn_least_work": {"lstm/bfloat16": 4096}})
+  recurrent("lstm", 64, batch=63, on_host=True)
+  assert chosen() == "cuda"
+  recurrent("lstm", 64, batch=64, on_host=True)
+  assert chosen() == "cudnn"
+  # Lengths on the device: cuDNN refuses them, None moves on.
+  recurrent("lstm", 64, batch=64)
+  assert chosen() == "cuda"
+  recurrent("lstm", 64, batch=129)
+  assert chosen() == "xla"
+  recurrent("gru", 64, batch=64, on_host=True)
+  assert chosen() == "cuda"
+
+
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-def test_rnn_none_takes_cudnn_only_where_a_table_orders_it(gpu, chosen, cell, dtype):
+def test_rnn_none_takes_cudnn_only_where_a_table_measured_it(gpu, chosen, cell, dtype):
   recurrent(cell, 64, dtype, on_host=True)
   assert chosen() == "cuda"
   recurrent(cell, 64, dtype, on_host=True, implementation="cudnn")

@@ -23,23 +23,29 @@ from jaxfuse.ops.rnn.weights import unpack, weight_count
 
 
 def _untuned() -> dict:
-  # 'cudnn' only where a GPU's table measured it (it takes lengths the host holds, and is
-  # compiled for them). No limit on the fused kernels' work per step where none was measured.
-  return {"order": ["cuda", "xla"], "cuda_most_work": {}}
+  # 'cudnn' only where a GPU's table measured it faster. No limit on the fused kernels' work
+  # per step where none was measured.
+  return {"order": ["cuda", "xla"], "cuda_most_work": {}, "cudnn_least_work": {}}
 
 
 def _preference(cell: str, dtype, work: int):
   """The order None tries: the table's, with 'cuda' last where a step's work (batch x hidden)
   passes the most at which the fused kernels measured faster for this cell and dtype (a
-  dtype without a row has no bound). The work is the call's, before sharding splits its
+  dtype without a row has no bound), and 'cudnn' first from the least work at which cuDNN
+  measured faster than both (a dtype without a row: never; a call whose lengths are on the
+  device moves on, as cuDNN refuses it). The work is the call's, before sharding splits its
   batch or vmap adds to it: the table was measured on one GPU, unmapped."""
   if registry.platform() != "gpu":
     return ("xla",)
   rows = tuned.rows("rnn", _untuned)
   order = tuple(rows["order"])
-  most = rows["cuda_most_work"].get(f"{cell}/{jnp.dtype(dtype).name}")
+  key = f"{cell}/{jnp.dtype(dtype).name}"
+  most = rows["cuda_most_work"].get(key)
   if "cuda" in order and most is not None and work > most:
     order = tuple(name for name in order if name != "cuda") + ("cuda",)
+  least = rows["cudnn_least_work"].get(key)
+  if least is not None and work >= least:
+    order = ("cudnn",) + order
   return order
 
 
@@ -66,8 +72,9 @@ def lstm(x, h_0, c_0, weights, seq_lengths, *, input_size: int, hidden_size: int
       fused kernels: {cuda_limits}), ``'cudnn'`` (cuDNN's RNN: one dtype for x, the states
       and the weights, float32 with TF32 products unless ``precision`` asks for more, float16
       or bfloat16; ``seq_lengths`` None or a NumPy array, which cuDNN reads on the host; no
-      dropout) or ``None``: in the order the GPU's tuned table measured, ``'cuda'`` up to the
-      work per step (batch x hidden) it measured the fused kernels faster, else ``'xla'``.
+      dropout) or ``None``: by the GPU's tuned table, ``'cudnn'`` from the work per step
+      (batch x hidden) it measured cuDNN fastest, where it takes the call, ``'cuda'`` up to
+      the work it measured the fused kernels faster, else ``'xla'``.
 
   Returns:
     ``(y, h_n, c_n)``: ``y`` ``(B, T, directions * hidden_size)``, zero past each sequence's

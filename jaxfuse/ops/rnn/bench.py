@@ -1,8 +1,8 @@
 """Bench cases for ``lstm`` and ``gru``: the forward and a training step (a loss over y, the
 gradients for x and the weights) of whole sequences, with PyTorch's cuDNN RNNs (``torch``,
 timed from its profiler's trace as JAX's rows are, its training step's temporary memory
-counted as JAX's: the peak over what the module and inputs hold, less the outputs) side by
-side.
+counted as JAX's: the peak over what the module and inputs hold, less the outputs) and, for
+the float32 LSTM, ``jax.experimental.rnn`` side by side.
 
 ``jaxfuse bench rnn --grid`` sweeps :data:`GRID_BATCHES` x :data:`GRID_HIDDEN` for both cells,
 float32 and bfloat16, one layer and two bidirectional ones, and reports None's ratio to the
@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxfuse._core import registry, tune
-from jaxfuse._core.bench import DEFAULT, TF32_TOLERANCE, Case, implementation_arg, time_torch
+from jaxfuse._core.bench import (DEFAULT, TF32_TOLERANCE, Case, implementation_arg, measure,
+                                 time_torch)
 from jaxfuse.ops.rnn import api
 from jaxfuse.ops.rnn.weights import GATES, weight_count
 
@@ -108,6 +109,30 @@ def _torch_timer(cell, i, h, layers, bidirectional, dtype, inputs):
   return time_torch(forward), time_torch(train), temp_mib
 
 
+def _jax_rnn_timer(i, h, layers, bidirectional, inputs):
+  """Timings of jax.experimental.rnn's cuDNN LSTM (float32 only), timed as JAX's rows are:
+  its forward and backward copy the lengths to the host and wait for the stream."""
+  from jax.experimental import rnn
+  x, h0, c0, w, dy = inputs
+  lengths = jnp.full((x.shape[0],), x.shape[1], jnp.int32)
+  run = lambda x, w: rnn.lstm(x, h0, c0, w, lengths, input_size=i, hidden_size=h,
+                              num_layers=layers, dropout=0.0, bidirectional=bidirectional)[0]
+
+  def train(x, w, dy):
+    y, vjp = jax.vjp(run, x, w)
+    return (y,) + vjp(dy)
+
+  return measure(jax.jit(run), [(x, w)])[0], measure(jax.jit(train), [(x, w, dy)])[0]
+
+
+def _comparators(cell, i, h, layers, bidirectional, dtype) -> dict:
+  out = {"torch": functools.partial(_torch_timer, cell, i, h, layers, bidirectional, dtype)}
+  if cell == "lstm" and dtype == jnp.float32:
+    out["jax.experimental.rnn"] = functools.partial(_jax_rnn_timer, i, h, layers,
+                                                    bidirectional)
+  return out
+
+
 def _flops(cell, b, t, i, h, layers, bidirectional) -> float:
   directions = 2 if bidirectional else 1
   per_layer = [(i if layer == 0 else directions * h) + h for layer in range(layers)]
@@ -142,8 +167,7 @@ def cases(quick: bool = False) -> list[Case]:
       impls, external = ("xla",), {}
       if on_gpu:
         impls = _GPU_IMPLEMENTATIONS
-        external = {"torch": functools.partial(_torch_timer, cell, i, h, layers, bidirectional,
-                                               dtype)}
+        external = _comparators(cell, i, h, layers, bidirectional, dtype)
       out.append(_case(cell, b, t, i, h, layers, bidirectional, dtype, impls, external))
   return out
 
@@ -176,18 +200,19 @@ TUNE_STEPS = 64
 
 
 def tune_cases() -> list[Case]:
-  """The fused kernels and XLA's scan over the tuning grid, each cell and dtype."""
-  return [_case(cell, b, TUNE_STEPS, h, h, 1, False, dtype, ("cuda", "xla"))
+  """The fused kernels, cuDNN's and XLA's scan over the tuning grid, each cell and dtype."""
+  return [_case(cell, b, TUNE_STEPS, h, h, 1, False, dtype, ("cuda", "xla", "cudnn"))
           for cell in GATES for dtype in (jnp.float32, jnp.bfloat16)
           for b in TUNE_BATCHES for h in TUNE_HIDDEN]
 
 
 def tuned_rows(rows) -> dict:
   """The order None tries the kernels in (by the geometric mean of the training step over the
-  cases both ran) and, per cell and dtype, the most work per step (batch x hidden) up to which
+  cases both ran); per cell and dtype, the most work per step (batch x hidden) up to which
   the fused kernels go before XLA's scan at the least regret in the step (no key: everywhere;
-  0: not even at the least work)."""
-  most = {}
+  0: not even at the least work) and, where the run timed cuDNN, the least work from which
+  cuDNN's step beats the faster of the two at the least regret (no key: nowhere)."""
+  most, least = {}, {}
   for op in GATES:
     for dtype in ("float32", "bfloat16"):
       group = [dataclasses.replace(r, size=_work(r.label)) for r in rows
@@ -196,8 +221,15 @@ def tuned_rows(rows) -> dict:
       longest = tune.least_regret_prefix(points)
       if points and longest != points[-1][0]:
         most[f"{op}/{dtype}"] = longest or 0
-  return {"order": tune.order_by_geometric_mean(rows, "step", ("cuda", "xla")),
-          "cuda_most_work": most}
+      cudnn = sorted((row.size, mine, theirs) for row, mine, theirs
+                     in tune.times_by_case(group, "step", "cudnn", ("cuda", "xla")))
+      if (start := tune.least_regret_suffix(cudnn)) is not None:
+        least[f"{op}/{dtype}"] = start
+  out = {"order": tune.order_by_geometric_mean(rows, "step", ("cuda", "xla")),
+         "cuda_most_work": most}
+  if any(r.implementation == "cudnn" for r in rows):
+    out["cudnn_least_work"] = least
+  return out
 
 
 def _work(label: str) -> int:
@@ -214,8 +246,8 @@ GRID_HIDDEN = (128, 256, 512, 1024, 2048)
 GRID_LAYOUTS = ((1, False), (2, True))
 GRID_STEPS = 256
 GRID_SAVED_BYTES = 8 << 30
-# What None is weighed against on the grid: PyTorch's cuDNN RNNs.
-COMPARATORS = ("torch",)
+# What None is weighed against on the grid: PyTorch's cuDNN RNNs and jax.experimental.rnn's.
+COMPARATORS = ("torch", "jax.experimental.rnn")
 
 
 def grid_steps(cell, b, h, layers, bidirectional) -> int:
@@ -243,8 +275,7 @@ def grid_cases() -> list[Case]:
             impls, external = (DEFAULT, "xla"), {}
             if on_gpu:
               impls = ("xla",) + _GPU_IMPLEMENTATIONS
-              external = {"torch": functools.partial(_torch_timer, cell, h, h, layers,
-                                                     bidirectional, dtype)}
+              external = _comparators(cell, h, h, layers, bidirectional, dtype)
             out.append(_case(cell, b, t, h, h, layers, bidirectional, dtype, impls, external))
   return out
 
