@@ -146,6 +146,8 @@ def chosen(monkeypatch):
   spy(rnn_api.reference, "forward", lambda *args: "xla", lambda cell, *args: final_state(*args))
   spy(rnn_api, "_cudnn", lambda *args: "cudnn",
       lambda call, x, initial_state, *rest: (None, initial_state))
+  spy(rnn_api, "_cudnn_by_layer", lambda *args, **kwargs: "cudnn by layer",
+      lambda cell, *args, **kwargs: final_state(*args))
   return choices.pop
 
 
@@ -835,11 +837,11 @@ def test_rnn_none_takes_cudnn_from_the_work_its_table_measured_it_fastest(
   assert chosen() == "cuda"
   recurrent("lstm", 64, batch=64, on_host=True)
   assert chosen() == "cudnn"
-  # Lengths on the device: cuDNN refuses them, None moves on.
+  # Lengths on the device: a cuDNN call per layer and direction.
   recurrent("lstm", 64, batch=64)
-  assert chosen() == "cuda"
+  assert chosen() == "cudnn by layer"
   recurrent("lstm", 64, batch=129)
-  assert chosen() == "xla"
+  assert chosen() == "cudnn by layer"
   recurrent("gru", 64, batch=64, on_host=True)
   assert chosen() == "cuda"
 
@@ -853,16 +855,20 @@ def test_rnn_none_takes_cudnn_only_where_a_table_measured_it(gpu, chosen, cell, 
   assert chosen() == "cudnn"
 
 
-@pytest.mark.parametrize("cell,dtype,kwargs,reason", [
-    ("gru", "float32", {}, "reads the sequence lengths on the host: pass seq_lengths=None"),
-    ("lstm", "float64", dict(on_host=True), "takes float32, float16 and bfloat16, not float64"),
-    ("lstm", "float32", dict(layers=2, dropout=0.1, dropout_key=jax.random.key(0),
-                             on_host=True), "draws its dropout masks from its own generator"),
-])
-def test_rnn_cudnn_refuses(gpu, chosen, cell, dtype, kwargs, reason):
-  with pytest.raises(NotImplementedError,
-                     match=rf"{cell}\(implementation='cudnn'\) cannot run here: .*{reason}"):
-    recurrent(cell, 64, dtype, implementation="cudnn", **kwargs)
+def test_rnn_cudnn_runs_per_layer_for_device_lengths_or_dropout(gpu, chosen):
+  recurrent("gru", 64, "float32", on_host=True, implementation="cudnn")
+  assert chosen() == "cudnn"
+  recurrent("gru", 64, "float32", implementation="cudnn")
+  assert chosen() == "cudnn by layer"
+  recurrent("lstm", 64, "float32", layers=2, dropout=0.1, dropout_key=jax.random.key(0),
+            on_host=True, implementation="cudnn")
+  assert chosen() == "cudnn by layer"
+
+
+def test_rnn_cudnn_refuses_float64(gpu, chosen):
+  with pytest.raises(NotImplementedError, match=r"lstm\(implementation='cudnn'\) cannot run "
+                     r"here: .*takes float32, float16 and bfloat16, not float64"):
+    recurrent("lstm", 64, "float64", on_host=True, implementation="cudnn")
 
 
 def test_rnn_cudnn_refuses_without_nvcc_or_off_the_gpu(gpu, chosen):

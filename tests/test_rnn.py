@@ -449,16 +449,13 @@ def test_implementations(rng):
   assert named[0].shape == (3, TIME, HIDDEN)
   with pytest.raises(NotImplementedError, match="gru has no 'triton' implementation"):
     call("gru", *args, 1, False, implementation="triton")
-  if jax.default_backend() == "gpu":
-    reason = "cuDNN reads the sequence lengths on the host"
-  else:
-    reason = "needs an NVIDIA GPU"
+  if jax.default_backend() != "gpu":
     with pytest.raises(NotImplementedError, match="implementation='cuda'.* cannot run here"):
       call("gru", *args, 1, False, implementation="cuda")
     default = call("gru", *args, 1, False)
     np.testing.assert_array_equal(default[0], named[0])
-  with pytest.raises(NotImplementedError, match=reason):
-    call("gru", *args, 1, False, implementation="cudnn")
+    with pytest.raises(NotImplementedError, match="needs an NVIDIA GPU"):
+      call("gru", *args, 1, False, implementation="cudnn")
 
 
 @pytest.mark.parametrize("change, error, match", [
@@ -787,13 +784,15 @@ def _cudnn_or_skip():
 @pytest.mark.parametrize("cell", CELLS)
 @pytest.mark.parametrize("num_layers,bidirectional", [(1, False), (2, True)])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
-def test_gpu_cudnn_against_float64(rng, cell, num_layers, bidirectional, dtype):
-  """cuDNN's outputs and gradients against float64, over ragged host lengths with an empty
-  sequence, on poisoned memory."""
+@pytest.mark.parametrize("on_host", [True, False], ids=["host lengths", "device lengths"])
+def test_gpu_cudnn_against_float64(rng, cell, num_layers, bidirectional, dtype, on_host):
+  """cuDNN's outputs and gradients against float64, over ragged lengths with an empty
+  sequence (on the host: one call; on the device: a call per layer and direction), on
+  poisoned memory."""
   from jaxfuse._core.testing import poison_device_memory
   _cudnn_or_skip()
   args = gpu_make(rng, cell, num_layers, bidirectional, dtype, batch=7, hidden_size=40)
-  lengths = np.asarray(args[4])
+  lengths = np.asarray(args[4]) if on_host else args[4]
   args = args[:4] + (lengths,)
   highest = jax.lax.Precision.HIGHEST
   poison_device_memory(1 << 24)
@@ -813,8 +812,8 @@ def test_gpu_cudnn_against_float64(rng, cell, num_layers, bidirectional, dtype):
                          highest), argnums)(*args[:4])
   with x64():
     wide = [jnp.asarray(np.asarray(a, np.float64)) for a in args[:4]]
-    wanted = jax.grad(_loss(cell, num_layers, bidirectional, jnp.asarray(lengths), cotangents,
-                            "xla", highest), argnums)(*wide)
+    wanted = jax.grad(_loss(cell, num_layers, bidirectional, jnp.asarray(np.asarray(lengths)),
+                            cotangents, "xla", highest), argnums)(*wide)
   names = ("x", "h_0", "c_0", "weights") if cell == "lstm" else ("x", "h_0", "weights")
   for g, e, name in zip(grads, wanted, names):
     assert g.dtype == dtype
@@ -823,17 +822,39 @@ def test_gpu_cudnn_against_float64(rng, cell, num_layers, bidirectional, dtype):
 
 
 @pytest.mark.gpu
-def test_gpu_cudnn_runs_whole_sequences_without_lengths_and_refuses_device_lengths(rng):
+@pytest.mark.parametrize("cell", CELLS)
+def test_gpu_cudnn_deterministic(rng, cell):
   _cudnn_or_skip()
-  args = gpu_make(rng, "lstm", 2, True, jnp.float32, full=True)
-  step = jax.jit(lambda *a: gpu_call("lstm", a + (None,), 2, True, implementation="cudnn"))
+  args = gpu_make(rng, cell, 2, True, jnp.bfloat16, batch=40, hidden_size=96)
+  lengths = np.asarray(args[4])
+  cotangents = [random(rng, (40, 29, 192), jnp.float32)] + [random(rng, (4, 40, 96),
+                                                                   jnp.float32)] * 2
+  step = jax.jit(jax.value_and_grad(_loss(cell, 2, True, lengths, cotangents, "cudnn", None),
+                                    (0, 1, 3)))
+  first, again = step(*args[:4]), step(*args[:4])
+  for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(again)):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", ["none", "device"])
+def test_gpu_cudnn_training_step_never_waits_for_the_host(rng, lengths):
+  """Whole sequences without lengths, and ragged lengths on the device, in a jitted training
+  step under jax.transfer_guard('disallow')."""
+  _cudnn_or_skip()
+  args = gpu_make(rng, "lstm", 2, True, jnp.float32, full=lengths == "none")
+
+  def step(x, h_0, c_0, weights, seq_lengths):
+    run = lambda x, weights: gpu_call("lstm", (x, h_0, c_0, weights, seq_lengths), 2, True,
+                                      implementation="cudnn")
+    out, vjp = jax.vjp(lambda x, w: run(x, w)[0], x, weights)
+    return (out,) + vjp(jnp.ones_like(out))
+
+  given = None if lengths == "none" else args[4]
   with jax.transfer_guard("disallow"):
-    out = step(*args[:4])
-  expected = gpu_call("lstm", args, 2, True, implementation="xla")
-  for a, e in zip(out, expected):
-    np.testing.assert_allclose(a, e, rtol=2e-2, atol=2e-2)
-  with pytest.raises(NotImplementedError, match="reads the sequence lengths on the host"):
-    gpu_call("lstm", args, 2, True, implementation="cudnn")
+    out = jax.jit(step)(*args[:4], given)
+  expected = gpu_call("lstm", args, 2, True, implementation="xla")[0]
+  np.testing.assert_allclose(out[0], expected, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.gpu
@@ -927,8 +948,8 @@ def _stand_in_cudnn(monkeypatch):
 
 @pytest.mark.parametrize("cell", CELLS)
 def test_cudnn_glue_keeps_empty_sequences_and_differentiates(rng, monkeypatch, cell):
-  """cuDNN's custom VJP (cuDNN stood in for on the CPU): host lengths with empty sequences
-  give XLA's outputs and gradients; lengths on the device are refused, naming the way out."""
+  """cuDNN's paths (cuDNN stood in for on the CPU): ragged lengths with empty sequences, on the
+  host or the device, give XLA's outputs and gradients."""
   _stand_in_cudnn(monkeypatch)
   x, h_0, c_0, weights, lengths = make(rng, cell, 2, True, batch=4)
   host = np.asarray(lengths)
@@ -940,19 +961,28 @@ def test_cudnn_glue_keeps_empty_sequences_and_differentiates(rng, monkeypatch, c
       return sum(jnp.sum(jnp.sin(o)) for o in out if o is not None)
     return jax.value_and_grad(f, (0, 1, 2, 3))(x, h_0, c_0, weights)
 
-  for a, e in zip(jax.tree.leaves(loss("cudnn", host)), jax.tree.leaves(loss("xla", lengths))):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-5, atol=1e-6)
+  expected = jax.tree.leaves(loss("xla", lengths))
+  # Lengths on the host: one call; on the device: a call per layer and direction over whole
+  # sequences, the final states read (c recomputed) at each sequence's end.
+  for lengths_given in (host, lengths):
+    for a, e in zip(jax.tree.leaves(loss("cudnn", lengths_given)), expected):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-5, atol=1e-5)
   whole = call(cell, x, h_0, c_0, weights, None, 2, True, implementation="cudnn")
   full = call(cell, x, h_0, c_0, weights, jnp.full(4, TIME), 2, True, implementation="xla")
   for a, e in zip(whole, full):
     if e is not None:
       np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-6)
-  with pytest.raises(NotImplementedError, match="seq_lengths=None"):
-    call(cell, x, h_0, c_0, weights, lengths, 2, True, implementation="cudnn")
+  # Dropout runs per layer too, with every implementation's masks.
+  drop = dict(dropout=0.3, dropout_key=jax.random.key(1))
+  dropped = call(cell, x, h_0, c_0, weights, host, 2, True, implementation="cudnn", **drop)
+  for a, e in zip(dropped, call(cell, x, h_0, c_0, weights, lengths, 2, True,
+                                implementation="xla", **drop)):
+    if e is not None:
+      np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("cell", CELLS)
-@pytest.mark.parametrize("impl", ["xla", "cuda", "cudnn"])
+@pytest.mark.parametrize("impl", ["xla", "cuda", "cudnn", "cudnn per layer"])
 @pytest.mark.parametrize("explicit", [False, True])
 def test_batch_sharding_never_gathers(rng, monkeypatch, cell, impl, explicit):
   """The scan, and the kernels' calls (stood in for on the CPU), run shard by shard: on 8 CPU
@@ -963,7 +993,7 @@ def test_batch_sharding_never_gathers(rng, monkeypatch, cell, impl, explicit):
     pytest.skip("needs 2, 4 or 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
   if impl == "cuda" and jax.default_backend() != "gpu":
     _stand_in_kernels(monkeypatch)
-  if impl == "cudnn" and jax.default_backend() != "gpu":
+  if impl.startswith("cudnn") and jax.default_backend() != "gpu":
     _stand_in_cudnn(monkeypatch)
   from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
   axis_type = AxisType.Explicit if explicit else AxisType.Auto
@@ -971,13 +1001,13 @@ def test_batch_sharding_never_gathers(rng, monkeypatch, cell, impl, explicit):
                        axis_types=(axis_type,))
   x, h_0, c_0, weights, _ = make(rng, cell, 2, True, batch=16)
   lengths = jnp.asarray(rng.integers(0, TIME + 1, 16), jnp.int32)
-  if impl == "cudnn":  # cuDNN shards whole sequences, which need no lengths
+  if impl == "cudnn":  # the whole network in one call: whole sequences, which need no lengths
     lengths = jnp.full(16, TIME, jnp.int32)
 
   def step(x, h_0, c_0, weights, lengths):
     def loss(x, h_0, c_0, weights):
       out = call(cell, x, h_0, c_0, weights, None if impl == "cudnn" else lengths, 2, True,
-                 implementation=impl)
+                 implementation=impl.split()[0])
       return sum(jnp.sum(jnp.sin(o)) for o in out if o is not None)
     return jax.value_and_grad(loss, (0, 1, 2, 3))(x, h_0, c_0, weights)
 

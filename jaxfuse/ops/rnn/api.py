@@ -32,8 +32,7 @@ def _preference(cell: str, dtype, work: int):
   """The order None tries: the table's, with 'cuda' last where a step's work (batch x hidden)
   passes the most at which the fused kernels measured faster for this cell and dtype (a
   dtype without a row has no bound), and 'cudnn' first from the least work at which cuDNN
-  measured faster than both (a dtype without a row: never; a call whose lengths are on the
-  device moves on, as cuDNN refuses it). The work is the call's, before sharding splits its
+  measured faster than both (a dtype without a row: never). The work is the call's, before sharding splits its
   batch or vmap adds to it: the table was measured on one GPU, unmapped."""
   if registry.platform() != "gpu":
     return ("xla",)
@@ -71,10 +70,12 @@ def lstm(x, h_0, c_0, weights, seq_lengths, *, input_size: int, hidden_size: int
     implementation: ``'xla'`` (``lax.scan``, runs anywhere), ``'cuda'`` (the persistent
       fused kernels: {cuda_limits}), ``'cudnn'`` (cuDNN's RNN: one dtype for x, the states
       and the weights, float32 with TF32 products unless ``precision`` asks for more, float16
-      or bfloat16; ``seq_lengths`` None or a NumPy array, which cuDNN reads on the host; no
-      dropout) or ``None``: by the GPU's tuned table, ``'cudnn'`` from the work per step
-      (batch x hidden) it measured cuDNN fastest, where it takes the call, ``'cuda'`` up to
-      the work it measured the fused kernels faster, else ``'xla'``.
+      or bfloat16; the whole network in one call where the host holds the lengths (None or a
+      NumPy array) and there is no dropout, else a call per layer and direction over whole
+      sequences, the final states read at each sequence's end) or ``None``: by the GPU's
+      tuned table, ``'cudnn'`` from the work per step (batch x hidden) it measured cuDNN
+      fastest, where it takes the call, ``'cuda'`` up to the work it measured the fused
+      kernels faster, else ``'xla'``.
 
   Returns:
     ``(y, h_n, c_n)``: ``y`` ``(B, T, directions * hidden_size)``, zero past each sequence's
@@ -154,17 +155,20 @@ def _run(cell, x, initial_state, weights, seq_lengths, input_size, hidden_size, 
   backends = {"xla": registry.xla_available,
               "cuda": functools.partial(_cuda_unavailable, layer),
               "cudnn": lambda: (cudnn_kernels.unavailable() or cudnn_kernels.unsupported(
-                  (x.dtype, weights.dtype, *(s.dtype for s in initial_state)), dropout,
-                  host_lengths))}
+                  (x.dtype, weights.dtype, *(s.dtype for s in initial_state))))}
   # One implementation for every use: each path brings its own derivatives.
   impl = resolve_plan(op, implementation, backends,
                       _preference(cell, op_dtype, batch * hidden_size)).forward
-  if impl == "cudnn" and batch and time:
+  unpacked = unpack(cell, weights, input_size, hidden_size, num_layers, bidirectional)
+  if impl == "cudnn" and batch and time and host_lengths is not None and dropout == 0:
     call = cudnn_kernels.Call(cell, input_size, hidden_size, num_layers, bool(bidirectional),
                               batch, time, jnp.dtype(x.dtype), _exact(precision, x.dtype),
                               tuple(max(n, 1) for n in host_lengths))
     return _cudnn(call, x, initial_state, weights, host_lengths)
-  unpacked = unpack(cell, weights, input_size, hidden_size, num_layers, bidirectional)
+  if impl == "cudnn" and batch and time:
+    return _cudnn_by_layer(cell, x, initial_state, unpacked, seq_lengths, num_layers=num_layers,
+                           bidirectional=bidirectional, dropout=dropout,
+                           dropout_key=dropout_key, precision=precision)
   if impl == "xla" or batch == 0 or time == 0:
     return reference.forward(cell, x, initial_state, unpacked, seq_lengths,
                              num_layers=num_layers, bidirectional=bidirectional,
@@ -427,6 +431,62 @@ def _cudnn(call, x, initial_state, weights, host_lengths):
     keep = lambda final, initial: jnp.where(empty[None, :, None], initial, final)
     return y, tuple(keep(f, i) for f, i in zip((h_n, c_n), initial_state))
   return y, (h_n, c_n)[:len(initial_state)]
+
+
+def _cudnn_by_layer(cell, x, initial_state, unpacked, seq_lengths, *, num_layers,
+                    bidirectional, dropout, dropout_key, precision):
+  """Lengths on the device (or dropout between layers): each layer and direction one cuDNN
+  call over whole sequences, so that cuDNN needs no lengths; what it computes past a sequence's
+  end is never read. Outputs there are masked, the reverse direction runs each sequence
+  reversed within its length (its padding after it), and the final state is read at each
+  sequence's last step: h from the outputs, LSTM's c recomputed from them."""
+  W_ih, W_hh, b_ih, b_hh = unpacked
+  directions = 2 if bidirectional else 1
+  batch, time = x.shape[:2]
+  lengths = seq_lengths.astype(jnp.int32)
+  running = (jnp.arange(time)[None, :] < lengths[:, None])[:, :, None]
+  last = jnp.maximum(lengths - 1, 0)[:, None, None]
+  ended = (lengths > 0)[:, None]
+  at_last = lambda a: jnp.take_along_axis(a, last, axis=1)[:, 0]
+  exact = _exact(precision, x.dtype)
+  inputs, finals = x, [[] for _ in initial_state]
+  for layer in range(num_layers):
+    outputs = []
+    for direction in range(directions):
+      p = layer * directions + direction
+      sequence = reference.reverse_within_lengths(inputs, lengths) if direction else inputs
+      call = cudnn_kernels.Call(cell, sequence.shape[2], W_hh[p].shape[1], 1, False, batch,
+                                time, jnp.dtype(x.dtype), exact, (time,) * batch)
+      weights = jnp.concatenate([W_ih[p].ravel(), W_hh[p].ravel(), b_ih[p], b_hh[p]])
+      h_0 = initial_state[0][p]
+      c_0 = initial_state[1][p][None] if cell == "lstm" else jnp.zeros((1,), x.dtype)
+      y = jnp.where(running, _cudnn_layers(sequence, h_0[None], c_0, weights, call)[0], 0)
+      finals[0].append(jnp.where(ended, at_last(y), h_0))
+      if cell == "lstm":
+        cell_states = _cell_states(sequence, y, h_0, c_0[0], W_ih[p], W_hh[p], b_ih[p] + b_hh[p],
+                                   precision)
+        finals[1].append(jnp.where(ended, at_last(cell_states), c_0[0]))
+      outputs.append(reference.reverse_within_lengths(y, lengths) if direction else y)
+    inputs = jnp.concatenate(outputs, axis=-1) if directions == 2 else outputs[0]
+    if layer < num_layers - 1:
+      inputs = reference.drop(inputs, dropout, dropout_key, layer)
+  return inputs, tuple(jnp.stack(f).astype(s.dtype) for f, s in zip(finals, initial_state))
+
+
+def _cell_states(sequence, y, h_0, c_0, W_ih, W_hh, bias, precision):
+  """LSTM's cell state at every step (float32), from the step's input and the hidden state it
+  started from: the gates of all steps in two products, then ``c_t = f_t c_{t-1} + i_t g_t``,
+  a linear recurrence, as a parallel prefix over time."""
+  previous = jnp.concatenate([h_0[:, None].astype(y.dtype), y[:, :-1]], axis=1)
+  project = lambda a, w: jnp.einsum("btk,gk->btg", a, w, precision=precision,
+                                    preferred_element_type=jnp.float32)
+  gates = project(sequence, W_ih) + project(previous, W_hh) + bias.astype(jnp.float32)
+  i, f, g, _ = jnp.split(gates, 4, axis=-1)
+  decay, gain = jax.nn.sigmoid(f), jax.nn.sigmoid(i) * jnp.tanh(g)
+  # (decay, gain) maps c to decay * c + gain; composing two such maps gives another.
+  compose = lambda early, late: (early[0] * late[0], late[0] * early[1] + late[1])
+  decays, gains = jax.lax.associative_scan(compose, (decay, gain), axis=1)
+  return decays * c_0[:, None].astype(jnp.float32) + gains
 
 
 def _cudnn_sharded(call, kernel, *args, in_dims, out_dims):

@@ -19,7 +19,7 @@ from jaxfuse._core.sharding import replicated_sharding
 from jaxfuse._core.validation import compute_dtype
 
 
-def _reverse_within_lengths(sequences, seq_lengths):
+def reverse_within_lengths(sequences, seq_lengths):
   """``(B, T, F)`` with each sequence's first ``length`` steps reversed; its own inverse."""
   steps = jnp.arange(sequences.shape[1])[None, :]
   lengths = seq_lengths[:, None]
@@ -95,7 +95,7 @@ def _direction(cell, inputs, state, W_ih, W_hh, b_ih, b_hh, seq_lengths, reverse
                accumulate):
   """One layer in one direction: outputs ``(B, T, H)`` in ``accumulate`` and final state."""
   if reverse:
-    inputs = _reverse_within_lengths(inputs, seq_lengths)
+    inputs = reverse_within_lengths(inputs, seq_lengths)
   operand = jnp.result_type(inputs, W_ih)
   projected = _project(inputs.astype(operand), W_ih.astype(operand), precision, accumulate)
   projected = jnp.swapaxes(projected + b_ih.astype(accumulate), 0, 1)  # time-major for the scan
@@ -115,7 +115,7 @@ def _direction(cell, inputs, state, W_ih, W_hh, b_ih, b_hh, seq_lengths, reverse
   state, outputs = lax.scan(scan_step, state, (projected, steps))
   outputs = jnp.swapaxes(outputs, 0, 1)
   if reverse:
-    outputs = _reverse_within_lengths(outputs, seq_lengths)
+    outputs = reverse_within_lengths(outputs, seq_lengths)
   return outputs, state
 
 

@@ -6,7 +6,8 @@ The flat weight vector of :mod:`jaxfuse.ops.rnn.weights` is cuDNN's weight space
 weights go in as they are. cuDNN reads the sequence lengths from the host when it sets a call
 up (it ignores a copy on the device), so they are an attribute of the compiled call: a
 :class:`Call` holds them, known at trace time. Lengths that live on the device would need a
-copy to the host and a wait on the stream in every call; these kernels refuse them.
+copy to the host and a wait on the stream in every call; the caller runs whole sequences
+instead and reads what it needs at each sequence's end.
 
 Calling convention (L layers, D directions, B batch, T steps, I input, H hidden, one dtype):
 forward ``(x (B, T, I), h0 (L*D, B, H), c0 (L*D, B, H) or (1,) for GRU, w (count,)) ->
@@ -44,20 +45,13 @@ def unavailable() -> str | None:
   return LIBRARY.unavailable()
 
 
-def unsupported(dtypes, dropout: float, lengths: tuple[int, ...] | None) -> str | None:
-  """Why these kernels cannot take a call of ``dtypes`` (x, states, weights), ``dropout`` and
-  ``lengths`` (None: on the device), or None."""
+def unsupported(dtypes) -> str | None:
+  """Why these kernels cannot take a call of ``dtypes`` (x, states, weights), or None."""
   names = sorted({jnp.dtype(d).name for d in dtypes})
   if len(names) > 1:
     return f"cuDNN's RNN takes x, the states and the weights in one dtype (here {names})"
   if jnp.dtype(names[0]) not in _DTYPES:
     return f"cuDNN's RNN takes float32, float16 and bfloat16, not {names[0]}"
-  if dropout > 0:
-    return "cuDNN draws its dropout masks from its own generator, not from dropout_key"
-  if lengths is None:
-    return ("cuDNN reads the sequence lengths on the host: pass seq_lengths=None (every "
-            "sequence runs all T steps) or a NumPy array; lengths on the device would make "
-            "every call wait for a copy to the host")
   return None
 
 
