@@ -32,8 +32,8 @@ def _preference(cell: str, dtype, work: int):
   """The order None tries: the table's, with 'cuda' last where a step's work (batch x hidden)
   passes the most at which the fused kernels measured faster for this cell and dtype (a
   dtype without a row has no bound), and 'cudnn' first from the least work at which cuDNN
-  measured faster than both (a dtype without a row: never). The work is the call's, before sharding splits its
-  batch or vmap adds to it: the table was measured on one GPU, unmapped."""
+  measured faster than both (a dtype without a row: never). The work is the call's, before
+  sharding splits its batch or vmap adds to it: the table was measured on one GPU, unmapped."""
   if registry.platform() != "gpu":
     return ("xla",)
   rows = tuned.rows("rnn", _untuned)
