@@ -449,7 +449,8 @@ def _cudnn_by_layer(cell, x, initial_state, unpacked, seq_lengths, *, num_layers
   ended = (lengths > 0)[:, None]
   at_last = lambda a: jnp.take_along_axis(a, last, axis=1)[:, 0]
   exact = _exact(precision, x.dtype)
-  inputs, finals = x, [[] for _ in initial_state]
+  # Zero past each end: the steps cuDNN runs there, forward and backward, stay finite.
+  inputs, finals = jnp.where(running, x, 0), [[] for _ in initial_state]
   for layer in range(num_layers):
     outputs = []
     for direction in range(directions):
