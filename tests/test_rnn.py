@@ -1046,6 +1046,34 @@ def test_kernel_path_vmap_folds_or_maps(rng, monkeypatch, cell):
       np.testing.assert_allclose(g[1], e, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("lengths", ["none", "device"])
+def test_cudnn_path_under_vmap_and_checkpoint(rng, monkeypatch, lengths):
+  """vmap of cuDNN's paths (stood in for on the CPU) equals calls one example at a time,
+  mapping the batch-carrying inputs, the weights, or both; jax.checkpoint changes nothing."""
+  _stand_in_cudnn(monkeypatch)
+  args = list(make(rng, "lstm", 2, True))
+  if lengths == "none":
+    args[4] = None
+  second = [None if a is None else a * 0.5 if a.dtype != jnp.int32 else a // 2 for a in args]
+  run = lambda *a: call("lstm", *a, 2, True, implementation="cudnn")
+  loss = lambda *a: sum(jnp.sum(jnp.sin(o)) for o in run(*a))
+  for mapped in ((0, 1, 2), (3,), (0, 1, 2, 3)):
+    mapped += (4,) if lengths == "device" else ()
+    stacked = [jnp.stack([a, b]) if k in mapped else a
+               for k, (a, b) in enumerate(zip(args, second))]
+    axes = [0 if k in mapped else None for k in range(5)]
+    alone_args = [b if k in mapped else a for k, (a, b) in enumerate(zip(args, second))]
+    for o, e in zip(jax.vmap(run, in_axes=axes)(*stacked), run(*alone_args)):
+      np.testing.assert_allclose(o[1], e, rtol=1e-6, atol=1e-6)
+    grads = jax.vmap(jax.grad(loss, (0, 3)), in_axes=axes)(*stacked)
+    for g, e in zip(grads, jax.grad(loss, (0, 3))(*alone_args)):
+      np.testing.assert_allclose(g[1], e, rtol=1e-5, atol=1e-6)
+  plain = jax.grad(loss, (0, 3))(*args)
+  remat = jax.grad(jax.checkpoint(loss), (0, 3))(*args)
+  for a, b in zip(plain, remat):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
 def test_kernel_path_under_checkpoint(rng, monkeypatch):
   _stand_in_kernels(monkeypatch)
   args = make(rng, "lstm", 2, True)

@@ -493,12 +493,25 @@ def _cell_states(sequence, y, h_0, c_0, W_ih, W_hh, bias, precision):
 def _cudnn_sharded(call, kernel, *args, in_dims, out_dims):
   """``kernel(call, *args)`` on each shard of the batch where every sequence runs all steps
   (each shard's call then differs only in its batch); ragged host lengths name every
-  sequence of the whole batch and run unsharded."""
+  sequence of the whole batch and run unsharded. Under vmap, one example at a time: a call
+  is compiled for its configuration, and each example has its own weight gradient."""
   if len(set(call.lengths)) == 1 and call.lengths[0] == call.time:
     local = lambda *local_args: kernel(call.uniform(local_args[0].shape[0]), *local_args)
-    return parallel_call(call.cell, local, *args, in_dims=in_dims, out_dims=out_dims,
-                         parallel={"b"})
-  return kernel(call, *args)
+    run = lambda *args: parallel_call(call.cell, local, *args, in_dims=in_dims,
+                                      out_dims=out_dims, parallel={"b"})
+  else:
+    run = lambda *args: kernel(call, *args)
+
+  def rule(axis_size, in_batched, *args):
+    def one(mapped):
+      examples = iter(mapped)
+      return wrapped(*(next(examples) if batched else a
+                       for a, batched in zip(args, in_batched)))
+    outs = jax.lax.map(one, tuple(a for a, batched in zip(args, in_batched) if batched))
+    return tuple(outs), tuple(True for _ in outs)
+
+  wrapped = op.vmappable(run, rule)
+  return wrapped(*args)
 
 
 _STATE = ("p", "b", "h")
