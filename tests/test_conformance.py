@@ -36,6 +36,7 @@ class Op:
   inner_axis: int | None = 1
   batch: tuple = (P("batch"),)
   tolerance: float = 2e-5
+  sixteen_bit: tuple[str, ...] = ()  # implementations that take 16-bit inputs only
 
 
 def _normal(rng, shape, scale=1.0):
@@ -82,15 +83,15 @@ def _rnn_call(cell):
 def _attention(impl, q, k, v):
   # float32 products in full precision, as the XLA reference takes them; cuDNN and Mosaic
   # take 16-bit inputs and no precision.
-  precision = None if impl in SIXTEEN_BIT else HIGHEST
+  precision = None if impl in ATTENTION_SIXTEEN_BIT else HIGHEST
   return jaxfuse.attention(q, k, v, is_causal=True, precision=precision, implementation=impl)
 
 
 GPU = ("cuda",)
 # float32 matrix products on a GPU default to TF32; the comparisons want full precision.
 HIGHEST = jax.lax.Precision.HIGHEST
-# cuDNN and Mosaic take 16-bit inputs.
-SIXTEEN_BIT = ("mosaic", "cudnn")
+# cuDNN's and Mosaic's attention take 16-bit inputs.
+ATTENTION_SIXTEEN_BIT = ("mosaic", "cudnn")
 OPS = [
     Op("rms_norm", _norm_args, lambda impl, x, w, b: jaxfuse.rms_norm(x, w, implementation=impl),
        ("xla", "triton") + GPU, wrt=(0, 1)),
@@ -114,11 +115,11 @@ OPS = [
        wrt=(0, 1, 2, 3, 4), inner_axis=None, batch=(P("batch"), None, None, None, None)),
     Op("attention", _attention_args, _attention,
        ("xla", "triton", "mosaic", "cudnn"), wrt=(0, 1, 2), inner_axis=2,
-       batch=(P("batch"),) * 3, tolerance=1e-4),
-    Op("lstm", lambda rng: _rnn_args(rng, "lstm"), _rnn_call("lstm"), ("xla",) + GPU,
-       wrt=(0, 3), inner_axis=None,
+       batch=(P("batch"),) * 3, tolerance=1e-4, sixteen_bit=ATTENTION_SIXTEEN_BIT),
+    Op("lstm", lambda rng: _rnn_args(rng, "lstm"), _rnn_call("lstm"),
+       ("xla",) + GPU + ("cudnn",), wrt=(0, 3), inner_axis=None,
        batch=(P("batch"), P(None, "batch"), P(None, "batch"), None, P("batch"))),
-    Op("gru", lambda rng: _rnn_args(rng, "gru"), _rnn_call("gru"), ("xla",) + GPU,
+    Op("gru", lambda rng: _rnn_args(rng, "gru"), _rnn_call("gru"), ("xla",) + GPU + ("cudnn",),
        wrt=(0, 2), inner_axis=None, batch=(P("batch"), P(None, "batch"), None, P("batch"))),
 ]
 # Implementations the CPU runs; the others are the GPU's.
@@ -130,7 +131,7 @@ CASES = [pytest.param(op, impl, id=f"{op.name}-{impl}",
 
 def _args(op, impl, rng):
   args = op.make(rng)
-  if impl in SIXTEEN_BIT:
+  if impl in op.sixteen_bit:
     args = tuple(a.astype(jnp.bfloat16) for a in args)
   return args
 
@@ -169,7 +170,7 @@ def test_gradients_agree_with_xla_and_survive_checkpoint(rng, op, impl):
                for a in args)
   expected = jax.grad(_loss(op, "xla", wide), argnums=tuple(range(len(wrt))))(
       *[wide[i] for i in op.wrt])
-  tolerance = 2e-2 if impl in SIXTEEN_BIT else op.tolerance
+  tolerance = 2e-2 if impl in op.sixteen_bit else op.tolerance
   for g, e in zip(grads, expected):
     _close(g, e, tolerance)
   remat = jax.jit(jax.grad(jax.checkpoint(_loss(op, impl, args)),
