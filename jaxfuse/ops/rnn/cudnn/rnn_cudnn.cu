@@ -165,31 +165,53 @@ struct Call {
   size_t weight_bytes = 0, workspace_bytes = 0, reserve_bytes = 0;
 };
 
-// One handle per device, made on first use and kept for the process. A handle is not safe for
-// concurrent use, so a call holds its device's mutex until it returns.
+// One handle per device, kept for the process. A handle is not safe for concurrent use, so a
+// call holds its device's mutex until it returns.
 struct DeviceHandle {
   std::mutex mutex;
   cudnnHandle_t handle = nullptr;
 };
 
-ffi::Error lease(Call& call) {
-  int device = 0;
-  const cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return internal("cudaGetDevice", cudaGetErrorString(err));
+DeviceHandle& device_handle(int device) {
   struct Registry {
     std::mutex mutex;
     std::map<int, DeviceHandle> devices;
   };
   // Never destroyed, so a call racing process exit never meets a destroyed mutex.
   static Registry* const registry = new Registry();
-  DeviceHandle* entry = nullptr;
-  {
-    const std::lock_guard<std::mutex> guard(registry->mutex);
-    entry = &registry->devices[device];  // a map's entries never move
+  const std::lock_guard<std::mutex> guard(registry->mutex);
+  return registry->devices[device];  // a map's entries never move
+}
+
+// Every device's handle, made before any handler runs: a handler may first run while XLA
+// captures a CUDA graph, where making one is not allowed.
+ffi::Error create_handles() {
+  int count = 0, current = 0;
+  cudaError_t err = cudaGetDeviceCount(&count);
+  if (err == cudaSuccess) err = cudaGetDevice(&current);
+  if (err != cudaSuccess) return internal("cudaGetDeviceCount", cudaGetErrorString(err));
+  for (int device = 0; device < count; ++device) {
+    DeviceHandle& entry = device_handle(device);
+    const std::lock_guard<std::mutex> hold(entry.mutex);
+    if (entry.handle != nullptr) continue;
+    err = cudaSetDevice(device);
+    if (err != cudaSuccess) return internal("cudaSetDevice", cudaGetErrorString(err));
+    const cudnnStatus_t status = cudnnCreate(&entry.handle);
+    err = cudaSetDevice(current);
+    if (status != CUDNN_STATUS_SUCCESS) return internal("cudnnCreate", cudnnGetErrorString(status));
+    if (err != cudaSuccess) return internal("cudaSetDevice", cudaGetErrorString(err));
   }
-  call.lock = std::unique_lock<std::mutex>(entry->mutex);
-  if (entry->handle == nullptr) JAXFUSE_CUDNN(cudnnCreate, &entry->handle);
-  call.handle = entry->handle;
+  return ffi::Error::Success();
+}
+
+ffi::Error lease(Call& call) {
+  int device = 0;
+  const cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return internal("cudaGetDevice", cudaGetErrorString(err));
+  DeviceHandle& entry = device_handle(device);
+  call.lock = std::unique_lock<std::mutex>(entry.mutex);
+  if (entry.handle == nullptr) JAXFUSE_CUDNN(cudnnCreate, &entry.handle);
+  call.handle = entry.handle;
   return ffi::Error::Success();
 }
 
@@ -380,6 +402,7 @@ extern "C" int jaxfuse_cudnn_rnn_sizes(int64_t cell, int64_t dtype, int64_t math
                            batch, time, lengths, lengths == nullptr ? 0 : batch, training};
   jaxfuse::Call call;
   xla::ffi::Error status = jaxfuse::validate(p);
+  if (status.success()) status = jaxfuse::create_handles();
   if (status.success()) status = jaxfuse::prepare(p, call);
   if (status.success()) {
     *workspace_bytes = call.workspace_bytes;
