@@ -479,8 +479,7 @@ def _cell_states(sequence, y, h_0, c_0, W_ih, W_hh, bias, precision):
   started from: the gates of all steps in two products, then ``c_t = f_t c_{t-1} + i_t g_t``,
   a linear recurrence, as a parallel prefix over time."""
   previous = jnp.concatenate([h_0[:, None].astype(y.dtype), y[:, :-1]], axis=1)
-  project = lambda a, w: jnp.einsum("btk,gk->btg", a, w, precision=precision,
-                                    preferred_element_type=jnp.float32)
+  project = lambda a, w: reference.project(a, w, precision, jnp.float32)
   gates = project(sequence, W_ih) + project(previous, W_hh) + bias.astype(jnp.float32)
   i, f, g, _ = jnp.split(gates, 4, axis=-1)
   decay, gain = jax.nn.sigmoid(f), jax.nn.sigmoid(i) * jnp.tanh(g)

@@ -27,7 +27,7 @@ def reverse_within_lengths(sequences, seq_lengths):
   return jnp.take_along_axis(sequences, source[:, :, None], axis=1)
 
 
-def _project(a, w, precision, accumulate):
+def project(a, w, precision, accumulate):
   """``a @ w.T`` over the last axis of ``a``, accumulated in ``accumulate``."""
   if replicated_sharding(a) is not None:
     return _sharded_project(a, w, precision, accumulate)
@@ -97,11 +97,11 @@ def _direction(cell, inputs, state, W_ih, W_hh, b_ih, b_hh, seq_lengths, reverse
   if reverse:
     inputs = reverse_within_lengths(inputs, seq_lengths)
   operand = jnp.result_type(inputs, W_ih)
-  projected = _project(inputs.astype(operand), W_ih.astype(operand), precision, accumulate)
+  projected = project(inputs.astype(operand), W_ih.astype(operand), precision, accumulate)
   projected = jnp.swapaxes(projected + b_ih.astype(accumulate), 0, 1)  # time-major for the scan
   hidden_bias = b_hh.astype(accumulate)
   W_hh = W_hh.astype(operand)
-  hidden_gates = lambda h: _project(h.astype(operand), W_hh, precision, accumulate) + hidden_bias
+  hidden_gates = lambda h: project(h.astype(operand), W_hh, precision, accumulate) + hidden_bias
   step = _STEPS[cell]
 
   def scan_step(state, inputs_t):

@@ -9,11 +9,11 @@ up (it ignores a copy on the device), so they are an attribute of the compiled c
 copy to the host and a wait on the stream in every call; the caller runs whole sequences
 instead and reads what it needs at each sequence's end.
 
-Calling convention (L layers, D directions, B batch, T steps, I input, H hidden, one dtype):
-forward ``(x (B, T, I), h0 (L*D, B, H), c0 (L*D, B, H) or (1,) for GRU, w (count,)) ->
-y (B, T, D*H), h_n, c_n`` plus the reserve the backward needs, bytes shaped ``(B, bytes / B)``
-so that a shard of the batch holds its own; backward ``(dy, dh_n,
-dc_n, x, h0, c0, w, y, reserve) -> dx, dh0, dc0, dw``.
+Calling convention (L layers, D directions, B batch, T steps, I input, H hidden, one dtype;
+GRU's cell states are ``(1,)`` placeholders): forward ``(x (B, T, I), h0 (L*D, B, H),
+c0 (L*D, B, H), w (count,)) -> y (B, T, D*H), h_n, c_n`` plus the reserve the backward needs,
+bytes shaped ``(B, bytes / B)`` so that a shard of the batch holds its own; backward ``(dy,
+dh_n, dc_n, x, h0, c0, w, y, reserve) -> dx, dh0, dc0, dw``.
 """
 
 from __future__ import annotations
@@ -110,11 +110,6 @@ def scratch_bytes(call: Call, training: bool) -> tuple[int, int]:
   return max(workspace.value, 1), max(reserve.value, 1)
 
 
-def _cell_state(call: Call, c0):
-  # GRU has no cell state: the handlers take and give a placeholder.
-  return c0 if call.cell == "lstm" else jnp.zeros((1,), call.dtype)
-
-
 def forward(call: Call, x, h0, c0, w, *, training: bool):
   """``(y, h_n, c_n, reserve)``; ``c_n`` is None for GRU."""
   workspace, reserve = scratch_bytes(call, training)
@@ -125,9 +120,8 @@ def forward(call: Call, x, h0, c0, w, *, training: bool):
                                   call.dtype), states, cell_state,
              jax.ShapeDtypeStruct((call.batch, -(-reserve // call.batch)), jnp.uint8),
              jax.ShapeDtypeStruct((workspace,), jnp.uint8))
-  y, h_n, c_n, reserved, _ = jax.ffi.ffi_call(
-      "jaxfuse_cudnn_rnn_forward", outputs, vmap_method="sequential")(
-          x, h0, _cell_state(call, c0), w, training=np.int64(training), **call.attributes())
+  y, h_n, c_n, reserved, _ = jax.ffi.ffi_call("jaxfuse_cudnn_rnn_forward", outputs)(
+      x, h0, c0, w, training=np.int64(training), **call.attributes())
   return y, h_n, c_n if call.cell == "lstm" else None, reserved
 
 
@@ -143,8 +137,6 @@ def backward(call: Call, dy, dh_n, dc_n, x, h0, c0, w, y, reserve):
              jax.ShapeDtypeStruct((workspace,), jnp.uint8))
   # cudnnRNNBackwardData_v8 writes into the reserve: the call owns its copy.
   dx, dh0, dc0, dw, _, _ = jax.ffi.ffi_call(
-      "jaxfuse_cudnn_rnn_backward", outputs, vmap_method="sequential",
-      input_output_aliases={8: 4})(
-          dy, dh_n, _cell_state(call, dc_n), x, h0, _cell_state(call, c0), w, y, reserve,
-          **call.attributes())
+      "jaxfuse_cudnn_rnn_backward", outputs, input_output_aliases={8: 4})(
+          dy, dh_n, dc_n, x, h0, c0, w, y, reserve, **call.attributes())
   return dx, dh0, dc0 if call.cell == "lstm" else None, dw
