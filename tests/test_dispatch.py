@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import pytest
 
 import jaxfuse
-from jaxfuse._core import registry
+from jaxfuse._core import registry, tuned
 from jaxfuse._core.cuda import build
 from jaxfuse._core.testing import x64
 from jaxfuse.ops.attention import api as attention_api
@@ -82,6 +82,13 @@ class Machine:
     for module in (norm_cuda, softmax_cuda, rnn_cuda):
       self._monkeypatch.setattr(module.LIBRARY, "_load", fail)
 
+  def rnn_rows(self, rows):
+    """The RNN's tuned rows in place of this GPU's table."""
+    rows_of = tuned.rows
+    self._monkeypatch.setattr(
+        tuned, "rows", lambda family, untuned: rows if family == "rnn" else rows_of(family,
+                                                                                     untuned))
+
   def cudnn_rejecting(self, reason):
     self._monkeypatch.setattr(attention_api, "_cudnn_rejects", lambda call, shapes: reason)
 
@@ -112,7 +119,8 @@ def chosen(monkeypatch):
   """The ops' jitted entries replaced by spies; ``chosen()`` pops what the last call chose:
   (forward, backward) for the norms and softmaxes ((evaluated, forward, backward) where an
   evaluated call runs another kernel), (with its gradient, the loss alone) for the
-  cross-entropy, (evaluated, differentiated) for attention, one name for the others."""
+  cross-entropy, (evaluated, differentiated) for attention and, where they differ, the RNN,
+  one name for the others."""
   choices = []
 
   def spy(module, name, choice, result=None):
@@ -148,6 +156,8 @@ def chosen(monkeypatch):
       lambda call, x, initial_state, *rest: (None, initial_state))
   spy(rnn_api, "_cudnn_by_layer", lambda *args, **kwargs: "cudnn by layer",
       lambda cell, *args, **kwargs: final_state(*args))
+  spy(rnn_api, "_by_use", lambda network, plan, *args: (plan.evaluated, plan.forward),
+      lambda network, plan, x, initial_state, *rest: (None, initial_state))
   return choices.pop
 
 
@@ -780,8 +790,14 @@ RNN_LARGEST = [("lstm", "bfloat16", 1644), ("lstm", "float16", 1644),
                ("lstm", "float32", 1056), ("gru", "bfloat16", 2112), ("gru", "float32", 1096)]
 
 
+def both_uses(cell_and_dtype, work):
+  """A tuned RNN row's entries, one bound for the evaluated forward and the training step."""
+  return {f"{cell_and_dtype}/{use}": work for use in ("forward", "step")}
+
+
 @pytest.mark.parametrize("cell,dtype,largest", RNN_LARGEST)
 def test_rnn_none_takes_cuda_up_to_the_largest_hidden_size(gpu, chosen, cell, dtype, largest):
+  gpu.rnn_rows({"cuda_most_work": {}, "cudnn_least_work": {}})  # no bound measured
   recurrent(cell, largest, dtype)
   assert chosen() == "cuda"
   recurrent(cell, largest + 1, dtype)
@@ -789,10 +805,8 @@ def test_rnn_none_takes_cuda_up_to_the_largest_hidden_size(gpu, chosen, cell, dt
 
 
 def test_rnn_none_passes_cuda_over_past_the_work_its_table_measured_it_faster(
-    gpu, chosen, monkeypatch):
-  monkeypatch.setattr(rnn_api, "_untuned", lambda: {"order": ["cuda", "xla"],
-                                                    "cuda_most_work": {"lstm/bfloat16": 4096},
-                                                    "cudnn_least_work": {}})
+    gpu, chosen):
+  gpu.rnn_rows({"cuda_most_work": both_uses("lstm/bfloat16", 4096), "cudnn_least_work": {}})
   recurrent("lstm", 64, batch=64)
   assert chosen() == "cuda"
   recurrent("lstm", 64, batch=65)
@@ -829,10 +843,9 @@ def test_rnn_cuda_takes_an_empty_batch_of_any_hidden_size(gpu, chosen):
 
 
 def test_rnn_none_takes_cudnn_from_the_work_its_table_measured_it_fastest(
-    gpu, chosen, monkeypatch):
-  monkeypatch.setattr(rnn_api, "_untuned", lambda: {
-      "order": ["cuda", "xla"], "cuda_most_work": {"lstm/bfloat16": 8192},
-      "cudnn_least_work": {"lstm/bfloat16": 4096}})
+    gpu, chosen):
+  gpu.rnn_rows({"cuda_most_work": both_uses("lstm/bfloat16", 8192),
+                "cudnn_least_work": both_uses("lstm/bfloat16", 4096)})
   recurrent("lstm", 64, batch=63, on_host=True)
   assert chosen() == "cuda"
   recurrent("lstm", 64, batch=64, on_host=True)
@@ -842,7 +855,34 @@ def test_rnn_none_takes_cudnn_from_the_work_its_table_measured_it_fastest(
   assert chosen() == "cudnn by layer"
   recurrent("lstm", 64, batch=129)
   assert chosen() == "cudnn by layer"
+  # A pair the run did not time takes the nearest it did: GRU and float16 LSTM's bfloat16
+  # row; float32, timed for neither cell, has none.
   recurrent("gru", 64, batch=64, on_host=True)
+  assert chosen() == "cudnn"
+  recurrent("gru", 64, "float16", batch=64, on_host=True)
+  assert chosen() == "cudnn"
+  recurrent("gru", 64, "float32", batch=64, on_host=True)
+  assert chosen() == "cuda"
+
+
+def test_rnn_none_chooses_for_inference_and_training_apart(gpu, chosen):
+  # cuDNN's forward measured fastest from less work than its training step, and the fused
+  # kernels' step from less than their forward; a measured None: no bound.
+  gpu.rnn_rows({"cuda_most_work": {"lstm/float32/forward": 4096, "lstm/float32/step": None},
+                "cudnn_least_work": {"lstm/float32/forward": 8192,
+                                     "lstm/float32/step": 16384}})
+  recurrent("lstm", 64, "float32", batch=64, on_host=True)
+  assert chosen() == "cuda"
+  recurrent("lstm", 64, "float32", batch=65, on_host=True)
+  assert chosen() == ("xla", "cuda")  # (evaluated, differentiated)
+  recurrent("lstm", 64, "float32", batch=128, on_host=True)
+  assert chosen() == ("cudnn", "cuda")
+  recurrent("lstm", 64, "float32", batch=256, on_host=True)
+  assert chosen() == "cudnn"
+  # GRU takes LSTM's rows; a named implementation runs both.
+  recurrent("gru", 64, "float32", batch=65, on_host=True)
+  assert chosen() == ("xla", "cuda")
+  recurrent("lstm", 64, "float32", batch=65, implementation="cuda")
   assert chosen() == "cuda"
 
 

@@ -1124,3 +1124,35 @@ def test_to_torch_gives_writable_arrays_and_leaves_out_biases_on_request(cell):
   back = to_torch(flat, 4, 8, 2, bias=False)
   assert sorted(back) == sorted(no_bias)
   assert all(np.array_equal(back[k], no_bias[k]) for k in back)
+
+
+@pytest.mark.parametrize("cell", CELLS)
+def test_inference_and_training_take_their_own_paths(rng, monkeypatch, cell):
+  """A plan whose evaluated and differentiated implementations differ runs the first when only
+  evaluated and the second's forward and backward (cuDNN's, stood in for on the CPU) when
+  differentiated; both give XLA's outputs and gradients."""
+  from jaxfuse._core.op import Plan
+  from jaxfuse.ops.rnn import api as rnn_api
+  from jaxfuse.ops.rnn import cudnn as rnn_cudnn
+  _stand_in_cudnn(monkeypatch)
+  ran = []
+  for name in ("forward", "backward"):
+    stand_in = getattr(rnn_cudnn, name)
+    monkeypatch.setattr(rnn_cudnn, name, lambda *a, name=name, stand_in=stand_in, **k:
+                        ran.append(name) or stand_in(*a, **k))
+  x, h_0, c_0, weights, _ = make(rng, cell, 2, True, batch=4)
+  state = (h_0, c_0) if cell == "lstm" else (h_0,)
+  lengths = jnp.full(4, TIME, jnp.int32)
+  network = rnn_api._Network(cell, INPUT, HIDDEN, 2, True, 0.0, None, (TIME,) * 4)
+  by_use = lambda *a: rnn_api._by_use(network, Plan("xla", "cudnn", "cudnn"), *a, lengths, None)
+  xla = lambda *a: rnn_api._path(network, "xla", *a, lengths, None)
+  loss = lambda f: lambda *a: sum(jnp.sum(jnp.sin(o)) for o in jax.tree.leaves(f(*a)))
+  for a, e in zip(jax.tree.leaves(by_use(x, state, weights)),
+                  jax.tree.leaves(xla(x, state, weights))):
+    np.testing.assert_array_equal(a, e)
+  assert ran == []
+  grads = jax.grad(loss(by_use), (0, 1, 2))(x, state, weights)
+  assert ran == ["forward", "backward"]
+  for a, e in zip(jax.tree.leaves(grads),
+                  jax.tree.leaves(jax.grad(loss(xla), (0, 1, 2))(x, state, weights))):
+    np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-6)

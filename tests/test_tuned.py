@@ -304,31 +304,40 @@ def test_the_rnn_tuning_run_gives_the_fused_kernels_most_work_per_cell_and_dtype
                  step if impl == "cuda" or cell == "lstm" else 9.0)
           for cell in ("lstm", "gru") for dtype in ("float32", "bfloat16")
           for (b, h), times in steps.items() for impl, step in zip(("cuda", "xla"), times)]
-  assert rnn_bench.tuned_rows(rows)["cuda_most_work"] == {"lstm/float32": 16384,
-                                                          "lstm/bfloat16": 16384}
+  # The forwards tie (no bound), GRU's fused steps win everywhere (no bound).
+  assert rnn_bench.tuned_rows(rows)["cuda_most_work"] == {
+      **{f"{cell}/{dtype}/{use}": None for cell in ("lstm", "gru")
+         for dtype in ("float32", "bfloat16") for use in ("forward", "step")},
+      "lstm/float32/step": 16384, "lstm/bfloat16/step": 16384}
   # Two points of one work (1 x 1024, 4 x 256) weigh together: a small win at one does not
   # outweigh a large loss at the other.
   rows = [_timed("lstm", f"LSTM {b}x64x{h}x{h} L1 float32", b, impl, 1.0, step)
           for (b, h), times in {(1, 256): (1.0, 2.0), (1, 1024): (1.0, 1.1),
                                 (4, 256): (4.0, 2.0), (4, 1024): (4.0, 2.0)}.items()
           for impl, step in zip(("cuda", "xla"), times)]
-  assert rnn_bench.tuned_rows(rows)["cuda_most_work"] == {"lstm/float32": 256}
-  rows[0] = _timed("lstm", "LSTM 1x64x256x256 L1 float32", 1, "cuda", 1.0, 5.0)
-  assert rnn_bench.tuned_rows(rows)["cuda_most_work"] == {"lstm/float32": 0}
+  assert rnn_bench.tuned_rows(rows)["cuda_most_work"] == {"lstm/float32/forward": None,
+                                                          "lstm/float32/step": 256}
+  rows[0] = _timed("lstm", "LSTM 1x64x256x256 L1 float32", 1, "cuda", 3.0, 5.0)
+  assert rnn_bench.tuned_rows(rows)["cuda_most_work"] == {"lstm/float32/forward": 0,
+                                                          "lstm/float32/step": 0}
   assert "cudnn_least_work" not in rnn_bench.tuned_rows(rows)
 
 
 def test_the_rnn_tuning_run_gives_cudnn_the_least_work_from_which_it_wins():
   from jaxfuse.ops.rnn import bench as rnn_bench
   # cuDNN's step against the faster of the fused kernels and XLA: slower up to 1 x 1024, faster
-  # from 64 x 256 on the float32 LSTM; slower everywhere on the bfloat16 one.
+  # from 64 x 256 on the float32 LSTM; slower everywhere on the bfloat16 one. Its forwards
+  # win from 1 x 1024.
   steps = {(1, 256): (1.0, 2.0, 3.0), (1, 1024): (2.0, 3.0, 2.5), (64, 256): (2.0, 1.5, 1.0),
            (256, 1024): (9.0, 5.0, 2.0)}
-  rows = [_timed("lstm", f"LSTM {b}x64x{h}x{h} L1 {dtype}", b, impl, 1.0,
+  rows = [_timed("lstm", f"LSTM {b}x64x{h}x{h} L1 {dtype}", b, impl,
+                 (0.5 if b * h >= 1024 else 2.0) if impl == "cudnn" else 1.0,
                  step if dtype == "float32" or impl != "cudnn" else 10.0)
           for dtype in ("float32", "bfloat16") for (b, h), times in steps.items()
           for impl, step in zip(("cuda", "xla", "cudnn"), times)]
-  assert rnn_bench.tuned_rows(rows)["cudnn_least_work"] == {"lstm/float32": 16384}
+  assert rnn_bench.tuned_rows(rows)["cudnn_least_work"] == {
+      "lstm/float32/forward": 1024, "lstm/float32/step": 16384,
+      "lstm/bfloat16/forward": 1024, "lstm/bfloat16/step": None}
 
 
 def test_tune_writes_the_rows_citing_its_run(tmp_path, monkeypatch, capsys):

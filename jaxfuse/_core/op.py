@@ -78,6 +78,31 @@ def differentiable(primal: Callable, forward: Callable, backward: Callable, *,
   return function
 
 
+def by_use(implementation: Callable, *, static: int, differentiated: int) -> Callable:
+  """``f(*config, plan, *arrays)``: ``implementation(*config, plan.evaluated, *arrays)`` where
+  the call is only evaluated, and ``implementation(*config, plan.forward, *arrays)`` with that
+  implementation's own derivatives where it is differentiated, so a family runs its fastest
+  for inference and for training where they differ. ``config``: the first ``static``
+  arguments, hashable; gradients flow to the first ``differentiated`` of ``arrays``, and the
+  rest take none."""
+
+  def evaluated(*args):
+    return implementation(*args[:static], args[static].evaluated, *args[static + 1:])
+
+  def forward(*args):
+    config, plan, arrays = args[:static], args[static], args[static + 1:]
+    inputs, rest = arrays[:differentiated], arrays[differentiated:]
+    run = lambda *inputs: implementation(*config, plan.forward, *inputs, *rest)
+    out, pullback = jax.vjp(run, *inputs)  # the pullback holds the residuals
+    return out, (pullback, (None,) * len(rest))
+
+  def backward(*args):
+    (pullback, none), cotangents = args[-2:]
+    return pullback(cotangents) + none
+
+  return differentiable(evaluated, forward, backward, static=range(static + 1))
+
+
 def vmappable(fn: Callable, rule: Callable) -> Callable:
   """``fn`` batched by ``rule(axis_size, in_batched, *args)``, which returns the outputs and
   which of them are mapped; JAX hands it every mapped operand with the mapped axis first."""

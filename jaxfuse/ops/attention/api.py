@@ -372,7 +372,7 @@ def _attention_jit(q, k, v, bias, mask, q_seg, kv_seg, q_len, kv_len, plan, call
                            call)
   # They differ only as cuDNN and 'mosaic': no bias or mask (Mosaic takes none), no segments
   # and no lse (cuDNN takes none).
-  return _by_use(q, k, v, q_len, kv_len, plan, call), None
+  return _by_use(call, plan, q, k, v, q_len, kv_len), None
 
 
 def _implementation(impl, q, k, v, bias, mask, q_seg, kv_seg, q_len, kv_len, call):
@@ -384,26 +384,13 @@ def _implementation(impl, q, k, v, bias, mask, q_seg, kv_seg, q_len, kv_len, cal
   return _flash(q, k, v, (q_seg, kv_seg, q_len, kv_len), (impl, call))
 
 
-def _by_use(q, k, v, q_len, kv_len, plan, call):
-  """The output of ``plan.evaluated``, differentiated as ``plan.forward`` (its forward and
-  backward): the fastest for inference and for training where those differ."""
-  return _implementation(plan.evaluated, q, k, v, None, None, None, None, q_len, kv_len,
-                         call)[0]
+def _unmasked(call, impl, q, k, v, q_len, kv_len):
+  return _implementation(impl, q, k, v, None, None, None, None, q_len, kv_len, call)[0]
 
 
-def _by_use_fwd(q, k, v, q_len, kv_len, plan, call):
-  def differentiated(q, k, v):
-    return _implementation(plan.forward, q, k, v, None, None, None, None, q_len, kv_len,
-                           call)[0]
-  return jax.vjp(differentiated, q, k, v)  # the vjp function holds the residuals
-
-
-def _by_use_bwd(plan, call, vjp, do):
-  del plan, call
-  return vjp(do) + (None, None)
-
-
-_by_use = op.differentiable(_by_use, _by_use_fwd, _by_use_bwd, static=(5, 6))
+# The output of plan.evaluated, differentiated as plan.forward: the fastest for inference and
+# for training where those differ.
+_by_use = op.by_use(_unmasked, static=1, differentiated=3)
 
 
 # ``kernel`` is (implementation, call): 'triton' or 'mosaic' and the static configuration.

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfuse._core import op, registry, tuned
-from jaxfuse._core.op import resolve_plan
+from jaxfuse._core.op import resolve_plan, timed_as
 from jaxfuse._core.sharding import parallel_call, replicated_sharding
 from jaxfuse._core.validation import (check_array, check_lengths_range, describe, static_float,
                                       static_int)
@@ -23,29 +23,48 @@ from jaxfuse.ops.rnn.weights import unpack, weight_count
 
 
 def _untuned() -> dict:
-  # 'cudnn' only where a GPU's table measured it faster. No limit on the fused kernels' work
-  # per step where none was measured.
-  return {"order": ["cuda", "xla"], "cuda_most_work": {}, "cudnn_least_work": {}}
+  # A GPU never measured: the bounds the measured GPUs share. The fused kernels win while a
+  # step's batch is small beside W_hh, which they hold on chip, and 16-bit weights leave room
+  # for twice the batch; cuDNN's forward (XLA's scan close behind it in float32) wins later
+  # than its training step.
+  cuda_most = {"float32": 2**15, "bfloat16": 2**16}
+  cudnn_least = {("float32", "forward"): 2**17}
+  pairs = [(dtype, use) for dtype in cuda_most for use in ("forward", "step")]
+  return {"cuda_most_work": {f"lstm/{d}/{u}": cuda_most[d] for d, u in pairs},
+          "cudnn_least_work": {f"lstm/{d}/{u}": cudnn_least.get((d, u), 2**16) for d, u in pairs}}
 
 
-def _preference(cell: str, dtype, work: int):
-  """The order None tries: the table's, with 'cuda' last where a step's work (batch x hidden)
-  passes the most at which the fused kernels measured faster for this cell and dtype (a
-  dtype without a row has no bound), and 'cudnn' first from the least work at which cuDNN
-  measured faster than both (a dtype without a row: never). The work is the call's, before
-  sharding splits its batch or vmap adds to it: the table was measured on one GPU, unmapped."""
+def _preference(cell: str, dtype, work: int, use: str):
+  """The order None tries for ``use`` (``'forward'``: a call only evaluated; ``'step'``: one
+  differentiated, both directions): 'cuda' then 'xla', 'cuda' last where a step's work (batch
+  x hidden) passes the most at which the fused kernels measured faster, and 'cudnn' first from
+  the least at which cuDNN measured faster than both (see :func:`_measured`; no row: no bound,
+  and no cuDNN). The work is the call's, before sharding splits its batch or vmap adds to it:
+  the table was measured on one GPU, unmapped."""
   if registry.platform() != "gpu":
     return ("xla",)
   rows = tuned.rows("rnn", _untuned)
-  order = tuple(rows["order"])
-  key = f"{cell}/{jnp.dtype(dtype).name}"
-  most = rows["cuda_most_work"].get(key)
-  if "cuda" in order and most is not None and work > most:
-    order = tuple(name for name in order if name != "cuda") + ("cuda",)
-  least = rows["cudnn_least_work"].get(key)
+  order = ("cuda", "xla")
+  most = _measured(rows["cuda_most_work"], cell, dtype, use)
+  if most is not None and work > most:
+    order = ("xla", "cuda")
+  least = _measured(rows["cudnn_least_work"], cell, dtype, use)
   if least is not None and work >= least:
     order = ("cudnn",) + order
   return order
+
+
+def _measured(row: dict, cell: str, dtype, use: str) -> int | None:
+  """A per cell, dtype and use row's value (None where the run measured no bound); a pair the
+  run did not time takes the nearest it did: float16 as bfloat16 (one 16-bit path in each
+  library), then the other cell at that dtype (the cells' kernels share their tiling)."""
+  name = jnp.dtype(dtype).name
+  width = "bfloat16" if name == "float16" else name
+  other = "gru" if cell == "lstm" else "lstm"
+  for key in (f"{cell}/{name}", f"{cell}/{width}", f"{other}/{width}"):
+    if f"{key}/{use}" in row:
+      return row[f"{key}/{use}"]
+  return None
 
 
 def lstm(x, h_0, c_0, weights, seq_lengths, *, input_size: int, hidden_size: int,
@@ -75,7 +94,8 @@ def lstm(x, h_0, c_0, weights, seq_lengths, *, input_size: int, hidden_size: int
       sequences, the final states read at each sequence's end) or ``None``: by the GPU's
       tuned table, ``'cudnn'`` from the work per step (batch x hidden) it measured cuDNN
       fastest, where it takes the call, ``'cuda'`` up to the work it measured the fused
-      kernels faster, else ``'xla'``.
+      kernels faster, else ``'xla'``; a call only evaluated by the forwards' times, a
+      differentiated one by the training steps'.
 
   Returns:
     ``(y, h_n, c_n)``: ``y`` ``(B, T, directions * hidden_size)``, zero past each sequence's
@@ -156,26 +176,59 @@ def _run(cell, x, initial_state, weights, seq_lengths, input_size, hidden_size, 
               "cuda": functools.partial(_cuda_unavailable, layer),
               "cudnn": lambda: (cudnn_kernels.unavailable() or cudnn_kernels.unsupported(
                   (x.dtype, weights.dtype, *(s.dtype for s in initial_state))))}
-  # One implementation for every use: each path brings its own derivatives.
-  impl = resolve_plan(op, implementation, backends,
-                      _preference(cell, op_dtype, batch * hidden_size)).forward
-  unpacked = unpack(cell, weights, input_size, hidden_size, num_layers, bidirectional)
-  if impl == "cudnn" and batch and time and host_lengths is not None and dropout == 0:
-    call = cudnn_kernels.Call(cell, input_size, hidden_size, num_layers, bool(bidirectional),
-                              batch, time, jnp.dtype(x.dtype), _exact(precision, x.dtype),
-                              tuple(max(n, 1) for n in host_lengths))
-    return _cudnn(call, x, initial_state, weights, host_lengths)
+  work = batch * hidden_size
+
+  def fastest(use):
+    return registry.resolve(op, None, backends,
+                            _preference(cell, op_dtype, work, timed_as(use)))
+
+  plan = resolve_plan(op, implementation, backends, _preference(cell, op_dtype, work, "step"),
+                      fastest)
+  network = _Network(cell, input_size, hidden_size, num_layers, bool(bidirectional), dropout,
+                     precision, host_lengths)
+  arrays = (x, initial_state, weights, seq_lengths, dropout_key)
+  if plan.evaluated == plan.forward:  # each path brings its own derivatives
+    return _path(network, plan.forward, *arrays)
+  return _by_use(network, plan, *arrays)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Network:
+  """A call's static configuration; ``host_lengths``: the lengths where the host holds them."""
+  cell: str
+  input_size: int
+  hidden_size: int
+  num_layers: int
+  bidirectional: bool
+  dropout: float
+  precision: object
+  host_lengths: tuple[int, ...] | None
+
+
+def _path(net: _Network, impl: str, x, initial_state, weights, seq_lengths, dropout_key):
+  """The network's ``(y, final_state)`` by ``impl``."""
+  batch, time = x.shape[:2]
+  layers = dict(num_layers=net.num_layers, bidirectional=net.bidirectional)
+  unpacked = unpack(net.cell, weights, net.input_size, net.hidden_size, net.num_layers,
+                    net.bidirectional)
+  if impl == "cudnn" and batch and time and net.host_lengths is not None and net.dropout == 0:
+    call = cudnn_kernels.Call(net.cell, net.input_size, net.hidden_size, net.num_layers,
+                              net.bidirectional, batch, time, jnp.dtype(x.dtype),
+                              _exact(net.precision, x.dtype),
+                              tuple(max(n, 1) for n in net.host_lengths))
+    return _cudnn(call, x, initial_state, weights, net.host_lengths)
+  dropped = dict(dropout=net.dropout, dropout_key=dropout_key, precision=net.precision)
   if impl == "cudnn" and batch and time:
-    return _cudnn_by_layer(cell, x, initial_state, unpacked, seq_lengths, num_layers=num_layers,
-                           bidirectional=bidirectional, dropout=dropout,
-                           dropout_key=dropout_key, precision=precision)
+    return _cudnn_by_layer(net.cell, x, initial_state, unpacked, seq_lengths, **layers,
+                           **dropped)
   if impl == "xla" or batch == 0 or time == 0:
-    return reference.forward(cell, x, initial_state, unpacked, seq_lengths,
-                             num_layers=num_layers, bidirectional=bidirectional,
-                             dropout=dropout, dropout_key=dropout_key, precision=precision)
-  return _fused_forward(cell, x, initial_state, unpacked, seq_lengths, num_layers=num_layers,
-                        bidirectional=bidirectional, dropout=dropout, dropout_key=dropout_key,
-                        precision=precision)
+    return reference.forward(net.cell, x, initial_state, unpacked, seq_lengths, **layers,
+                             **dropped)
+  return _fused_forward(net.cell, x, initial_state, unpacked, seq_lengths, **layers, **dropped)
+
+
+# Inference on plan.evaluated's path, training on plan.forward's, where the table parts them.
+_by_use = op.by_use(_path, static=1, differentiated=3)
 
 
 lstm.__doc__ = lstm.__doc__.replace("{cuda_limits}", cuda_kernels.limits())

@@ -207,26 +207,27 @@ def tune_cases() -> list[Case]:
 
 
 def tuned_rows(rows) -> dict:
-  """The order None tries the kernels in (by the geometric mean of the training step over the
-  cases both ran); per cell and dtype, the most work per step (batch x hidden) up to which
-  the fused kernels go before XLA's scan at the least regret in the step (no key: everywhere;
-  0: not even at the least work) and, where the run timed cuDNN, the least work from which
-  cuDNN's step beats the faster of the two at the least regret (no key: nowhere)."""
+  """Per cell, dtype and use (the evaluated ``forward``, the training ``step``) the run timed,
+  the most work per step (batch x hidden) up to which the fused kernels go before XLA's scan
+  at the least regret (None: everywhere; 0: not even at the least work) and, where it timed
+  cuDNN, the least work from which cuDNN beats the faster of the two at the least regret
+  (None: nowhere)."""
   most, least = {}, {}
   for op in GATES:
     for dtype in ("float32", "bfloat16"):
       group = [dataclasses.replace(r, size=_work(r.label)) for r in rows
                if r.op == op and r.label.endswith(dtype)]
-      points = tune.times_by_size(group, "step", "cuda", "xla")
-      longest = tune.least_regret_prefix(points)
-      if points and longest != points[-1][0]:
-        most[f"{op}/{dtype}"] = longest or 0
-      cudnn = sorted((row.size, mine, theirs) for row, mine, theirs
-                     in tune.times_by_case(group, "step", "cudnn", ("cuda", "xla")))
-      if (start := tune.least_regret_suffix(cudnn)) is not None:
-        least[f"{op}/{dtype}"] = start
-  out = {"order": tune.order_by_geometric_mean(rows, "step", ("cuda", "xla")),
-         "cuda_most_work": most}
+      for use in ("forward", "step"):
+        key = f"{op}/{dtype}/{use}"
+        points = tune.times_by_size(group, use, "cuda", "xla")
+        if points:
+          longest = tune.least_regret_prefix(points)
+          most[key] = None if longest == points[-1][0] else longest or 0
+        cudnn = sorted((row.size, mine, theirs) for row, mine, theirs
+                       in tune.times_by_case(group, use, "cudnn", ("cuda", "xla")))
+        if cudnn:
+          least[key] = tune.least_regret_suffix(cudnn)
+  out = {"cuda_most_work": most}
   if any(r.implementation == "cudnn" for r in rows):
     out["cudnn_least_work"] = least
   return out
