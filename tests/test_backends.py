@@ -226,6 +226,35 @@ def test_a_plan_names_one_implementation_per_use(monkeypatch):
   assert op.resolve_plan("f", "xla", backends, ("xla",), fastest) == op.Plan("xla", "xla", "xla")
 
 
+def test_by_use_evaluates_one_implementation_and_differentiates_by_another():
+  """A call only evaluated runs the plan's evaluated implementation; a differentiated one runs
+  the forward's, with that implementation's own derivatives (here a deliberately different
+  one), under jit and vmap too; the arrays past the differentiated ones take no gradient."""
+  from jaxfuse._core import op
+  traced = []
+
+  @jax.custom_vjp
+  def doubled_gradient(x):
+    return jnp.sin(x)
+
+  doubled_gradient.defvjp(lambda x: (jnp.sin(x), x), lambda x, g: (2 * jnp.cos(x) * g,))
+
+  def implementation(scale, impl, x, shift):
+    traced.append(impl)
+    return scale * (jnp.sin(x) if impl == "plain" else doubled_gradient(x)) + shift
+
+  f = op.by_use(implementation, static=1, differentiated=1)
+  plan = op.Plan("plain", "doubled", "doubled")
+  x, shift = jnp.array([0.3, -1.2, 2.0]), jnp.array([1, 2, 3])
+  assert jnp.allclose(f(3.0, plan, x, shift), 3 * jnp.sin(x) + shift)
+  assert traced == ["plain"]
+  loss = lambda x: jnp.sum(f(3.0, plan, x, shift))
+  assert jnp.allclose(jax.jit(jax.grad(loss))(x), 6 * jnp.cos(x))
+  assert traced == ["plain", "doubled"]
+  batched = jax.vmap(jax.grad(loss))(jnp.stack([x, 2 * x]))
+  assert jnp.allclose(batched, 6 * jnp.cos(jnp.stack([x, 2 * x])))
+
+
 def test_jaxfuse_nn_without_flax_says_how_to_install_it():
   code = ("import sys; sys.modules['flax'] = None\n"
           "try:\n  import jaxfuse.nn\nexcept ModuleNotFoundError as e:\n  print(e)\n")

@@ -1097,6 +1097,18 @@ def test_the_grid_keeps_each_points_saved_activations_within_its_budget():
           assert t >= 16 and (saved <= rnn_bench.GRID_SAVED_BYTES or t == 16)
 
 
+@pytest.mark.parametrize("cell", CELLS)
+def test_the_bench_times_none_with_the_lengths_on_the_device(cell):
+  from jaxfuse.ops.rnn import bench as rnn_bench
+  timers = rnn_bench._comparators(cell, INPUT, HIDDEN, 2, True, jnp.float32)
+  assert rnn_bench.DEVICE_LENGTHS in timers
+  assert rnn_bench.DEVICE_LENGTHS not in rnn_bench.COMPARATORS
+  inputs = rnn_bench._inputs(jax.random.key(0), cell, 3, TIME, INPUT, HIDDEN, 2, True,
+                             jnp.float32)
+  forward, train = timers[rnn_bench.DEVICE_LENGTHS](inputs)
+  assert forward.span_ms > 0 and train.span_ms > 0
+
+
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
 def test_packing_names_what_is_not_an_unpacked_layout(cell):
   init, unpack, pack = (getattr(jaxfuse, f"{name}_{cell}_weights")

@@ -1,8 +1,9 @@
 """Bench cases for ``lstm`` and ``gru``: the forward and a training step (a loss over y, the
 gradients for x and the weights) of whole sequences, with PyTorch's cuDNN RNNs (``torch``,
 timed from its profiler's trace as JAX's rows are, its training step's temporary memory
-counted as JAX's: the peak over what the module and inputs hold, less the outputs) and, for
-the float32 LSTM, ``jax.experimental.rnn`` side by side.
+counted as JAX's: the peak over what the module and inputs hold, less the outputs), for
+the float32 LSTM ``jax.experimental.rnn``, and None with the lengths on the device
+(:data:`DEVICE_LENGTHS`) side by side.
 
 ``jaxfuse bench rnn --grid`` sweeps :data:`GRID_BATCHES` x :data:`GRID_HIDDEN` for both cells,
 float32 and bfloat16, one layer and two bidirectional ones, and reports None's ratio to the
@@ -26,6 +27,9 @@ from jaxfuse._core.bench import (DEFAULT, TF32_TOLERANCE, Case, implementation_a
                                  time_torch)
 from jaxfuse.ops.rnn import api
 from jaxfuse.ops.rnn.weights import GATES, weight_count
+
+# None's row with the lengths on the device (the others' whole sequences take none).
+DEVICE_LENGTHS = "default, device lengths"
 
 # (cell, batch, steps, input, hidden, layers, bidirectional): the cases of issue 20's table.
 GPU_CASES = [("lstm", 4, 1024, 512, 512, 1, False), ("lstm", 64, 256, 512, 512, 2, False),
@@ -125,8 +129,27 @@ def _jax_rnn_timer(i, h, layers, bidirectional, inputs):
   return measure(jax.jit(run), [(x, w)])[0], measure(jax.jit(train), [(x, w, dy)])[0]
 
 
+def _device_lengths_timer(cell, i, h, layers, bidirectional, inputs):
+  """Timings of None's choice with the lengths in a device array, as a training loop passes
+  them: where None takes cuDNN, a call per layer and direction rather than one."""
+  x, h0, c0, w, dy = inputs
+  lengths = jnp.full((x.shape[0],), x.shape[1], jnp.int32)
+  sizes = dict(input_size=i, hidden_size=h, num_layers=layers, bidirectional=bidirectional)
+  run = lambda x, w, lengths: (api.lstm(x, h0, c0, w, lengths, **sizes) if cell == "lstm"
+                               else api.gru(x, h0, w, lengths, **sizes))[0]
+
+  def train(x, w, lengths, dy):
+    y, vjp = jax.vjp(lambda x, w: run(x, w, lengths), x, w)
+    return (y,) + vjp(dy)
+
+  return (measure(jax.jit(run), [(x, w, lengths)])[0],
+          measure(jax.jit(train), [(x, w, lengths, dy)])[0])
+
+
 def _comparators(cell, i, h, layers, bidirectional, dtype) -> dict:
-  out = {"torch": functools.partial(_torch_timer, cell, i, h, layers, bidirectional, dtype)}
+  out = {"torch": functools.partial(_torch_timer, cell, i, h, layers, bidirectional, dtype),
+         DEVICE_LENGTHS: functools.partial(_device_lengths_timer, cell, i, h, layers,
+                                           bidirectional)}
   if cell == "lstm" and dtype == jnp.float32:
     out["jax.experimental.rnn"] = functools.partial(_jax_rnn_timer, i, h, layers,
                                                     bidirectional)
