@@ -1098,14 +1098,19 @@ def test_the_grid_keeps_each_points_saved_activations_within_its_budget():
 
 
 @pytest.mark.parametrize("cell", CELLS)
-def test_the_bench_times_none_with_the_lengths_on_the_device(cell):
+def test_the_bench_times_none_with_the_lengths_on_the_device(monkeypatch, cell):
+  """The GPU bench's cases time None with device lengths beside the comparators; the grid,
+  which weighs None against the comparators alone, does not."""
+  from jaxfuse._core import registry
   from jaxfuse.ops.rnn import bench as rnn_bench
-  timers = rnn_bench._comparators(cell, INPUT, HIDDEN, 2, True, jnp.float32)
-  assert rnn_bench.DEVICE_LENGTHS in timers
-  assert rnn_bench.DEVICE_LENGTHS not in rnn_bench.COMPARATORS
+  with monkeypatch.context() as gpu:
+    gpu.setattr(registry, "platform", lambda: "gpu")
+    assert all(rnn_bench.DEVICE_LENGTHS in case.external for case in rnn_bench.cases())
+    assert not any(rnn_bench.DEVICE_LENGTHS in case.external
+                   for case in rnn_bench.grid_cases())
   inputs = rnn_bench._inputs(jax.random.key(0), cell, 3, TIME, INPUT, HIDDEN, 2, True,
                              jnp.float32)
-  forward, train = timers[rnn_bench.DEVICE_LENGTHS](inputs)
+  forward, train = rnn_bench._device_lengths_timer(cell, INPUT, HIDDEN, 2, True, inputs)
   assert forward.span_ms > 0 and train.span_ms > 0
 
 

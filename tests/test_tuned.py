@@ -57,6 +57,10 @@ def test_a_table_names_its_gpu_and_cites_recorded_runs(path):
       assert re.fullmatch(r"(causal|full)/(64|128|256)", key) and most > 0, (name, key)
   if "order" in rows:
     assert set(rows["order"]["value"]) <= {"xla", "cuda"}
+  for name in ("cuda_most_work", "cudnn_least_work"):
+    for key, work in rows.get(name, {"value": {}})["value"].items():
+      assert re.fullmatch(r"(lstm|gru)/(float32|bfloat16|float16)/(forward|step)", key), key
+      assert work is None or work >= 0, (name, key)
 
 
 @pytest.fixture

@@ -25,12 +25,13 @@ from jaxfuse.ops.rnn.weights import unpack, weight_count
 def _untuned() -> dict:
   # A GPU never measured: the bounds the measured GPUs share. The fused kernels win while a
   # step's batch is small beside W_hh, which they hold on chip, and 16-bit weights leave room
-  # for twice the batch; cuDNN's forward (XLA's scan close behind it in float32) wins later
+  # for a larger batch; cuDNN's forward (XLA's scan close behind it in float32) wins later
   # than its training step.
-  cuda_most = {"float32": 2**15, "bfloat16": 2**16}
+  pairs = [(dtype, use) for dtype in ("float32", "bfloat16") for use in ("forward", "step")]
+  cuda_most = {("float32", "forward"): 2**15, ("float32", "step"): 2**15,
+               ("bfloat16", "forward"): 2**16, ("bfloat16", "step"): 2**17}
   cudnn_least = {("float32", "forward"): 2**17}
-  pairs = [(dtype, use) for dtype in cuda_most for use in ("forward", "step")]
-  return {"cuda_most_work": {f"lstm/{d}/{u}": cuda_most[d] for d, u in pairs},
+  return {"cuda_most_work": {f"lstm/{d}/{u}": cuda_most[d, u] for d, u in pairs},
           "cudnn_least_work": {f"lstm/{d}/{u}": cudnn_least.get((d, u), 2**16) for d, u in pairs}}
 
 

@@ -29,7 +29,7 @@ from jaxfuse.ops.rnn import api
 from jaxfuse.ops.rnn.weights import GATES, weight_count
 
 # None's row with the lengths on the device (the others' whole sequences take none).
-DEVICE_LENGTHS = "default, device lengths"
+DEVICE_LENGTHS = "default-device-lengths"
 
 # (cell, batch, steps, input, hidden, layers, bidirectional): the cases of issue 20's table.
 GPU_CASES = [("lstm", 4, 1024, 512, 512, 1, False), ("lstm", 64, 256, 512, 512, 2, False),
@@ -147,9 +147,7 @@ def _device_lengths_timer(cell, i, h, layers, bidirectional, inputs):
 
 
 def _comparators(cell, i, h, layers, bidirectional, dtype) -> dict:
-  out = {"torch": functools.partial(_torch_timer, cell, i, h, layers, bidirectional, dtype),
-         DEVICE_LENGTHS: functools.partial(_device_lengths_timer, cell, i, h, layers,
-                                           bidirectional)}
+  out = {"torch": functools.partial(_torch_timer, cell, i, h, layers, bidirectional, dtype)}
   if cell == "lstm" and dtype == jnp.float32:
     out["jax.experimental.rnn"] = functools.partial(_jax_rnn_timer, i, h, layers,
                                                     bidirectional)
@@ -190,7 +188,9 @@ def cases(quick: bool = False) -> list[Case]:
       impls, external = ("xla",), {}
       if on_gpu:
         impls = _GPU_IMPLEMENTATIONS
-        external = _comparators(cell, i, h, layers, bidirectional, dtype)
+        external = {**_comparators(cell, i, h, layers, bidirectional, dtype),
+                    DEVICE_LENGTHS: functools.partial(_device_lengths_timer, cell, i, h,
+                                                      layers, bidirectional)}
       out.append(_case(cell, b, t, i, h, layers, bidirectional, dtype, impls, external))
   return out
 
