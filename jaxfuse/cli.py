@@ -350,12 +350,14 @@ def _build(arch: str | None) -> int:
     print(f"jaxfuse build: the 'cuda' kernels need sm_80 (Ampere) or newer, or compute_80 or "
           f"newer for PTX; got --arch {arch!r}", file=sys.stderr)
     return 2
-  libraries = [library for library in (importlib.import_module(module).LIBRARY
-                                       for module in CUDA_LIBRARIES)
-               if number >= library.min_arch]
-  for library in [library for library in libraries if library.flags() is None]:
-    print(f"jaxfuse build: {library.source.name} left out: {build.NO_CUDNN}", file=sys.stderr)
-    libraries.remove(library)
+  libraries = []
+  for library in (importlib.import_module(module).LIBRARY for module in CUDA_LIBRARIES):
+    if number < library.min_arch:
+      continue
+    if library.flags() is None:
+      print(f"jaxfuse build: {library.source.name} left out: {build.NO_CUDNN}", file=sys.stderr)
+    else:
+      libraries.append(library)
   # Each build is an nvcc process: they run side by side.
   with concurrent.futures.ThreadPoolExecutor(len(libraries)) as pool:
     builds = [(library, pool.submit(build.build, library.source, arch, None, library.flags()))

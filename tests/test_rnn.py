@@ -716,18 +716,23 @@ def test_gpu_gradients(rng, cell, num_layers, bidirectional, dtype):
   """Gradients of every input against the XLA reference's in float64."""
   _cuda_or_skip()
   args = gpu_make(rng, cell, num_layers, bidirectional, dtype)
+  _check_gradients(rng, cell, args, num_layers, bidirectional, "cuda", dtype)
+
+
+def _check_gradients(rng, cell, args, num_layers, bidirectional, impl, dtype):
+  """``impl``'s gradients of every input, at HIGHEST precision, against XLA's in float64."""
   directions = 2 if bidirectional else 1
-  x, h_0 = args[0], args[1]
+  x, h_0, lengths = args[0], args[1], args[4]
   cotangents = [random(rng, (x.shape[0], x.shape[1], directions * h_0.shape[2]), jnp.float32),
                 random(rng, h_0.shape, jnp.float32), random(rng, h_0.shape, jnp.float32)]
   argnums = (0, 1, 2, 3) if cell == "lstm" else (0, 1, 3)
   highest = jax.lax.Precision.HIGHEST
-  grads = jax.grad(_loss(cell, num_layers, bidirectional, args[4], cotangents, "cuda", highest),
+  grads = jax.grad(_loss(cell, num_layers, bidirectional, lengths, cotangents, impl, highest),
                    argnums)(*args[:4])
   with x64():
     wide = [jnp.asarray(np.asarray(a, np.float64)) for a in args[:4]]
-    expected = jax.grad(_loss(cell, num_layers, bidirectional, args[4], cotangents, "xla",
-                              highest), argnums)(*wide)
+    expected = jax.grad(_loss(cell, num_layers, bidirectional, jnp.asarray(np.asarray(lengths)),
+                              cotangents, "xla", highest), argnums)(*wide)
   names = ("x", "h_0", "c_0", "weights") if cell == "lstm" else ("x", "h_0", "weights")
   for g, e, name in zip(grads, expected, names):
     assert g.dtype == dtype
@@ -803,22 +808,7 @@ def test_gpu_cudnn_against_float64(rng, cell, num_layers, bidirectional, dtype, 
     if e is not None:
       assert a.dtype == dtype
       assert_close(a, e, dtype, factor=10, name=name, floor=0.1)
-  directions = 2 if bidirectional else 1
-  x, h_0 = args[0], args[1]
-  cotangents = [random(rng, (x.shape[0], x.shape[1], directions * h_0.shape[2]), jnp.float32),
-                random(rng, h_0.shape, jnp.float32), random(rng, h_0.shape, jnp.float32)]
-  argnums = (0, 1, 2, 3) if cell == "lstm" else (0, 1, 3)
-  grads = jax.grad(_loss(cell, num_layers, bidirectional, lengths, cotangents, "cudnn",
-                         highest), argnums)(*args[:4])
-  with x64():
-    wide = [jnp.asarray(np.asarray(a, np.float64)) for a in args[:4]]
-    wanted = jax.grad(_loss(cell, num_layers, bidirectional, jnp.asarray(np.asarray(lengths)),
-                            cotangents, "xla", highest), argnums)(*wide)
-  names = ("x", "h_0", "c_0", "weights") if cell == "lstm" else ("x", "h_0", "weights")
-  for g, e, name in zip(grads, wanted, names):
-    assert g.dtype == dtype
-    assert_close(g, np.asarray(e), dtype, factor=20 if dtype == jnp.float32 else 4, name=name,
-                 floor=0.1)
+  _check_gradients(rng, cell, args, num_layers, bidirectional, "cudnn", dtype)
 
 
 @pytest.mark.gpu

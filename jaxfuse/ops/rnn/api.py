@@ -209,15 +209,15 @@ class _Network:
 def _path(net: _Network, impl: str, x, initial_state, weights, seq_lengths, dropout_key):
   """The network's ``(y, final_state)`` by ``impl``."""
   batch, time = x.shape[:2]
-  layers = dict(num_layers=net.num_layers, bidirectional=net.bidirectional)
-  unpacked = unpack(net.cell, weights, net.input_size, net.hidden_size, net.num_layers,
-                    net.bidirectional)
   if impl == "cudnn" and batch and time and net.host_lengths is not None and net.dropout == 0:
     call = cudnn_kernels.Call(net.cell, net.input_size, net.hidden_size, net.num_layers,
                               net.bidirectional, batch, time, jnp.dtype(x.dtype),
                               _exact(net.precision, x.dtype),
                               tuple(max(n, 1) for n in net.host_lengths))
-    return _cudnn(call, x, initial_state, weights, net.host_lengths)
+    return _cudnn(call, x, initial_state, weights, net.host_lengths)  # cuDNN's own layout
+  layers = dict(num_layers=net.num_layers, bidirectional=net.bidirectional)
+  unpacked = unpack(net.cell, weights, net.input_size, net.hidden_size, net.num_layers,
+                    net.bidirectional)
   dropped = dict(dropout=net.dropout, dropout_key=dropout_key, precision=net.precision)
   if impl == "cudnn" and batch and time:
     return _cudnn_by_layer(net.cell, x, initial_state, unpacked, seq_lengths, **layers,

@@ -86,6 +86,11 @@ class Call:
   def states(self) -> tuple[int, int, int]:
     return (self.num_layers * (2 if self.bidirectional else 1), self.batch, self.hidden_size)
 
+  @property
+  def cell_states(self) -> jax.ShapeDtypeStruct:
+    """LSTM's cell states; GRU's ``(1,)`` placeholder."""
+    return jax.ShapeDtypeStruct(self.states if self.cell == "lstm" else (1,), self.dtype)
+
 
 @functools.cache
 def scratch_bytes(call: Call, training: bool) -> tuple[int, int]:
@@ -114,10 +119,9 @@ def forward(call: Call, x, h0, c0, w, *, training: bool):
   """``(y, h_n, c_n, reserve)``; ``c_n`` is None for GRU."""
   workspace, reserve = scratch_bytes(call, training)
   states = jax.ShapeDtypeStruct(call.states, call.dtype)
-  cell_state = states if call.cell == "lstm" else jax.ShapeDtypeStruct((1,), call.dtype)
   directions = 2 if call.bidirectional else 1
   outputs = (jax.ShapeDtypeStruct((call.batch, call.time, directions * call.hidden_size),
-                                  call.dtype), states, cell_state,
+                                  call.dtype), states, call.cell_states,
              jax.ShapeDtypeStruct((call.batch, -(-reserve // call.batch)), jnp.uint8),
              jax.ShapeDtypeStruct((workspace,), jnp.uint8))
   y, h_n, c_n, reserved, _ = jax.ffi.ffi_call("jaxfuse_cudnn_rnn_forward", outputs)(
@@ -128,10 +132,8 @@ def forward(call: Call, x, h0, c0, w, *, training: bool):
 def backward(call: Call, dy, dh_n, dc_n, x, h0, c0, w, y, reserve):
   """``(dx, dh0, dc0, dw)``; ``dc0`` is None for GRU."""
   workspace, _ = scratch_bytes(call, True)
-  cell_state = (jax.ShapeDtypeStruct(call.states, call.dtype) if call.cell == "lstm"
-                else jax.ShapeDtypeStruct((1,), call.dtype))
   outputs = (jax.ShapeDtypeStruct(x.shape, call.dtype),
-             jax.ShapeDtypeStruct(call.states, call.dtype), cell_state,
+             jax.ShapeDtypeStruct(call.states, call.dtype), call.cell_states,
              jax.ShapeDtypeStruct(w.shape, call.dtype),
              jax.ShapeDtypeStruct(reserve.shape, jnp.uint8),
              jax.ShapeDtypeStruct((workspace,), jnp.uint8))
