@@ -77,6 +77,10 @@ def main(argv=None) -> int:
   b.add_argument("--graph-every-program", action="store_true",
                  help="let XLA run every timed program as a CUDA graph, as the steps of a "
                       "model are (XLA graphs only programs of several kernels by default)")
+  b.add_argument("--from", dest="recorded", action="append", metavar="RUN",
+                 help="with --grid or --regret: the report (and --plot) of saved runs of "
+                      "that mode, one GPU and one timing, instead of timing (repeatable: a "
+                      "long grid timed in parts; a point in several takes the last run's)")
   t = sub.add_parser("tune", help="time a family's implementations across its dispatch "
                                   "thresholds on this GPU (every program as a CUDA graph) "
                                   "and derive its tuned-table rows")
@@ -114,6 +118,19 @@ def main(argv=None) -> int:
     _graph_every_program()
     return _tune(args.family, args.json, args.write, args.only)
 
+  if args.recorded:
+    if not (args.grid or args.regret) or args.grid and args.regret:
+      parser.error("--from reports saved runs of --grid or of --regret: ask for one")
+    timing = [name for name, given in (("--json", args.json), ("--only", args.only),
+                                       ("--sizes", args.sizes), ("--impl", args.impl),
+                                       ("--quick", args.quick),
+                                       ("--without-triton", args.without_triton),
+                                       ("--graph-every-program", args.graph_every_program))
+              if given]
+    if timing or args.ops:
+      parser.error(f"--from reads saved runs and times nothing: drop "
+                   f"{', '.join(timing or ['the ops'])}")
+    return _report_from(args.recorded, "grid" if args.grid else "regret", args.plot)
   if args.graph_every_program:
     _graph_every_program()
   if args.regret and args.grid:
@@ -152,14 +169,10 @@ def main(argv=None) -> int:
   if not on_gpu:
     print("No GPU here: XLA is timed, the Pallas kernels are only checked in the interpreter. "
           "Kernel timings need a GPU.")
-  grids = [spec for spec in map(importlib.import_module, FAMILIES.values())
-           if hasattr(spec, "grid_cases")]
-  comparators = {name for spec in grids for name in spec.COMPARATORS}
+  comparators = _comparators()
 
   def regrets(rows):
-    if mode == "grid":
-      return report.regrets(rows, against=comparators.__contains__)
-    return report.regrets(rows) if mode == "regret" else []
+    return _regrets(rows, mode) if mode != "cases" else []
 
   def no_triton_regrets(rows):
     return report.regrets(rows, against=bench.DEFAULT.__eq__,
@@ -188,8 +201,7 @@ def main(argv=None) -> int:
     print(report.table(group_rows, ceilings), flush=True)
   found = regrets(rows)
   if mode == "grid":
-    print(f"\nNone against the faster of {', '.join(sorted(comparators))}: that one's time "
-          f"over None's (above 1: None faster)")
+    print(_GRID_HEADING.format(", ".join(sorted(comparators))))
   if mode != "cases":
     print("\n" + report.regret_table(found))
   if args.without_triton:
@@ -200,13 +212,8 @@ def main(argv=None) -> int:
     save(rows, ceilings)
     print(f"saved {args.json}")
   if args.plot:
-    if mode == "grid":
-      places = {c.op: spec.grid_place for spec in grids for c in spec.grid_cases()}
-      drawn = report.save_heatmaps(args.plot, found, lambda r: places[r.op](r.label))
-    elif mode == "regret":
-      drawn = report.save_regret_plot(args.plot, found)
-    else:
-      drawn = report.save_plot(args.plot, rows, ceilings)
+    drawn = (_plot_regrets(args.plot, found, mode) if mode != "cases"
+             else report.save_plot(args.plot, rows, ceilings))
     print(f"saved {args.plot}" if drawn else f"nothing to plot: {args.plot} not written")
   # A jaxfuse kernel that is wrong or broke fails the job; an implementation this machine
   # lacks, or a comparator that is not installed, does not.
@@ -214,6 +221,65 @@ def main(argv=None) -> int:
   for r in failed:
     print(f"FAILED: {r.op} {r.label} {r.implementation}: {r.note}", file=sys.stderr)
   return 1 if failed else 0
+
+
+_GRID_HEADING = ("\nNone against the faster of {}: that one's time over None's (above 1: None "
+                 "faster)")
+
+
+def _grid_specs():
+  return [spec for spec in map(importlib.import_module, FAMILIES.values())
+          if hasattr(spec, "grid_cases")]
+
+
+def _comparators() -> set[str]:
+  """The other libraries' rows that a grid weighs None against."""
+  return {name for spec in _grid_specs() for name in spec.COMPARATORS}
+
+
+def _regrets(rows, mode: str):
+  """None's ratio per point to the faster comparator (grid) or to the fastest named
+  implementation (regret)."""
+  if mode == "grid":
+    return report.regrets(rows, against=_comparators().__contains__)
+  return report.regrets(rows)
+
+
+def _plot_regrets(path: str, found, mode: str) -> bool:
+  if mode == "grid":
+    places = {c.op: spec.grid_place for spec in _grid_specs() for c in spec.grid_cases()}
+    return report.save_heatmaps(path, found, lambda r: places[r.op](r.label))
+  return report.save_regret_plot(path, found)
+
+
+def _report_from(paths: list[str], mode: str, plot: str | None) -> int:
+  """The grid's or regret's report of saved runs: each point's rows from the last run that
+  timed it (a ratio is never taken across runs), all of one GPU and one timing."""
+  points, sources = {}, set()
+  for path in paths:
+    record = json.loads(Path(path).read_text())
+    if "regrets" not in record or ("against" in record) != (mode == "grid"):
+      print(f"jaxfuse bench --from: {path} is not a run of --{mode}", file=sys.stderr)
+      return 2
+    sources.add((record["device"], record.get("xla_flags", "")))
+    by_point = {}
+    for row in record["rows"]:
+      by_point.setdefault((row["op"], row["label"]), []).append(bench.Row(**row))
+    points.update(by_point)
+    print(f"{path}: {len(by_point)} points ({record['device']}, jax {record['jax_version']}, "
+          f"{record['date']}, XLA_FLAGS={record.get('xla_flags', '')!r})")
+  if len(sources) != 1:
+    print(f"jaxfuse bench --from: the runs differ in GPU or timing (XLA_FLAGS): "
+          f"{sorted(sources)}", file=sys.stderr)
+    return 2
+  found = _regrets([row for rows in points.values() for row in rows], mode)
+  if mode == "grid":
+    print(_GRID_HEADING.format(", ".join(sorted(_comparators()))))
+  print("\n" + report.regret_table(found))
+  if plot:
+    drawn = _plot_regrets(plot, found, mode)
+    print(f"saved {plot}" if drawn else f"nothing to plot: {plot} not written")
+  return 0
 
 
 def _beside_default(implementations):

@@ -5,6 +5,7 @@ import dataclasses
 import json
 import time
 import types
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -132,6 +133,48 @@ def test_a_grid_weighs_none_against_the_faster_comparator_and_draws_heat_maps(tm
     with pytest.raises(SystemExit):
       cli.main(["bench", *args])
     assert "--grid" in capsys.readouterr().err
+
+
+def test_a_grid_timed_in_parts_is_reported_from_the_saved_runs(tmp_path, capsys):
+  """--from takes each point's rows from the last run that timed it, never a ratio across
+  runs, and refuses runs of another mode, GPU or timing."""
+  label = "LSTM 4x8x64x64 L1 float32"
+
+  def saved(name, rows, **extra):
+    path = tmp_path / name
+    report.save_json(str(path), rows, {}, regrets=[], **extra)
+    return str(path)
+
+  first = saved("first.json", [_timed_row(label, "torch", 2.5, 2.5, "lstm"),
+                               _timed_row(label, bench.DEFAULT, 1.0, 1.0, "lstm"),
+                               _timed_row("GRU 1x8x64x64 L1 float32", "torch", 3.0, 3.0, "gru"),
+                               _timed_row("GRU 1x8x64x64 L1 float32", bench.DEFAULT, 1.0,
+                                          1.5, "gru")], against=["torch"])
+  # A later part times the LSTM point again, its None row alone: the point is that run's.
+  second = saved("second.json", [_timed_row(label, bench.DEFAULT, 4.0, 4.0, "lstm")],
+                 against=["torch"])
+  plot = tmp_path / "grid.png"
+  assert cli.main(["bench", "--grid", "--from", first, "--plot", str(plot)]) == 0
+  out = capsys.readouterr().out
+  assert "first.json: 2 points" in out and "worst 2.000 (GRU 1x8x64x64 L1 float32 step" in out
+  assert plot.stat().st_size > 0
+  assert cli.main(["bench", "--grid", "--from", first, "--from", second]) == 0
+  out = capsys.readouterr().out
+  assert "LSTM 4x8x64x64 L1 float32" not in out.split("second.json")[1]
+  assert "over 2 points" in out  # the GRU's forward and step; the LSTM point has no comparator
+  regret = saved("regret.json", [_timed_row(label, "xla", 1.0, 1.0, "lstm")])
+  assert cli.main(["bench", "--grid", "--from", regret]) == 2
+  assert "is not a run of --grid" in capsys.readouterr().err
+  graphs = tmp_path / "graphs.json"
+  record = json.loads(Path(first).read_text())
+  graphs.write_text(json.dumps({**record, "xla_flags": "--xla_gpu_graph_min_graph_size=1"}))
+  assert cli.main(["bench", "--grid", "--from", first, "--from", str(graphs)]) == 2
+  assert "differ in GPU or timing" in capsys.readouterr().err
+  for args in (["--from", first], ["--grid", "--from", first, "--only", "L1"],
+               ["rnn", "--grid", "--from", first]):
+    with pytest.raises(SystemExit):
+      cli.main(["bench", *args])
+    assert "--from" in capsys.readouterr().err
 
 
 def test_a_point_is_launch_bound_where_nones_span_passes_twice_its_busy_time():

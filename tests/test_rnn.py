@@ -946,10 +946,11 @@ def test_cudnn_glue_keeps_empty_sequences_and_differentiates(rng, monkeypatch, c
   assert (host == 0).any()
 
   def loss(impl, lengths):
+    # One program each (host lengths stay constants), not an op-by-op dispatch.
     def f(x, h_0, c_0, weights):
       out = call(cell, x, h_0, c_0, weights, lengths, 2, True, implementation=impl)
       return sum(jnp.sum(jnp.sin(o)) for o in out if o is not None)
-    return jax.value_and_grad(f, (0, 1, 2, 3))(x, h_0, c_0, weights)
+    return jax.jit(jax.value_and_grad(f, (0, 1, 2, 3)))(x, h_0, c_0, weights)
 
   expected = jax.tree.leaves(loss("xla", lengths))
   # Lengths on the host: one call; on the device: a call per layer and direction over whole
@@ -1028,11 +1029,12 @@ def test_kernel_path_vmap_folds_or_maps(rng, monkeypatch, cell):
                for k, (a, b) in enumerate(zip(args, second))]
     axes = [0 if k in mapped else None for k in range(5)]
     alone_args = [b if k in mapped else a for k, (a, b) in enumerate(zip(args, second))]
-    for o, e in zip(jax.vmap(run, in_axes=axes)(*stacked), run(*alone_args)):
+    for o, e in zip(jax.jit(jax.vmap(run, in_axes=axes))(*stacked),
+                    jax.jit(run)(*alone_args)):
       if e is not None:
         np.testing.assert_allclose(o[1], e, rtol=1e-6, atol=1e-6)
-    grads = jax.vmap(jax.grad(loss, (0, 3)), in_axes=axes)(*stacked)
-    for g, e in zip(grads, jax.grad(loss, (0, 3))(*alone_args)):
+    grads = jax.jit(jax.vmap(jax.grad(loss, (0, 3)), in_axes=axes))(*stacked)
+    for g, e in zip(grads, jax.jit(jax.grad(loss, (0, 3)))(*alone_args)):
       np.testing.assert_allclose(g[1], e, rtol=1e-5, atol=1e-6)
 
 
@@ -1053,13 +1055,14 @@ def test_cudnn_path_under_vmap_and_checkpoint(rng, monkeypatch, lengths):
                for k, (a, b) in enumerate(zip(args, second))]
     axes = [0 if k in mapped else None for k in range(5)]
     alone_args = [b if k in mapped else a for k, (a, b) in enumerate(zip(args, second))]
-    for o, e in zip(jax.vmap(run, in_axes=axes)(*stacked), run(*alone_args)):
+    for o, e in zip(jax.jit(jax.vmap(run, in_axes=axes))(*stacked),
+                    jax.jit(run)(*alone_args)):
       np.testing.assert_allclose(o[1], e, rtol=1e-6, atol=1e-6)
-    grads = jax.vmap(jax.grad(loss, (0, 3)), in_axes=axes)(*stacked)
-    for g, e in zip(grads, jax.grad(loss, (0, 3))(*alone_args)):
+    grads = jax.jit(jax.vmap(jax.grad(loss, (0, 3)), in_axes=axes))(*stacked)
+    for g, e in zip(grads, jax.jit(jax.grad(loss, (0, 3)))(*alone_args)):
       np.testing.assert_allclose(g[1], e, rtol=1e-5, atol=1e-6)
-  plain = jax.grad(loss, (0, 3))(*args)
-  remat = jax.grad(jax.checkpoint(loss), (0, 3))(*args)
+  plain = jax.jit(jax.grad(loss, (0, 3)))(*args)
+  remat = jax.jit(jax.grad(jax.checkpoint(loss), (0, 3)))(*args)
   for a, b in zip(plain, remat):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 

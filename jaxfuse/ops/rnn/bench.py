@@ -31,10 +31,12 @@ from jaxfuse.ops.rnn.weights import GATES, weight_count
 # None's row with the lengths on the device (the others' whole sequences take none).
 DEVICE_LENGTHS = "default-device-lengths"
 
-# (cell, batch, steps, input, hidden, layers, bidirectional): the cases of issue 20's table.
+# (cell, batch, steps, input, hidden, layers, bidirectional): the cases of issue 20's table and
+# the first of issue 44's, where None takes cuDNN (a call per layer and direction with the
+# lengths on the device).
 GPU_CASES = [("lstm", 4, 1024, 512, 512, 1, False), ("lstm", 64, 256, 512, 512, 2, False),
              ("lstm", 16, 512, 256, 1024, 1, True), ("gru", 64, 256, 512, 512, 2, False),
-             ("gru", 4, 1024, 512, 512, 1, False)]
+             ("gru", 4, 1024, 512, 512, 1, False), ("lstm", 256, 128, 1024, 1024, 1, False)]
 CPU_CASES = [("lstm", 4, 64, 64, 64, 1, False), ("gru", 4, 64, 64, 64, 1, True)]
 
 
