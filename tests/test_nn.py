@@ -165,6 +165,7 @@ def test_dot_product_attention_in_multi_head_attention(rng, batch, dtype, num_kv
   mask = nnx.combine_masks(nnx.make_causal_mask(x[..., 0]),
                            nnx.make_attention_mask(np.ones(batch + (11,), bool), padding))
 
+  @nnx.jit  # one program per layer and mask, not an op-by-op dispatch
   def outputs_and_grads(layer, x, mask):
     def loss(layer, x):
       return jnp.sum(jnp.sin(layer(x, mask=mask).astype(jnp.float32)))
@@ -249,21 +250,22 @@ def test_causal_self_attention(rng, options):
     keep = keep & (j < seq[:, None, None])
     kwargs["seq_lengths"] = jnp.asarray(seq, jnp.int32)
 
-  def loss(layer, x):
-    return jnp.sum(jnp.sin(layer(x, **kwargs)))
+  @nnx.jit  # one program, not an op-by-op dispatch
+  def outputs_and_grads(layer, x):
+    loss = lambda layer, x: jnp.sum(jnp.sin(layer(x, **kwargs)))
+    return layer(x, **kwargs), nnx.grad(loss, argnums=(0, 1))(layer, x)
 
-  out = layer(x, **kwargs)
-  params, dx = nnx.grad(loss, argnums=(0, 1))(layer, x)
+  out, (params, dx) = outputs_and_grads(layer, x)
   soft_cap = options.get("logits_soft_cap")
   with x64():
     wide = {name: {kind: jnp.asarray(np.asarray(getattr(getattr(layer, name), kind)[...]),
                                      jnp.float64) for kind in ("kernel", "bias")}
             for name in ("query", "key", "value", "out")}
     wide_x = jnp.asarray(np.asarray(x), jnp.float64)
-    expected = np.asarray(_causal_self_attention_f64(wide, wide_x, keep, soft_cap))
-    expected_params, expected_x = jax.grad(
-        lambda p, x: jnp.sum(jnp.sin(_causal_self_attention_f64(p, x, keep, soft_cap))),
-        argnums=(0, 1))(wide, wide_x)
+    reference = lambda p, x: _causal_self_attention_f64(p, x, keep, soft_cap)
+    expected = np.asarray(jax.jit(reference)(wide, wide_x))
+    expected_params, expected_x = jax.jit(jax.grad(
+        lambda p, x: jnp.sum(jnp.sin(reference(p, x))), argnums=(0, 1)))(wide, wide_x)
   assert_close(out, expected, factor=_float32(0.1))
   assert_close(dx, np.asarray(expected_x), factor=_float32(0.2), name="dx")
   for (name, kind), grad in nnx.to_flat_state(params):

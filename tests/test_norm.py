@@ -50,8 +50,13 @@ def reference(kind, x, w=None, b=None, dy=None, *, eps=None, nd=None):
     up = lambda a: None if a is None else jnp.asarray(np.asarray(a, np.float64))
     args = [up(x), up(w), up(b)]
     f = lambda x, w, b: _plain_norm(kind, x, w, b, eps, nd)
-    y, vjp = jax.vjp(f, *args)
-    grads = vjp(up(dy)) if dy is not None else ()
+
+    @jax.jit  # one program, not an op-by-op dispatch
+    def value_and_grads(args, dy):
+      y, vjp = jax.vjp(f, *args)
+      return y, (vjp(dy) if dy is not None else ())
+
+    y, grads = value_and_grads(args, up(dy))
     to_np = lambda a: None if a is None else np.asarray(a)
     return to_np(y), tuple(map(to_np, grads))
 
@@ -140,8 +145,12 @@ def test_gradients_match_float64(rng, impl, kind, shape, wshape, dtype):
   def f(*args):
     return call(kind, *args, implementation=impl)
 
-  y, vjp = jax.vjp(f, *present)
-  grads = vjp(dy)
+  @jax.jit  # one program, not an op-by-op dispatch
+  def value_and_grads(present, dy):
+    y, vjp = jax.vjp(f, *present)
+    return y, vjp(dy)
+
+  y, grads = value_and_grads(present, dy)
   y_ref, grads_ref = reference(kind, x, w, b, dy)
   assert_close(y, y_ref, name="y")
   # Weight gradients sum over rows; bf16 inputs round before the sum.

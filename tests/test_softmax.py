@@ -19,6 +19,11 @@ IMPLS = ["xla", "triton"]
 FNS = {"softmax": jaxfuse.softmax, "log_softmax": jaxfuse.log_softmax}
 
 
+def _value_and_grad(f, x, dy):
+  y, vjp = jax.vjp(f, x)
+  return y, vjp(dy)[0]
+
+
 def reference(name, x, axis=-1, scale=1.0, keep=None, dy=None):
   """float64 output (NumPy) and, given dy, the gradient from jax.nn on float64 inputs."""
   with x64():
@@ -32,10 +37,14 @@ def reference(name, x, axis=-1, scale=1.0, keep=None, dy=None):
         out = jnp.where(keep_, out, -jnp.inf if name == "log_softmax" else 0.0)
       return out
 
-    y, vjp = jax.vjp(f, x64_)
-    grad = None
-    if dy is not None:
-      grad = np.asarray(vjp(jnp.asarray(np.asarray(dy, np.float64)))[0])
+    @jax.jit  # one program, not an op-by-op dispatch
+    def value_and_grad(x, dy):
+      y, vjp = jax.vjp(f, x)
+      return y, (None if dy is None else vjp(dy)[0])
+
+    y, grad = value_and_grad(x64_, None if dy is None else jnp.asarray(np.asarray(dy, np.float64)))
+    if grad is not None:
+      grad = np.asarray(grad)
       if keep_ is not None:
         grad = np.where(np.asarray(keep_), grad, 0.0)
     return np.asarray(y), grad
@@ -73,10 +82,11 @@ SHAPES = [((1,), -1), ((3,), 0), ((7, 1000), -1), ((2, 3, 4097), -1), ((2, 65537
 def test_matches_float64_any_axis(rng, impl, name, shape, axis):
   x = random(rng, shape, jnp.float32, scale=3.0)
   dy = random(rng, shape, jnp.float32)
-  y, vjp = jax.vjp(lambda x: FNS[name](x, axis=axis, scale=0.7, implementation=impl), x)
+  y, dx = jax.jit(lambda x, dy: _value_and_grad(
+      lambda x: FNS[name](x, axis=axis, scale=0.7, implementation=impl), x, dy))(x, dy)
   expected, grad = reference(name, x, axis, 0.7, dy=dy)
   check(y, expected, axis=axis)
-  check(vjp(dy)[0], grad, factor=10, floor=gradient_floor(name, expected, dy, 0.7, axis),
+  check(dx, grad, factor=10, floor=gradient_floor(name, expected, dy, 0.7, axis),
         axis=axis)
 
 
@@ -111,7 +121,8 @@ def test_masks_of_any_broadcast_shape(rng, impl, name, mask_shape):
   x = random(rng, (2, 3, 8, 40), jnp.float32)
   mask = rng.random(mask_shape) > 0.4
   dy = random(rng, x.shape, jnp.float32)
-  y, vjp = jax.vjp(lambda x: FNS[name](x, mask=jnp.asarray(mask), implementation=impl), x)
+  y, dx = jax.jit(lambda x, dy: _value_and_grad(
+      lambda x: FNS[name](x, mask=jnp.asarray(mask), implementation=impl), x, dy))(x, dy)
   keep = np.broadcast_to(mask, x.shape)
   full = keep.any(axis=-1, keepdims=True)
   expected, grad = reference(name, x, keep=keep | ~full, dy=dy)
@@ -119,7 +130,7 @@ def test_masks_of_any_broadcast_shape(rng, impl, name, mask_shape):
   expected = np.where(keep, expected, -np.inf if name == "log_softmax" else 0.0)
   grad = np.where(keep & full, grad, 0.0)
   check(y, expected)
-  dx = np.asarray(vjp(dy)[0])
+  dx = np.asarray(dx)
   assert np.all(dx[~np.broadcast_to(full, x.shape)] == 0)
   check(dx, grad, factor=10, floor=gradient_floor(name, expected, np.where(keep, dy, 0.0)))
 
@@ -130,15 +141,16 @@ def test_masks_of_any_broadcast_shape(rng, impl, name, mask_shape):
 def test_causal_alignments(rng, impl, name, t, s, offset):
   x = random(rng, (2, t, s), jnp.float32)
   dy = random(rng, x.shape, jnp.float32)
-  y, vjp = jax.vjp(lambda x: FNS[name](x, is_causal=True, causal_offset=offset,
-                                       implementation=impl), x)
+  y, dx = jax.jit(lambda x, dy: _value_and_grad(
+      lambda x: FNS[name](x, is_causal=True, causal_offset=offset, implementation=impl), x,
+      dy))(x, dy)
   keep = np.broadcast_to(causal_keep(t, s, offset), x.shape)
   full = keep.any(axis=-1, keepdims=True)
   expected, grad = reference(name, x, keep=keep | ~full, dy=dy)
   fill = -np.inf if name == "log_softmax" else 0.0
   expected = np.where(keep & full, expected, fill)
   check(y, expected)
-  check(vjp(dy)[0], np.where(keep & full, grad, 0.0), factor=10,
+  check(dx, np.where(keep & full, grad, 0.0), factor=10,
         floor=gradient_floor(name, expected, np.where(keep & full, dy, 0.0)))
 
 
