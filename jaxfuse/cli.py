@@ -129,10 +129,14 @@ def main(argv=None) -> int:
               if given]
     if timing or args.ops:
       parser.error(f"--from reads saved runs and times nothing: drop "
-                   f"{', '.join(timing or ['the ops'])}")
+                   f"{', '.join(timing + (['the ops'] if args.ops else []))}")
     return _report_from(args.recorded, "grid" if args.grid else "regret", args.plot)
   if args.graph_every_program:
     _graph_every_program()
+  if args.grid:
+    # PyTorch's rows allocate beside JAX's, which by default takes most of the GPU at start
+    # and would leave them too little at the grid's largest points.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   if args.regret and args.grid:
     parser.error("--regret and --grid are two different reports: ask for one")
   mode = "regret" if args.regret else "grid" if args.grid else "cases"
@@ -258,19 +262,23 @@ def _report_from(paths: list[str], mode: str, plot: str | None) -> int:
   points, sources = {}, set()
   for path in paths:
     record = json.loads(Path(path).read_text())
-    if "regrets" not in record or ("against" in record) != (mode == "grid"):
+    grid = "against" in record or " --grid" in record.get("command", "")
+    if "regrets" not in record or grid != (mode == "grid"):
       print(f"jaxfuse bench --from: {path} is not a run of --{mode}", file=sys.stderr)
       return 2
-    sources.add((record["device"], record.get("xla_flags", "")))
+    sources.add((record["device"], record.get("timing"), record.get("xla_flags")))
     by_point = {}
     for row in record["rows"]:
       by_point.setdefault((row["op"], row["label"]), []).append(bench.Row(**row))
+    replaced = len(points.keys() & by_point.keys())
     points.update(by_point)
-    print(f"{path}: {len(by_point)} points ({record['device']}, jax {record['jax_version']}, "
-          f"{record['date']}, XLA_FLAGS={record.get('xla_flags', '')!r})")
+    again = f", {replaced} of them timed again" if replaced else ""
+    count = f"{len(by_point)} shape{'s' if len(by_point) != 1 else ''}"
+    print(f"{path}: {count}{again} ({record['device']}, jax "
+          f"{record['jax_version']}, {record['date']}, XLA_FLAGS={record.get('xla_flags')!r})")
   if len(sources) != 1:
-    print(f"jaxfuse bench --from: the runs differ in GPU or timing (XLA_FLAGS): "
-          f"{sorted(sources)}", file=sys.stderr)
+    print(f"jaxfuse bench --from: the runs differ in GPU or timing (method, XLA_FLAGS): "
+          f"{sorted(sources, key=str)}", file=sys.stderr)
     return 2
   found = _regrets([row for rows in points.values() for row in rows], mode)
   if mode == "grid":

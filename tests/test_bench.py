@@ -156,10 +156,11 @@ def test_a_grid_timed_in_parts_is_reported_from_the_saved_runs(tmp_path, capsys)
   plot = tmp_path / "grid.png"
   assert cli.main(["bench", "--grid", "--from", first, "--plot", str(plot)]) == 0
   out = capsys.readouterr().out
-  assert "first.json: 2 points" in out and "worst 2.000 (GRU 1x8x64x64 L1 float32 step" in out
+  assert "first.json: 2 shapes (" in out and "worst 2.000 (GRU 1x8x64x64 L1 float32 step" in out
   assert plot.stat().st_size > 0
   assert cli.main(["bench", "--grid", "--from", first, "--from", second]) == 0
   out = capsys.readouterr().out
+  assert "second.json: 1 shape, 1 of them timed again" in out
   assert "LSTM 4x8x64x64 L1 float32" not in out.split("second.json")[1]
   assert "over 2 points" in out  # the GRU's forward and step; the LSTM point has no comparator
   regret = saved("regret.json", [_timed_row(label, "xla", 1.0, 1.0, "lstm")])
