@@ -173,7 +173,6 @@ def main(argv=None) -> int:
   if not on_gpu:
     print("No GPU here: XLA is timed, the Pallas kernels are only checked in the interpreter. "
           "Kernel timings need a GPU.")
-  comparators = _comparators()
 
   def regrets(rows):
     return _regrets(rows, mode) if mode != "cases" else []
@@ -187,7 +186,7 @@ def main(argv=None) -> int:
     extra = ({"regrets": [{**vars(r), "by_choice": r.by_choice} for r in found]}
              if mode != "cases" else {})
     if mode == "grid":
-      extra["against"] = sorted(comparators)
+      extra["against"] = sorted(_comparators())
     if args.without_triton:
       extra["without_triton"] = [{**vars(r), "by_choice": r.by_choice}
                                  for r in no_triton_regrets(rows)]
@@ -204,10 +203,8 @@ def main(argv=None) -> int:
     rows += group_rows
     print(report.table(group_rows, ceilings), flush=True)
   found = regrets(rows)
-  if mode == "grid":
-    print(_GRID_HEADING.format(", ".join(sorted(comparators))))
   if mode != "cases":
-    print("\n" + report.regret_table(found))
+    _print_regrets(found, mode)
   if args.without_triton:
     print("\nNone without Pallas Triton: None's time over its time as if Triton were gone "
           "(below 1: slower without)\n"
@@ -227,10 +224,6 @@ def main(argv=None) -> int:
   return 1 if failed else 0
 
 
-_GRID_HEADING = ("\nNone against the faster of {}: that one's time over None's (above 1: None "
-                 "faster)")
-
-
 def _grid_specs():
   return [spec for spec in map(importlib.import_module, FAMILIES.values())
           if hasattr(spec, "grid_cases")]
@@ -247,6 +240,13 @@ def _regrets(rows, mode: str):
   if mode == "grid":
     return report.regrets(rows, against=_comparators().__contains__)
   return report.regrets(rows)
+
+
+def _print_regrets(found, mode: str):
+  if mode == "grid":
+    print(f"\nNone against the faster of {', '.join(sorted(_comparators()))}: that one's time "
+          f"over None's (above 1: None faster)")
+  print("\n" + report.regret_table(found))
 
 
 def _plot_regrets(path: str, found, mode: str) -> bool:
@@ -281,9 +281,7 @@ def _report_from(paths: list[str], mode: str, plot: str | None) -> int:
           f"{sorted(sources, key=str)}", file=sys.stderr)
     return 2
   found = _regrets([row for rows in points.values() for row in rows], mode)
-  if mode == "grid":
-    print(_GRID_HEADING.format(", ".join(sorted(_comparators()))))
-  print("\n" + report.regret_table(found))
+  _print_regrets(found, mode)
   if plot:
     drawn = _plot_regrets(plot, found, mode)
     print(f"saved {plot}" if drawn else f"nothing to plot: {plot} not written")

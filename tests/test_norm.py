@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxfuse
-from jaxfuse._core.testing import assert_close, random, x64
+from jaxfuse._core.testing import assert_close, random, value_and_vjp, x64
 
 IMPLS = ["xla", "triton"]
 KINDS = ["rms", "layer"]
@@ -49,14 +49,9 @@ def reference(kind, x, w=None, b=None, dy=None, *, eps=None, nd=None):
   with x64():
     up = lambda a: None if a is None else jnp.asarray(np.asarray(a, np.float64))
     args = [up(x), up(w), up(b)]
-    f = lambda x, w, b: _plain_norm(kind, x, w, b, eps, nd)
-
-    @jax.jit  # one program, not an op-by-op dispatch
-    def value_and_grads(args, dy):
-      y, vjp = jax.vjp(f, *args)
-      return y, (vjp(dy) if dy is not None else ())
-
-    y, grads = value_and_grads(args, up(dy))
+    y, grads = value_and_vjp(lambda x, w, b: _plain_norm(kind, x, w, b, eps, nd), args,
+                             up(dy))
+    grads = grads or ()
     to_np = lambda a: None if a is None else np.asarray(a)
     return to_np(y), tuple(map(to_np, grads))
 
@@ -145,12 +140,7 @@ def test_gradients_match_float64(rng, impl, kind, shape, wshape, dtype):
   def f(*args):
     return call(kind, *args, implementation=impl)
 
-  @jax.jit  # one program, not an op-by-op dispatch
-  def value_and_grads(present, dy):
-    y, vjp = jax.vjp(f, *present)
-    return y, vjp(dy)
-
-  y, grads = value_and_grads(present, dy)
+  y, grads = value_and_vjp(f, present, dy)
   y_ref, grads_ref = reference(kind, x, w, b, dy)
   assert_close(y, y_ref, name="y")
   # Weight gradients sum over rows; bf16 inputs round before the sum.

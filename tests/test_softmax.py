@@ -5,7 +5,6 @@ outputs with NaN first: an element a kernel does not write fails the comparison.
 """
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -14,15 +13,10 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxfuse
-from jaxfuse._core.testing import assert_close, random, x64
+from jaxfuse._core.testing import assert_close, random, value_and_vjp, x64
 
 IMPLS = ["xla", "triton"]
 FNS = {"softmax": jaxfuse.softmax, "log_softmax": jaxfuse.log_softmax}
-
-
-def _value_and_grad(f, x, dy):
-  y, vjp = jax.vjp(f, x)
-  return y, vjp(dy)[0]
 
 
 def reference(name, x, axis=-1, scale=1.0, keep=None, dy=None):
@@ -38,13 +32,11 @@ def reference(name, x, axis=-1, scale=1.0, keep=None, dy=None):
         out = jnp.where(keep_, out, -jnp.inf if name == "log_softmax" else 0.0)
       return out
 
-    # One program, not an op-by-op dispatch.
-    if dy is None:
-      y, grad = jax.jit(f)(x64_), None
-    else:
-      y, grad = jax.jit(functools.partial(_value_and_grad, f))(
-          x64_, jnp.asarray(np.asarray(dy, np.float64)))
-      grad = np.asarray(grad)
+    y, grads = value_and_vjp(f, (x64_,),
+                             None if dy is None else jnp.asarray(np.asarray(dy, np.float64)))
+    grad = None
+    if grads is not None:
+      grad = np.asarray(grads[0])
       if keep_ is not None:
         grad = np.where(np.asarray(keep_), grad, 0.0)
     return np.asarray(y), grad
@@ -82,8 +74,8 @@ SHAPES = [((1,), -1), ((3,), 0), ((7, 1000), -1), ((2, 3, 4097), -1), ((2, 65537
 def test_matches_float64_any_axis(rng, impl, name, shape, axis):
   x = random(rng, shape, jnp.float32, scale=3.0)
   dy = random(rng, shape, jnp.float32)
-  y, dx = jax.jit(lambda x, dy: _value_and_grad(
-      lambda x: FNS[name](x, axis=axis, scale=0.7, implementation=impl), x, dy))(x, dy)
+  y, (dx,) = value_and_vjp(
+      lambda x: FNS[name](x, axis=axis, scale=0.7, implementation=impl), (x,), dy)
   expected, grad = reference(name, x, axis, 0.7, dy=dy)
   check(y, expected, axis=axis)
   check(dx, grad, factor=10, floor=gradient_floor(name, expected, dy, 0.7, axis),
@@ -121,8 +113,8 @@ def test_masks_of_any_broadcast_shape(rng, impl, name, mask_shape):
   x = random(rng, (2, 3, 8, 40), jnp.float32)
   mask = rng.random(mask_shape) > 0.4
   dy = random(rng, x.shape, jnp.float32)
-  y, dx = jax.jit(lambda x, dy: _value_and_grad(
-      lambda x: FNS[name](x, mask=jnp.asarray(mask), implementation=impl), x, dy))(x, dy)
+  y, (dx,) = value_and_vjp(
+      lambda x: FNS[name](x, mask=jnp.asarray(mask), implementation=impl), (x,), dy)
   keep = np.broadcast_to(mask, x.shape)
   full = keep.any(axis=-1, keepdims=True)
   expected, grad = reference(name, x, keep=keep | ~full, dy=dy)
@@ -141,9 +133,9 @@ def test_masks_of_any_broadcast_shape(rng, impl, name, mask_shape):
 def test_causal_alignments(rng, impl, name, t, s, offset):
   x = random(rng, (2, t, s), jnp.float32)
   dy = random(rng, x.shape, jnp.float32)
-  y, dx = jax.jit(lambda x, dy: _value_and_grad(
-      lambda x: FNS[name](x, is_causal=True, causal_offset=offset, implementation=impl), x,
-      dy))(x, dy)
+  y, (dx,) = value_and_vjp(
+      lambda x: FNS[name](x, is_causal=True, causal_offset=offset, implementation=impl), (x,),
+      dy)
   keep = np.broadcast_to(causal_keep(t, s, offset), x.shape)
   full = keep.any(axis=-1, keepdims=True)
   expected, grad = reference(name, x, keep=keep | ~full, dy=dy)

@@ -96,6 +96,15 @@ def assert_close(actual, expected, dtype=None, *, factor: float = 1.0, name: str
   return err
 
 
+def value_and_vjp(f, args, cotangent=None):
+  """``f(*args)`` and, given ``cotangent``, the gradients of ``args`` (else None), as one jitted
+  program: an op-by-op dispatch compiles every primitive anew for each shape."""
+  def run(args, cotangent):
+    out, pullback = jax.vjp(f, *args)
+    return out, (None if cotangent is None else pullback(cotangent))
+  return jax.jit(run)(tuple(args), cotangent)
+
+
 def seed_for(test_id: str) -> int:
   """A 32-bit seed from a test's id: the same inputs every run, different ones per test."""
   return zlib.crc32(test_id.encode())

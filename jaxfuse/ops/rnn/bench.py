@@ -52,13 +52,14 @@ def _inputs(key, cell, b, t, i, h, layers, bidirectional, dtype):
           jax.random.normal(keys[4], (b, t, directions * h), dtype))
 
 
-def _call(cell, i, h, layers, bidirectional, impl, x, h0, c0, w):
-  # Whole sequences (no lengths), which every implementation, cuDNN's included, takes.
+def _call(cell, i, h, layers, bidirectional, impl, x, h0, c0, w, lengths=None):
+  # Whole sequences (no lengths) by default, which every implementation, cuDNN's included,
+  # takes.
   sizes = dict(input_size=i, hidden_size=h, num_layers=layers, bidirectional=bidirectional,
                implementation=implementation_arg(impl))
   if cell == "lstm":
-    return api.lstm(x, h0, c0, w, None, **sizes)[0]
-  return api.gru(x, h0, w, None, **sizes)[0]
+    return api.lstm(x, h0, c0, w, lengths, **sizes)[0]
+  return api.gru(x, h0, w, lengths, **sizes)[0]
 
 
 def _forward(spec, impl):
@@ -140,9 +141,8 @@ def _device_lengths_timer(cell, i, h, layers, bidirectional, inputs):
   them: where None takes cuDNN, a call per layer and direction rather than one."""
   x, h0, c0, w, dy = inputs
   lengths = jnp.full((x.shape[0],), x.shape[1], jnp.int32)
-  sizes = dict(input_size=i, hidden_size=h, num_layers=layers, bidirectional=bidirectional)
-  run = lambda x, w, lengths: (api.lstm(x, h0, c0, w, lengths, **sizes) if cell == "lstm"
-                               else api.gru(x, h0, w, lengths, **sizes))[0]
+  run = lambda x, w, lengths: _call(cell, i, h, layers, bidirectional, DEFAULT, x, h0, c0, w,
+                                    lengths)
 
   def train(x, w, lengths, dy):
     y, vjp = jax.vjp(lambda x, w: run(x, w, lengths), x, w)
