@@ -288,17 +288,16 @@ def test_calls_that_cannot_be_told_apart_are_an_error():
 
 
 def test_groups_with_different_activity_counts_are_an_error():
-  per_call = iter([2, 3])
-  group = lambda calls: ([(1e-3, 1e-3)] * calls, next(per_call), calls * 2e-3)
+  groups = lambda calls, n: [([(1e-3, 1e-3)] * calls, count, calls * 2e-3) for count in (2, 3)]
   with pytest.raises(bench.TimingError, match="per call"):
-    bench._timed(group, 1.0, min_seconds=0.0, groups=2)
+    bench._timed(groups, 1.0, min_seconds=0.0, groups=2)
 
 
 @pytest.mark.parametrize("busy", [0.5, None])
 def test_a_span_past_the_wall_clock_is_an_error(busy):
-  group = lambda calls: ([(1.0, busy)] * calls, 2, calls * 1e-3)
+  groups = lambda calls, n: [([(1.0, busy)] * calls, 2, calls * 1e-3)] * n
   with pytest.raises(bench.TimingError, match="busy <= span <= wall"):
-    bench._timed(group, 1.0, min_seconds=0.0, groups=1)
+    bench._timed(groups, 1.0, min_seconds=0.0, groups=1)
 
 
 def test_large_outputs_are_checked_over_the_whole_tensor():
@@ -403,18 +402,22 @@ def test_gpu_copy_ceilings_copy():
   assert "cudaMemcpyAsync" in rates and len(rates) == 2 + len(copies.KERNEL_SHAPES)
 
 
-def test_a_group_is_read_from_its_trace(monkeypatch):
-  ran = []
+def test_groups_are_read_from_one_trace(monkeypatch):
+  ran, traces = [], []
   call = lambda i: ran.append(i) or jnp.zeros(())
+  # Two groups of three calls; the second group's calls last longer.
   monkeypatch.setattr(bench, "_jax_trace_intervals",
-                      lambda log_dir: [(10 * c + j, 10 * c + j + 2) for c in range(3)
-                                       for j in (0, 4)])
-  per_call, activities, wall = bench._jax_group(call, 3)
-  assert ran == [0, 1, 2] and activities == 2 and wall > 0
-  assert np.allclose(per_call, [(6e-9, 4e-9)] * 3, rtol=1e-12, atol=0)
+                      lambda log_dir: traces.append(log_dir) or [
+                          (10 * c + j, 10 * c + j + 2 + (c >= 3)) for c in range(6)
+                          for j in (0, 4)])
+  out = bench._jax_groups(call, 3, 2)
+  assert ran == [0, 1, 2] * 2 and len(traces) == 1
+  assert [(activities, wall > 0) for _, activities, wall in out] == [(2, True)] * 2
+  assert np.allclose(out[0][0], [(6e-9, 4e-9)] * 3, rtol=1e-12, atol=0)
+  assert np.allclose(out[1][0], [(7e-9, 6e-9)] * 3, rtol=1e-12, atol=0)
   monkeypatch.setattr(bench, "_jax_trace_intervals", lambda log_dir: [])
   with pytest.raises(bench.TimingError, match="no GPU activity"):
-    bench._jax_group(call, 3)
+    bench._jax_groups(call, 3, 2)
 
 
 @pytest.mark.parametrize("args,says", [

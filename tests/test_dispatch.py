@@ -187,14 +187,14 @@ def linear_cross_entropy(vocab, dtype="bfloat16", *, implementation=None):
                                       implementation=implementation)
 
 
-def recurrent(cell, hidden, dtype="bfloat16", *, batch=64, layers=1, implementation=None,
-              on_host=False, **kwargs):
+def recurrent(cell, hidden, dtype="bfloat16", *, batch=64, layers=1, bidirectional=False,
+              implementation=None, on_host=False, **kwargs):
   """A call over whole sequences of 4 steps, their lengths on the device or (``on_host``)
   left out."""
-  sizes = dict(input_size=8, hidden_size=hidden, num_layers=layers)
+  sizes = dict(input_size=8, hidden_size=hidden, num_layers=layers, bidirectional=bidirectional)
   count = (jaxfuse.lstm_weight_count if cell == "lstm" else jaxfuse.gru_weight_count)(**sizes)
   dtype = jnp.dtype(dtype)
-  state = Array((layers, batch, hidden), dtype)
+  state = Array((layers * (2 if bidirectional else 1), batch, hidden), dtype)
   states = (state, state) if cell == "lstm" else (state,)
   return getattr(jaxfuse, cell)(Array((batch, 4, 8), dtype), *states, Array((count,), dtype),
                                 None if on_host else jnp.full((batch,), 4, jnp.int32),
@@ -790,30 +790,54 @@ RNN_LARGEST = [("lstm", "bfloat16", 1644), ("lstm", "float16", 1644),
                ("lstm", "float32", 1056), ("gru", "bfloat16", 2112), ("gru", "float32", 1096)]
 
 
-def both_uses(cell_and_dtype, work):
-  """A tuned RNN row's entries, one bound for the evaluated forward and the training step."""
-  return {f"{cell_and_dtype}/{use}": work for use in ("forward", "step")}
+def measured(*grids):
+  """Tuned RNN rows of measured grids: ``(key, batches, hidden sizes, orders by batch)``."""
+  return {f"fastest/{key}": {"batch": list(b), "hidden": list(h), "order": order}
+          for key, b, h, order in grids}
+
+
+def both_uses(cell_and_dtype, batches, hidden, order):
+  """One grid for the evaluated forward and the training step."""
+  return [(f"{cell_and_dtype}/{use}", batches, hidden, order) for use in ("forward", "step")]
 
 
 @pytest.mark.parametrize("cell,dtype,largest", RNN_LARGEST)
 def test_rnn_none_takes_cuda_up_to_the_largest_hidden_size(gpu, chosen, cell, dtype, largest):
-  gpu.rnn_rows({"cuda_most_work": {}, "cudnn_least_work": {}})  # no bound measured
+  gpu.rnn_rows(measured(*(grid for key in ("lstm/float32", "lstm/bfloat16")
+                          for grid in both_uses(key, [64], [64], [["cuda>xla"]]))))
   recurrent(cell, largest, dtype)
   assert chosen() == "cuda"
   recurrent(cell, largest + 1, dtype)
   assert chosen() == "xla"
 
 
-def test_rnn_none_passes_cuda_over_past_the_work_its_table_measured_it_faster(
-    gpu, chosen):
-  gpu.rnn_rows({"cuda_most_work": both_uses("lstm/bfloat16", 4096), "cudnn_least_work": {}})
+def test_rnn_none_takes_the_order_measured_at_the_nearest_point_of_its_grid(gpu, chosen):
+  gpu.rnn_rows(measured(*both_uses("lstm/bfloat16", [64, 128], [64, 1024],
+                                   [["cuda>xla", "xla>cuda"], ["xla>cuda", "xla>cuda"]])))
   recurrent("lstm", 64, batch=64)
   assert chosen() == "cuda"
-  recurrent("lstm", 64, batch=65)
-  assert chosen() == "xla"
-  recurrent("lstm", 64, "float32", batch=65)
+  recurrent("lstm", 64, batch=90)  # nearer 64 than 128 by ratio
   assert chosen() == "cuda"
-  recurrent("lstm", 64, batch=65, implementation="cuda")
+  recurrent("lstm", 64, batch=91)
+  assert chosen() == "xla"
+  recurrent("lstm", 250, batch=64)
+  assert chosen() == "cuda"
+  recurrent("lstm", 260, batch=64)
+  assert chosen() == "xla"
+  # A point the run did not time: the nearest it did.
+  gpu.rnn_rows(measured(*both_uses("lstm/bfloat16", [64, 128], [64, 1024],
+                                   [["cuda>xla", ""], ["xla>cuda", "xla>cuda"]])))
+  recurrent("lstm", 1024, batch=64)
+  assert chosen() == "xla"
+  recurrent("lstm", 64, batch=64)
+  assert chosen() == "cuda"
+  # Both directions' rows count: each is a recurrence beside the other.
+  recurrent("lstm", 64, batch=64, bidirectional=True)
+  assert chosen() == "xla"
+  # float32 has no grid (nor has GRU's): the shared bounds on the work per step.
+  recurrent("lstm", 64, "float32", batch=91)
+  assert chosen() == "cuda"
+  recurrent("lstm", 64, batch=91, implementation="cuda")
   assert chosen() == "cuda"
 
 
@@ -842,11 +866,10 @@ def test_rnn_cuda_takes_an_empty_batch_of_any_hidden_size(gpu, chosen):
   assert chosen() == "xla"
 
 
-def test_rnn_none_takes_cudnn_from_the_work_its_table_measured_it_fastest(
-    gpu, chosen):
-  gpu.rnn_rows({"cuda_most_work": both_uses("lstm/bfloat16", 8192),
-                "cudnn_least_work": both_uses("lstm/bfloat16", 4096)})
-  recurrent("lstm", 64, batch=63, on_host=True)
+def test_rnn_none_takes_cudnn_where_its_grid_measured_it_fastest(gpu, chosen):
+  gpu.rnn_rows(measured(*both_uses("lstm/bfloat16", [32, 64], [64],
+                                   [["cuda>cudnn>xla"], ["cudnn>cuda>xla"]])))
+  recurrent("lstm", 64, batch=32, on_host=True)
   assert chosen() == "cuda"
   recurrent("lstm", 64, batch=64, on_host=True)
   assert chosen() == "cudnn"
@@ -856,7 +879,7 @@ def test_rnn_none_takes_cudnn_from_the_work_its_table_measured_it_fastest(
   recurrent("lstm", 64, batch=129)
   assert chosen() == "cudnn by layer"
   # A pair the run did not time takes the nearest it did: GRU and float16 LSTM's bfloat16
-  # row; float32, timed for neither cell, has none.
+  # grid; float32, timed for neither cell, the shared bounds.
   recurrent("gru", 64, batch=64, on_host=True)
   assert chosen() == "cudnn"
   recurrent("gru", 64, "float16", batch=64, on_host=True)
@@ -866,31 +889,35 @@ def test_rnn_none_takes_cudnn_from_the_work_its_table_measured_it_fastest(
 
 
 def test_rnn_none_chooses_for_inference_and_training_apart(gpu, chosen):
-  # cuDNN's forward measured fastest from less work than its training step, and the fused
-  # kernels' step from less than their forward; a measured None: no bound.
-  gpu.rnn_rows({"cuda_most_work": {"lstm/float32/forward": 4096, "lstm/float32/step": None},
-                "cudnn_least_work": {"lstm/float32/forward": 8192,
-                                     "lstm/float32/step": 16384}})
+  batches = [64, 128, 256, 512]
+  gpu.rnn_rows(measured(
+      ("lstm/float32/forward", batches, [64],
+       [["cuda>xla>cudnn"], ["xla>cudnn>cuda"], ["cudnn>xla>cuda"], ["cudnn>xla>cuda"]]),
+      ("lstm/float32/step", batches, [64],
+       [["cuda>xla>cudnn"], ["cuda>xla>cudnn"], ["cuda>cudnn>xla"], ["cudnn>cuda>xla"]])))
   recurrent("lstm", 64, "float32", batch=64, on_host=True)
   assert chosen() == "cuda"
-  recurrent("lstm", 64, "float32", batch=65, on_host=True)
-  assert chosen() == ("xla", "cuda")  # (evaluated, differentiated)
   recurrent("lstm", 64, "float32", batch=128, on_host=True)
-  assert chosen() == ("cudnn", "cuda")
+  assert chosen() == ("xla", "cuda")  # (evaluated, differentiated)
   recurrent("lstm", 64, "float32", batch=256, on_host=True)
+  assert chosen() == ("cudnn", "cuda")
+  recurrent("lstm", 64, "float32", batch=512, on_host=True)
   assert chosen() == "cudnn"
-  # GRU takes LSTM's rows; a named implementation runs both.
-  recurrent("gru", 64, "float32", batch=65, on_host=True)
+  # GRU takes LSTM's grids; a named implementation runs both.
+  recurrent("gru", 64, "float32", batch=128, on_host=True)
   assert chosen() == ("xla", "cuda")
-  recurrent("lstm", 64, "float32", batch=65, implementation="cuda")
+  recurrent("lstm", 64, "float32", batch=128, implementation="cuda")
   assert chosen() == "cuda"
 
 
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-def test_rnn_none_takes_cudnn_only_where_a_table_measured_it(gpu, chosen, cell, dtype):
+def test_rnn_none_without_a_grid_takes_cudnn_from_the_shared_bounds(gpu, chosen, cell, dtype):
+  gpu.rnn_rows({})
   recurrent(cell, 64, dtype, on_host=True)
   assert chosen() == "cuda"
+  recurrent(cell, 64, dtype, batch=2048, on_host=True)
+  assert chosen() == "cudnn"
   recurrent(cell, 64, dtype, on_host=True, implementation="cudnn")
   assert chosen() == "cudnn"
 

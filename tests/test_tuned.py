@@ -57,10 +57,17 @@ def test_a_table_names_its_gpu_and_cites_recorded_runs(path):
       assert re.fullmatch(r"(causal|full)/(64|128|256)", key) and most > 0, (name, key)
   if "order" in rows:
     assert set(rows["order"]["value"]) <= {"xla", "cuda"}
-  for name in ("cuda_most_work", "cudnn_least_work"):
-    for key, work in rows.get(name, {"value": {}})["value"].items():
-      assert re.fullmatch(r"(lstm|gru)/(float32|bfloat16|float16)/(forward|step)", key), key
-      assert work is None or work >= 0, (name, key)
+  for key, row in rows.items():
+    if not key.startswith("fastest/"):
+      continue
+    grid = row["value"]
+    assert set(grid) == {"batch", "hidden", "order"}, key
+    assert len(grid["order"]) == len(grid["batch"]) > 0, key
+    for orders in grid["order"]:
+      assert len(orders) == len(grid["hidden"]) > 0, key
+      for order in filter(None, orders):  # '': a point the run did not time
+        names = order.split(">")
+        assert len(set(names)) == len(names) and set(names) <= {"cuda", "cudnn", "xla"}, key
 
 
 @pytest.fixture
@@ -248,14 +255,16 @@ def test_a_part_run_picks_cases_by_the_start_of_their_labels():
   assert len(small) == 2 * 2 * len(attention_bench.TUNE_SMALL_GRIDS)
 
 
-def test_a_table_file_holds_a_list_of_numbers_on_one_line():
+def test_a_table_file_holds_a_list_of_numbers_or_strings_on_one_line():
   from jaxfuse._core import tune
   table = {"rows": {"bands": {"value": [[1, 4096, 32768], [64, -2.5, 1e+20, None]],
-                              "source": ["runs[1,2].json", "[nul] [e]"]}}}
+                              "source": ["runs[1,2].json", 'a "[nul]" \\ [e]']},
+                    "grid": {"value": {"order": [["cuda>xla", ""]]}, "source": "run.json"}}}
   text = tune.table_text(table)
   assert json.loads(text) == table
   assert "[1, 4096, 32768]" in text and "[64, -2.5, 1e+20, null]" in text
-  assert '"runs[1,2].json",\n' in text
+  assert '["runs[1,2].json", "a \\"[nul]\\" \\\\ [e]"]' in text
+  assert '[\n' in text and '["cuda>xla", ""]' in text
 
 
 def test_the_winning_bands_hold_per_row_count_the_lengths_the_first_wins():
@@ -301,47 +310,30 @@ def test_the_tuning_grids_labels_read_back_into_rows():
                                                         * attention_bench.work_tiles(1, 1024, 8))
 
 
-def test_the_rnn_tuning_run_gives_the_fused_kernels_most_work_per_cell_and_dtype():
+def test_the_rnn_tuning_run_gives_the_order_measured_at_each_point_per_cell_dtype_and_use():
   from jaxfuse.ops.rnn import bench as rnn_bench
-  steps = {(1, 256): (1.0, 2.0), (64, 256): (1.0, 1.0), (256, 1024): (3.0, 2.0)}
-  rows = [_timed(cell, f"{cell.upper()} {b}x64x{h}x{h} L1 {dtype}", b, impl, 1.0,
-                 step if impl == "cuda" or cell == "lstm" else 9.0)
-          for cell in ("lstm", "gru") for dtype in ("float32", "bfloat16")
-          for (b, h), times in steps.items() for impl, step in zip(("cuda", "xla"), times)]
-  # The forwards tie (no bound), GRU's fused steps win everywhere (no bound).
-  assert rnn_bench.tuned_rows(rows)["cuda_most_work"] == {
-      **{f"{cell}/{dtype}/{use}": None for cell in ("lstm", "gru")
-         for dtype in ("float32", "bfloat16") for use in ("forward", "step")},
-      "lstm/float32/step": 16384, "lstm/bfloat16/step": 16384}
-  # Two points of one work (1 x 1024, 4 x 256) weigh together: a small win at one does not
-  # outweigh a large loss at the other.
-  rows = [_timed("lstm", f"LSTM {b}x64x{h}x{h} L1 float32", b, impl, 1.0, step)
-          for (b, h), times in {(1, 256): (1.0, 2.0), (1, 1024): (1.0, 1.1),
-                                (4, 256): (4.0, 2.0), (4, 1024): (4.0, 2.0)}.items()
-          for impl, step in zip(("cuda", "xla"), times)]
-  assert rnn_bench.tuned_rows(rows)["cuda_most_work"] == {"lstm/float32/forward": None,
-                                                          "lstm/float32/step": 256}
-  rows[0] = _timed("lstm", "LSTM 1x64x256x256 L1 float32", 1, "cuda", 3.0, 5.0)
-  assert rnn_bench.tuned_rows(rows)["cuda_most_work"] == {"lstm/float32/forward": 0,
-                                                          "lstm/float32/step": 0}
-  assert "cudnn_least_work" not in rnn_bench.tuned_rows(rows)
-
-
-def test_the_rnn_tuning_run_gives_cudnn_the_least_work_from_which_it_wins():
-  from jaxfuse.ops.rnn import bench as rnn_bench
-  # cuDNN's step against the faster of the fused kernels and XLA: slower up to 1 x 1024, faster
-  # from 64 x 256 on the float32 LSTM; slower everywhere on the bfloat16 one. Its forwards
-  # win from 1 x 1024.
-  steps = {(1, 256): (1.0, 2.0, 3.0), (1, 1024): (2.0, 3.0, 2.5), (64, 256): (2.0, 1.5, 1.0),
-           (256, 1024): (9.0, 5.0, 2.0)}
-  rows = [_timed("lstm", f"LSTM {b}x64x{h}x{h} L1 {dtype}", b, impl,
-                 (0.5 if b * h >= 1024 else 2.0) if impl == "cudnn" else 1.0,
-                 step if dtype == "float32" or impl != "cudnn" else 10.0)
-          for dtype in ("float32", "bfloat16") for (b, h), times in steps.items()
-          for impl, step in zip(("cuda", "xla", "cudnn"), times)]
-  assert rnn_bench.tuned_rows(rows)["cudnn_least_work"] == {
-      "lstm/float32/forward": 1024, "lstm/float32/step": 16384,
-      "lstm/bfloat16/forward": 1024, "lstm/bfloat16/step": None}
+  # (batch, hidden): cuda, cudnn, xla times (forward, step); None: did not run.
+  times = {(1, 256): ((1.0, 2.0), (3.0, 6.0), (2.0, 3.0)),
+           (1, 2048): (None, (9.0, 20.0), (8.0, 30.0)),
+           (64, 256): ((1.0, 3.0), (2.0, 2.0), (1.5, 4.0)),
+           (64, 2048): (None, (5.0, 10.0), (6.0, 12.0))}
+  rows = [_timed("lstm", f"LSTM {b}x64x{h}x{h} L1 float32", b, impl, *time)
+          for (b, h), by_impl in times.items()
+          for impl, time in zip(("cuda", "cudnn", "xla"), by_impl) if time is not None]
+  # A failed check counts as not run; GRU, bfloat16 and the comparators were not timed.
+  rows[5] = _timed("lstm", "LSTM 64x64x256x256 L1 float32", 64, "cuda", 0.1, 0.1,
+                   note="FAILED: error")
+  rows.append(_timed("lstm", "LSTM 64x64x256x256 L1 float32", 64, "torch", 0.1, 0.1))
+  assert rnn_bench.tuned_rows(rows) == {
+      "fastest/lstm/float32/forward": {"batch": [1, 64], "hidden": [256, 2048],
+                               "order": [["cuda>xla>cudnn", "xla>cudnn"],
+                                         ["xla>cudnn", "cudnn>xla"]]},
+      "fastest/lstm/float32/step": {"batch": [1, 64], "hidden": [256, 2048],
+                                    "order": [["cuda>xla>cudnn", "cudnn>xla"],
+                                              ["cudnn>xla", "cudnn>xla"]]}}
+  # A point the run did not time has no order.
+  assert rnn_bench.tuned_rows(rows[:3] + rows[-4:])[
+      "fastest/lstm/float32/forward"]["order"] == [["cuda>xla>cudnn", ""], ["xla", "cudnn>xla"]]
 
 
 def test_tune_writes_the_rows_citing_its_run(tmp_path, monkeypatch, capsys):

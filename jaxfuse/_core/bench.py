@@ -230,49 +230,53 @@ def _jax_trace_intervals(log_dir) -> list[tuple[int, int]]:
   return intervals
 
 
-def _traced_group(run, calls):
-  """Runs ``run()`` (``calls`` back-to-back calls and a wait for them) under JAX's profiler,
-  which sees every kernel of the process, PyTorch's too: per call (span, busy) seconds and
-  GPU activities per call, or ``(None, None)`` where the trace shows none; and the host's
-  seconds for the group."""
+def _traced_groups(run_group, calls, groups):
+  """Runs ``run_group()`` (``calls`` back-to-back calls and a wait for them, returning the
+  host's seconds) ``groups`` times under one JAX profiler trace, which sees every kernel of
+  the process, PyTorch's too (one trace, not one a group: starting and reading a trace costs
+  more than a small problem's group). Per group: its calls' (span, busy) seconds, or None
+  where the trace shows no activity; GPU activities per call; the host's seconds."""
   with tempfile.TemporaryDirectory() as log_dir:
     with jax.profiler.trace(log_dir):
-      t0 = time.perf_counter()
-      run()
-      wall = time.perf_counter() - t0
+      walls = [run_group() for _ in range(groups)]
     intervals = _jax_trace_intervals(log_dir)
   if not intervals:
-    return None, None, wall
-  per_call = [(span * 1e-9, busy * 1e-9) for span, busy in split_calls(intervals, calls)]
-  return per_call, len(set(intervals)) // calls, wall
+    return [(None, None, wall) for wall in walls]
+  per_call = [(span * 1e-9, busy * 1e-9)
+              for span, busy in split_calls(intervals, calls * groups)]
+  activities = len(set(intervals)) // (calls * groups)
+  return [(per_call[g * calls:(g + 1) * calls], activities, wall)
+          for g, wall in enumerate(walls)]
 
 
-def _jax_group(call, calls):
-  per_call, activities, wall = _traced_group(lambda: _host_group(call, calls, _block), calls)
-  if per_call is None:
-    raise TimingError(f"the trace of {calls} calls shows no GPU activity")
-  return per_call, activities, wall
+def _jax_groups(call, calls, groups):
+  out = _traced_groups(lambda: _host_group(call, calls, _block)[2], calls, groups)
+  if out[0][0] is None:
+    raise TimingError(f"the trace of {groups} groups of {calls} calls shows no GPU activity")
+  return out
 
 
-def _torch_group(call, calls):
+def _torch_groups(call, calls, groups):
   """PyTorch's calls on JAX's trace; where it shows none, each call's span is read from CUDA
   events around it (from the GPU reaching the call to its last kernel's end) and busy time is
   not read. (PyTorch's own profiler would hold CUPTI, leaving JAX's traces empty after it.)"""
   import torch
-  marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-           for _ in range(calls)]
+  marks = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            for _ in range(calls)] for _ in range(groups)]
+  next_group = iter(marks)
 
-  def run():
-    for i, (start, end) in enumerate(marks):
+  def run_group():
+    t0 = time.perf_counter()
+    for i, (start, end) in enumerate(next(next_group)):
       start.record()
       call(i)
       end.record()
     torch.cuda.synchronize()
+    return time.perf_counter() - t0
 
-  per_call, activities, wall = _traced_group(run, calls)
-  if per_call is None:
-    per_call = [(start.elapsed_time(end) * 1e-3, None) for start, end in marks]
-  return per_call, activities, wall
+  out = _traced_groups(run_group, calls, groups)
+  return [(per_call or [(start.elapsed_time(end) * 1e-3, None) for start, end in group_marks],
+           activities, wall) for (per_call, activities, wall), group_marks in zip(out, marks)]
 
 
 def _host_group(call, calls, wait):
@@ -284,14 +288,14 @@ def _host_group(call, calls, wait):
   return [(wall / calls, wall / calls)] * calls, None, wall
 
 
-def _timed(group, single_seconds: float, *, min_seconds: float, groups: int) -> Timing:
-  """Runs ``groups`` groups of back-to-back calls, enough for ``min_seconds`` in all, and
-  returns the median per-call times; checks busy <= span <= wall and the same activity count
-  in every group."""
+def _timed(run_groups, single_seconds: float, *, min_seconds: float, groups: int) -> Timing:
+  """Runs ``groups`` groups of back-to-back calls (``run_groups(calls, groups)``: per group,
+  its calls' (span, busy) seconds, GPU activities per call and the host's seconds), enough for
+  ``min_seconds`` in all, and returns the median per-call times; checks busy <= span <= wall
+  and the same activity count in every group."""
   calls = int(max(3, min(200, math.ceil(min_seconds / groups / max(single_seconds, 1e-6)))))
   spans, busys, walls, counts = [], [], [], set()
-  for _ in range(groups):
-    per_call, activities, wall = group(calls)
+  for per_call, activities, wall in run_groups(calls, groups):
     wall /= calls
     span = statistics.fmean(s for s, _ in per_call)
     busy = None if per_call[0][1] is None else statistics.fmean(b for _, b in per_call)
@@ -326,9 +330,10 @@ def measure(compiled: Callable, input_sets: Sequence[tuple], *, time_it: bool = 
     out = call(i)
   _block(out)
   single = (time.perf_counter() - t0) / len(input_sets)
-  group = (functools.partial(_jax_group, call) if timing_method() == PROFILER
-           else lambda calls: _host_group(call, calls, _block))
-  return _timed(group, single, min_seconds=min_seconds, groups=groups), first
+  run_groups = (functools.partial(_jax_groups, call) if timing_method() == PROFILER
+                else lambda calls, groups: [_host_group(call, calls, _block)
+                                            for _ in range(groups)])
+  return _timed(run_groups, single, min_seconds=min_seconds, groups=groups), first
 
 
 def time_torch(call: Callable[[int], object], *, min_seconds: float = 0.3,
@@ -343,7 +348,7 @@ def time_torch(call: Callable[[int], object], *, min_seconds: float = 0.3,
     call(i)
   torch.cuda.synchronize()
   single = (time.perf_counter() - t0) / 3
-  return _timed(functools.partial(_torch_group, call), single, min_seconds=min_seconds,
+  return _timed(functools.partial(_torch_groups, call), single, min_seconds=min_seconds,
                 groups=groups)
 
 

@@ -175,10 +175,11 @@ def write_rows(family: str, kind: str, values: Mapping[str, Any],
 
 
 def table_text(table: Mapping[str, Any]) -> str:
-  """``table`` as its file holds it: indented, with lists of numbers on one line each."""
+  """``table`` as its file holds it: indented, with lists of numbers or strings on one line
+  each."""
   text = json.dumps(table, indent=1)
   # Anchored on the line breaks only indenting writes: a JSON string never holds one.
-  return re.sub(r"\[(?:\n *(?:[-+.\deE]+|null),?)+\n *\]",
+  return re.sub(r'\[(?:\n *(?:[-+.\deE]+|null|"(?:[^"\\\n]|\\.)*"),?)+\n *\]',
                 lambda m: json.dumps(json.loads(m.group(0))), text) + "\n"
 
 

@@ -21,50 +21,63 @@ from jaxfuse.ops.rnn import reference
 from jaxfuse.ops.rnn.weights import unpack, weight_count
 
 
+# A GPU never measured: the bounds on the work per step (batch x hidden) that the measured GPUs
+# share. The fused kernels win while a step's batch is small beside W_hh, which they hold on
+# chip, and 16-bit weights leave room for a larger batch; cuDNN's forward (XLA's scan close
+# behind it in float32) wins later than its training step.
+_UNTUNED_CUDA_MOST_WORK = {("float32", "forward"): 2**15, ("float32", "step"): 2**15,
+                           ("bfloat16", "forward"): 2**16, ("bfloat16", "step"): 2**17}
+_UNTUNED_CUDNN_LEAST_WORK = {("float32", "forward"): 2**17, ("float32", "step"): 2**16,
+                             ("bfloat16", "forward"): 2**16, ("bfloat16", "step"): 2**16}
+
+
+# The tables' rows: a measured grid per cell, dtype and use, ``fastest/lstm/float32/step``.
+_GRID_ROWS = tuple(f"fastest/{cell}/{dtype}/{use}" for cell in ("lstm", "gru")
+                   for dtype in ("float32", "bfloat16") for use in ("forward", "step"))
+
 
 def _untuned() -> dict:
-  # A GPU never measured: the bounds the measured GPUs share. The fused kernels win while a
-  # step's batch is small beside W_hh, which they hold on chip, and 16-bit weights leave room
-  # for a larger batch; cuDNN's forward (XLA's scan close behind it in float32) wins later
-  # than its training step.
-  pairs = [(dtype, use) for dtype in ("float32", "bfloat16") for use in ("forward", "step")]
-  cuda_most = {("float32", "forward"): 2**15, ("float32", "step"): 2**15,
-               ("bfloat16", "forward"): 2**16, ("bfloat16", "step"): 2**17}
-  cudnn_least = {("float32", "forward"): 2**17}
-  return {"cuda_most_work": {f"lstm/{d}/{u}": cuda_most[d, u] for d, u in pairs},
-          "cudnn_least_work": {f"lstm/{d}/{u}": cudnn_least.get((d, u), 2**16) for d, u in pairs}}
+  # No measured grid: every call takes the work bounds above.
+  return dict.fromkeys(_GRID_ROWS)
 
 
-def _preference(cell: str, dtype, work: int, use: str):
+def _preference(cell: str, dtype, batch: int, hidden: int, use: str) -> tuple[str, ...]:
   """The order None tries for ``use`` (``'forward'``: a call only evaluated; ``'step'``: one
-  differentiated, both directions): 'cuda' then 'xla', 'cuda' last where a step's work (batch
-  x hidden) passes the most at which the fused kernels measured faster, and 'cudnn' first from
-  the least at which cuDNN measured faster than both (see :func:`_measured`; no row: no bound,
-  and no cuDNN). The work is the call's, before sharding splits its batch or vmap adds to it:
-  the table was measured on one GPU, unmapped."""
+  differentiated, both directions) of a layer of ``hidden`` units over ``batch`` rows, those
+  of both directions counted (each direction is a recurrence of its own beside the other):
+  the order measured fastest at the nearest point the GPU's grid timed for this cell, dtype
+  and use (see :func:`_measured_grid`), those it did not time after it; on a GPU without
+  one, by the work per step against :data:`_UNTUNED_CUDA_MOST_WORK` and
+  :data:`_UNTUNED_CUDNN_LEAST_WORK`. The sizes are the call's, before sharding splits its
+  batch or vmap adds to it: the grid was measured on one GPU, unmapped."""
   if registry.platform() != "gpu":
     return ("xla",)
-  rows = tuned.rows("rnn", _untuned)
-  order = ("cuda", "xla")
-  most = _measured(rows["cuda_most_work"], cell, dtype, use)
-  if most is not None and work > most:
-    order = ("xla", "cuda")
-  least = _measured(rows["cudnn_least_work"], cell, dtype, use)
-  if least is not None and work >= least:
-    order = ("cudnn",) + order
-  return order
+  grid = _measured_grid(tuned.rows("rnn", _untuned), cell, dtype, use)
+  if grid is None:
+    width = "bfloat16" if jnp.dtype(dtype).itemsize == 2 else "float32"
+    work = batch * hidden
+    order = ("cuda", "xla") if work <= _UNTUNED_CUDA_MOST_WORK[width, use] else ("xla", "cuda")
+    return ("cudnn",) + order if work >= _UNTUNED_CUDNN_LEAST_WORK[width, use] else order
+  # The nearest point the run timed, by the ratios of batch and of hidden size.
+  distance = lambda i, j: (abs(np.log(grid["batch"][i] / max(batch, 1)))
+                           + abs(np.log(grid["hidden"][j] / hidden)))
+  timed = [(i, j) for i, orders in enumerate(grid["order"]) for j, order in enumerate(orders)
+           if order]
+  i, j = min(timed, key=lambda point: distance(*point))
+  measured = tuple(grid["order"][i][j].split(">"))
+  return measured + tuple(name for name in ("cuda", "cudnn", "xla") if name not in measured)
 
 
-def _measured(row: dict, cell: str, dtype, use: str) -> int | None:
-  """A per cell, dtype and use row's value (None where the run measured no bound); a pair the
-  run did not time takes the nearest it did: float16 as bfloat16 (one 16-bit path in each
-  library), then the other cell at that dtype (the cells' kernels share their tiling)."""
+def _measured_grid(rows: dict, cell: str, dtype, use: str) -> dict | None:
+  """The grid the GPU's table measured for this cell, dtype and use, or None; a pair it did
+  not time takes the nearest it did: float16 as bfloat16 (one 16-bit path in each library),
+  then the other cell at that dtype (the cells' kernels share their tiling)."""
   name = jnp.dtype(dtype).name
   width = "bfloat16" if name == "float16" else name
   other = "gru" if cell == "lstm" else "lstm"
   for key in (f"{cell}/{name}", f"{cell}/{width}", f"{other}/{width}"):
-    if f"{key}/{use}" in row:
-      return row[f"{key}/{use}"]
+    if rows.get(f"fastest/{key}/{use}") is not None:
+      return rows[f"fastest/{key}/{use}"]
   return None
 
 
@@ -92,11 +105,9 @@ def lstm(x, h_0, c_0, weights, seq_lengths, *, input_size: int, hidden_size: int
       and the weights, float32 with TF32 products unless ``precision`` asks for more, float16
       or bfloat16; the whole network in one call where the host holds the lengths (None or a
       NumPy array) and there is no dropout, else a call per layer and direction over whole
-      sequences, the final states read at each sequence's end) or ``None``: by the GPU's
-      tuned table, ``'cudnn'`` from the work per step (batch x hidden) it measured cuDNN
-      fastest, where it takes the call, ``'cuda'`` up to the work it measured the fused
-      kernels faster, else ``'xla'``; a call only evaluated by the forwards' times, a
-      differentiated one by the training steps'.
+      sequences, the final states read at each sequence's end) or ``None``: the fastest that takes the
+      call by the GPU's tuned table, measured over batch x hidden; a call only evaluated by
+      the forwards' times, a differentiated one by the training steps'.
 
   Returns:
     ``(y, h_n, c_n)``: ``y`` ``(B, T, directions * hidden_size)``, zero past each sequence's
@@ -177,13 +188,13 @@ def _run(cell, x, initial_state, weights, seq_lengths, input_size, hidden_size, 
               "cuda": functools.partial(_cuda_unavailable, layer),
               "cudnn": lambda: (cudnn_kernels.unavailable() or cudnn_kernels.unsupported(
                   (x.dtype, weights.dtype, *(s.dtype for s in initial_state))))}
-  work = batch * hidden_size
+  sizes = (batch * directions, hidden_size)
 
   def fastest(use):
     return registry.resolve(op, None, backends,
-                            _preference(cell, op_dtype, work, timed_as(use)))
+                            _preference(cell, op_dtype, *sizes, timed_as(use)))
 
-  plan = resolve_plan(op, implementation, backends, _preference(cell, op_dtype, work, "step"),
+  plan = resolve_plan(op, implementation, backends, _preference(cell, op_dtype, *sizes, "step"),
                       fastest)
   network = _Network(cell, input_size, hidden_size, num_layers, bool(bidirectional), dropout,
                      precision, host_lengths)

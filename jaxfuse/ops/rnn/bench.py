@@ -16,7 +16,6 @@ by default.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -221,51 +220,52 @@ def regret_cases() -> list[Case]:
           for shape in REGRET_GRID]
 
 
-# The tuning grid: one layer, one direction, TUNE_STEPS steps, batch x hidden across the
-# fused kernels' range, each cell and dtype.
+# The tuning grid: one layer, one direction, TUNE_STEPS steps, batch x hidden, each cell and
+# dtype.
 TUNE_BATCHES = (1, 4, 16, 64, 256, 1024)
-TUNE_HIDDEN = (256, 512, 1024, 2048)
+TUNE_HIDDEN = (128, 256, 512, 1024, 2048)
 TUNE_STEPS = 64
+TUNED_IMPLEMENTATIONS = ("cuda", "cudnn", "xla")
 
 
 def tune_cases() -> list[Case]:
   """The fused kernels, cuDNN's and XLA's scan over the tuning grid, each cell and dtype."""
-  return [_case(cell, b, TUNE_STEPS, h, h, 1, False, dtype, ("cuda", "xla", "cudnn"))
+  return [_case(cell, b, TUNE_STEPS, h, h, 1, False, dtype, TUNED_IMPLEMENTATIONS)
           for cell in GATES for dtype in (jnp.float32, jnp.bfloat16)
           for b in TUNE_BATCHES for h in TUNE_HIDDEN]
 
 
 def tuned_rows(rows) -> dict:
-  """Per cell, dtype and use (the evaluated ``forward``, the training ``step``) the run timed,
-  the most work per step (batch x hidden) up to which the fused kernels go before XLA's scan
-  at the least regret (None: everywhere; 0: not even at the least work) and, where it timed
-  cuDNN, the least work from which cuDNN beats the faster of the two at the least regret
-  (None: nowhere)."""
-  most, least = {}, {}
+  """``fastest/CELL/DTYPE/USE`` for each cell, dtype and use (the evaluated ``forward``, the
+  training ``step``) the run timed: its batches and hidden sizes and, at each (batch, hidden),
+  the implementations that ran and passed their check there, fastest first (``'cuda>xla'``;
+  ``''`` at a point the run did not time)."""
+  out = {}
   for op in GATES:
     for dtype in ("float32", "bfloat16"):
-      group = [dataclasses.replace(r, size=_work(r.label)) for r in rows
-               if r.op == op and r.label.endswith(dtype)]
+      group = [r for r in rows if r.op == op and r.label.endswith(dtype)
+               and r.implementation in TUNED_IMPLEMENTATIONS]
       for use in ("forward", "step"):
-        key = f"{op}/{dtype}/{use}"
-        points = tune.times_by_size(group, use, "cuda", "xla")
-        if points:
-          longest = tune.least_regret_prefix(points)
-          most[key] = None if longest == points[-1][0] else longest or 0
-        cudnn = sorted((row.size, mine, theirs) for row, mine, theirs
-                       in tune.times_by_case(group, use, "cudnn", ("cuda", "xla")))
-        if cudnn:
-          least[key] = tune.least_regret_suffix(cudnn)
-  out = {"cuda_most_work": most}
-  if any(r.implementation == "cudnn" for r in rows):
-    out["cudnn_least_work"] = least
+        times = {}
+        for row in group:
+          t = tune.time_of(row, use)
+          if t is not None:
+            times.setdefault(_batch_hidden(row.label), {})[row.implementation] = t
+        if not times:
+          continue
+        batches = sorted({b for b, _ in times})
+        hidden = sorted({h for _, h in times})
+        order = lambda ran: ">".join(sorted(ran, key=lambda n: (ran[n], n)))
+        out[f"fastest/{op}/{dtype}/{use}"] = {
+            "batch": batches, "hidden": hidden,
+            "order": [[order(times.get((b, h), {})) for h in hidden] for b in batches]}
   return out
 
 
-def _work(label: str) -> int:
-  """Batch x hidden of a case: ``'LSTM 4x64x256x256 L1 float32'`` -> 1024."""
+def _batch_hidden(label: str) -> tuple[int, int]:
+  """``'LSTM 4x64x256x256 L1 float32'`` -> ``(4, 256)``."""
   b, _, _, h = (int(v) for v in label.split()[1].split("x"))
-  return b * h
+  return b, h
 
 
 # The grid: batch x hidden (input = hidden), each cell, dtype and layout (layers,

@@ -92,12 +92,40 @@ class Call:
     return jax.ShapeDtypeStruct(self.states if self.cell == "lstm" else (1,), self.dtype)
 
 
+# cudnnRNNAlgo_t's standard algorithm and its persistent one for small hidden sizes (one kernel
+# walks every step), which cuDNN runs for whole sequences up to a hidden size per use: these
+# bounds are PyTorch's, whose training step takes the persistent kernels in both directions
+# only up to the smaller one.
+_STANDARD, _SMALL_HIDDEN = 0, 1
+_SMALL_HIDDEN_MOST = {False: 192, True: 128}  # by training
+
+
 @functools.cache
+def algorithm(call: Call, training: bool) -> int:
+  """The algorithm of ``call``'s forward (the training one with ``training``, which the
+  backward shares): the persistent kernels where their bounds allow and cuDNN takes them, for
+  the default math only (float32 FMA math, asked by ``precision``, keeps the standard
+  algorithm, whose products are known to follow it)."""
+  whole = all(n == call.time for n in call.lengths)
+  if whole and not call.exact and call.hidden_size <= _SMALL_HIDDEN_MOST[training]:
+    try:
+      _sizes(call, training, _SMALL_HIDDEN)
+      return _SMALL_HIDDEN
+    except NotImplementedError:
+      pass
+  return _STANDARD
+
+
 def scratch_bytes(call: Call, training: bool) -> tuple[int, int]:
   """``(workspace, reserve)`` bytes cuDNN asks for ``call`` (asked once per configuration)."""
+  return _sizes(call, training, algorithm(call, training))
+
+
+@functools.cache
+def _sizes(call: Call, training: bool, algo: int) -> tuple[int, int]:
   library = LIBRARY.load()
   function = library.jaxfuse_cudnn_rnn_sizes
-  function.argtypes = ([ctypes.c_int64] * 9 + [ctypes.POINTER(ctypes.c_int32), ctypes.c_int64]
+  function.argtypes = ([ctypes.c_int64] * 10 + [ctypes.POINTER(ctypes.c_int32), ctypes.c_int64]
                        + [ctypes.POINTER(ctypes.c_uint64)] * 3
                        + [ctypes.c_char_p, ctypes.c_int64])
   attrs = call.attributes()
@@ -106,7 +134,7 @@ def scratch_bytes(call: Call, training: bool) -> tuple[int, int]:
   error = ctypes.create_string_buffer(512)
   status = function(*(int(attrs[k]) for k in ("cell", "dtype", "math", "input_size",
                                                 "hidden_size", "num_layers", "bidirectional",
-                                                "batch", "time")),
+                                                "batch", "time")), algo,
                     lengths.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), int(training),
                     ctypes.byref(workspace), ctypes.byref(reserve), ctypes.byref(weights),
                     error, len(error))
@@ -120,19 +148,25 @@ def forward(call: Call, x, h0, c0, w, *, training: bool):
   workspace, reserve = scratch_bytes(call, training)
   states = jax.ShapeDtypeStruct(call.states, call.dtype)
   directions = 2 if call.bidirectional else 1
-  outputs = (jax.ShapeDtypeStruct((call.batch, call.time, directions * call.hidden_size),
+  outputs = (jax.ShapeDtypeStruct((call.time, call.batch, directions * call.hidden_size),
                                   call.dtype), states, call.cell_states,
              jax.ShapeDtypeStruct((call.batch, -(-reserve // call.batch)), jnp.uint8),
              jax.ShapeDtypeStruct((workspace,), jnp.uint8))
   y, h_n, c_n, reserved, _ = jax.ffi.ffi_call("jaxfuse_cudnn_rnn_forward", outputs)(
-      x, h0, c0, w, training=np.int64(training), **call.attributes())
-  return y, h_n, c_n if call.cell == "lstm" else None, reserved
+      _swap(x), h0, c0, w, training=np.int64(training),
+      algo=np.int64(algorithm(call, training)), **call.attributes())
+  return _swap(y), h_n, c_n if call.cell == "lstm" else None, reserved
+
+
+def _swap(a):
+  """A batch-major sequence time-major (as cuDNN takes it), or a time-major one batch-major."""
+  return jnp.swapaxes(a, 0, 1)
 
 
 def backward(call: Call, dy, dh_n, dc_n, x, h0, c0, w, y, reserve):
   """``(dx, dh0, dc0, dw)``; ``dc0`` is None for GRU."""
   workspace, _ = scratch_bytes(call, True)
-  outputs = (jax.ShapeDtypeStruct(x.shape, call.dtype),
+  outputs = (jax.ShapeDtypeStruct(_swap(x).shape, call.dtype),
              jax.ShapeDtypeStruct(call.states, call.dtype), call.cell_states,
              jax.ShapeDtypeStruct(w.shape, call.dtype),
              jax.ShapeDtypeStruct(reserve.shape, jnp.uint8),
@@ -140,5 +174,6 @@ def backward(call: Call, dy, dh_n, dc_n, x, h0, c0, w, y, reserve):
   # cudnnRNNBackwardData_v8 writes into the reserve: the call owns its copy.
   dx, dh0, dc0, dw, _, _ = jax.ffi.ffi_call(
       "jaxfuse_cudnn_rnn_backward", outputs, input_output_aliases={8: 4})(
-          dy, dh_n, dc_n, x, h0, c0, w, y, reserve, **call.attributes())
-  return dx, dh0, dc0 if call.cell == "lstm" else None, dw
+          _swap(dy), dh_n, dc_n, _swap(x), h0, c0, w, _swap(y), reserve,
+          algo=np.int64(algorithm(call, True)), **call.attributes())
+  return _swap(dx), dh0, dc0 if call.cell == "lstm" else None, dw

@@ -65,7 +65,8 @@ int64_t product(std::initializer_list<int64_t> factors) {
 // The attributes that shape one call, shared by both handlers and the size query. The backward
 // is a training call: it reads the reserve of the training forward.
 struct Problem {
-  int64_t cell, dtype, math, input_size, hidden_size, num_layers, bidirectional, batch, time;
+  int64_t cell, dtype, math, input_size, hidden_size, num_layers, bidirectional, batch, time,
+      algo;
   const int32_t* lengths;
   int64_t lengths_count, training;
 
@@ -87,6 +88,7 @@ ffi::Error validate(const Problem& p) {
       {"dtype", p.dtype, 0, 2, " (0 float32, 1 float16, 2 bfloat16)"},
       {"math", p.math, CUDNN_DEFAULT_MATH, CUDNN_FMA_MATH, " (a cudnnMathType_t)"},
       {"bidirectional", p.bidirectional, 0, 1, ""}, {"training", p.training, 0, 1, ""},
+      {"algo", p.algo, 0, 1, " (0 standard, 1 persistent for small hidden sizes)"},
       {"input_size", p.input_size, 1, kMaxInt, ""}, {"hidden_size", p.hidden_size, 1, kMaxInt, ""},
       {"num_layers", p.num_layers, 1, kMaxInt, ""}, {"batch", p.batch, 1, kMaxInt, ""},
       {"time", p.time, 1, kMaxInt, ""}};
@@ -226,20 +228,22 @@ ffi::Error prepare(const Problem& p, Call& call) {
   JAXFUSE_CUDNN(cudnnSetDropoutDescriptor, call.dropout.raw, call.handle, 0.0f, nullptr, 0, 0);
   JAXFUSE_CUDNN(cudnnCreateRNNDescriptor, &call.rnn.raw);
   // Float32 math for every data type: cuDNN runs bfloat16 data only with float32 math.
-  JAXFUSE_CUDNN(cudnnSetRNNDescriptor_v8, call.rnn.raw, CUDNN_RNN_ALGO_STANDARD,
+  JAXFUSE_CUDNN(cudnnSetRNNDescriptor_v8, call.rnn.raw,
+                p.algo ? CUDNN_RNN_ALGO_PERSIST_STATIC_SMALL_H : CUDNN_RNN_ALGO_STANDARD,
                 p.lstm() ? CUDNN_LSTM : CUDNN_GRU, CUDNN_RNN_DOUBLE_BIAS,
                 p.bidirectional ? CUDNN_BIDIRECTIONAL : CUDNN_UNIDIRECTIONAL, CUDNN_LINEAR_INPUT,
                 type, CUDNN_DATA_FLOAT, static_cast<cudnnMathType_t>(p.math),
                 static_cast<int32_t>(p.input_size), hidden, hidden /* no projection */,
                 static_cast<int32_t>(p.num_layers), call.dropout.raw, CUDNN_RNN_PADDED_IO_ENABLED);
-  // Batch-major padded sequences, as JAX lays them out. x's descriptor also describes dx, an
-  // output of the backward pass, so it carries the fill as y's does.
+  // Time-major padded sequences (Python transposes JAX's batch-major ones): cuDNN rearranges
+  // batch-major data into this layout with kernels of its own, which cost more. x's descriptor
+  // also describes dx, an output of the backward pass, so it carries the fill as y's does.
   const std::pair<cudnnRNNDataDescriptor_t*, int64_t> data[] = {
       {&call.x.raw, p.input_size}, {&call.y.raw, p.dirs() * p.hidden_size}};
   for (const auto& [desc, width] : data) {
     JAXFUSE_CUDNN(cudnnCreateRNNDataDescriptor, desc);
     JAXFUSE_CUDNN(cudnnSetRNNDataDescriptor, *desc, type,
-                  CUDNN_RNN_DATA_LAYOUT_BATCH_MAJOR_UNPACKED, static_cast<int>(p.time),
+                  CUDNN_RNN_DATA_LAYOUT_SEQ_MAJOR_UNPACKED, static_cast<int>(p.time),
                   static_cast<int>(p.batch), static_cast<int>(width), p.lengths,
                   &call.padding_fill);
   }
@@ -263,9 +267,9 @@ ffi::Error RnnForwardImpl(cudaStream_t stream, Buffer x, Buffer hx, Buffer cx, B
                           Output hy, Output cy, Output reserve, Output workspace, int64_t cell,
                           int64_t dtype, int64_t math, int64_t input_size, int64_t hidden_size,
                           int64_t num_layers, int64_t bidirectional, int64_t batch, int64_t time,
-                          ffi::Span<const int32_t> lengths, int64_t training) {
+                          int64_t algo, ffi::Span<const int32_t> lengths, int64_t training) {
   const Problem p{cell, dtype, math, input_size, hidden_size, num_layers, bidirectional, batch,
-                  time, lengths.begin(), static_cast<int64_t>(lengths.size()), training};
+                  time, algo, lengths.begin(), static_cast<int64_t>(lengths.size()), training};
   JAXFUSE_TRY(validate(p));
   JAXFUSE_TRY(check_data(p, {{"x", &x, p.x_count()}, {"hx", &hx, p.h_count()},
                              {"y", &*y, p.y_count()}, {"hy", &*hy, p.h_count()}}));
@@ -293,9 +297,10 @@ ffi::Error RnnBackwardImpl(cudaStream_t stream, Buffer dy, Buffer dhy, Buffer dc
                            Output dcx, Output dw, Output reserve_out, Output workspace,
                            int64_t cell, int64_t dtype, int64_t math, int64_t input_size,
                            int64_t hidden_size, int64_t num_layers, int64_t bidirectional,
-                           int64_t batch, int64_t time, ffi::Span<const int32_t> lengths) {
+                           int64_t batch, int64_t time, int64_t algo,
+                           ffi::Span<const int32_t> lengths) {
   const Problem p{cell, dtype, math, input_size, hidden_size, num_layers, bidirectional, batch,
-                  time, lengths.begin(), static_cast<int64_t>(lengths.size()), 1};
+                  time, algo, lengths.begin(), static_cast<int64_t>(lengths.size()), 1};
   JAXFUSE_TRY(validate(p));
   JAXFUSE_TRY(check_data(p, {{"dy", &dy, p.y_count()}, {"dhy", &dhy, p.h_count()},
                              {"x", &x, p.x_count()}, {"hx", &hx, p.h_count()},
@@ -344,6 +349,7 @@ auto with_problem(Binding binding) {
       .template Attr<int64_t>("bidirectional")
       .template Attr<int64_t>("batch")
       .template Attr<int64_t>("time")
+      .template Attr<int64_t>("algo")
       .template Attr<ffi::Span<const int32_t>>("lengths");
 }
 
@@ -394,12 +400,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 extern "C" int jaxfuse_cudnn_rnn_sizes(int64_t cell, int64_t dtype, int64_t math,
                                        int64_t input_size, int64_t hidden_size,
                                        int64_t num_layers, int64_t bidirectional, int64_t batch,
-                                       int64_t time, const int32_t* lengths, int64_t training,
+                                       int64_t time, int64_t algo, const int32_t* lengths,
+                                       int64_t training,
                                        uint64_t* workspace_bytes, uint64_t* reserve_bytes,
                                        uint64_t* weight_bytes, char* error, int64_t error_size) {
   // A null array holds no lengths, which validate reports.
-  const jaxfuse::Problem p{cell, dtype, math, input_size, hidden_size, num_layers, bidirectional,
-                           batch, time, lengths, lengths == nullptr ? 0 : batch, training};
+  const jaxfuse::Problem p{cell,  dtype, math,   input_size, hidden_size, num_layers,
+                           bidirectional, batch, time, algo, lengths,
+                           lengths == nullptr ? 0 : batch, training};
   jaxfuse::Call call;
   xla::ffi::Error status = jaxfuse::validate(p);
   if (status.success()) status = jaxfuse::create_handles();
