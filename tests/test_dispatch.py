@@ -831,6 +831,12 @@ def test_rnn_none_takes_the_order_measured_at_the_nearest_point_of_its_grid(gpu,
   assert chosen() == "xla"
   recurrent("lstm", 64, batch=64)
   assert chosen() == "cuda"
+  # A grid the run timed nowhere: the shared bounds on the work per step.
+  gpu.rnn_rows(measured(*both_uses("lstm/bfloat16", [64], [64], [[""]])))
+  recurrent("lstm", 64, batch=2048, on_host=True)
+  assert chosen() == "cudnn"
+  gpu.rnn_rows(measured(*both_uses("lstm/bfloat16", [64, 128], [64, 1024],
+                                   [["cuda>xla", ""], ["xla>cuda", "xla>cuda"]])))
   # Both directions' rows count: each is a recurrence beside the other.
   recurrent("lstm", 64, batch=64, bidirectional=True)
   assert chosen() == "xla"

@@ -813,6 +813,46 @@ def test_gpu_cudnn_against_float64(rng, cell, num_layers, bidirectional, dtype, 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cell", CELLS)
+@pytest.mark.parametrize("num_layers,bidirectional", [(1, False), (2, True)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
+def test_gpu_cudnn_persistent_small_hidden_against_float64(rng, cell, num_layers,
+                                                           bidirectional, dtype):
+  """Whole sequences of a small hidden size at the default precision, where cuDNN runs its
+  persistent algorithm (evaluated and trained): outputs and gradients against float64, at a
+  bound for TF32's 10 bits of mantissa in float32."""
+  from jaxfuse.ops.rnn import cudnn as rnn_cudnn
+  _cudnn_or_skip()
+  args = gpu_make(rng, cell, num_layers, bidirectional, dtype, batch=24, hidden_size=40,
+                  full=True)
+  call = rnn_cudnn.Call(cell, 13, 40, num_layers, bidirectional, 24, 29, jnp.dtype(dtype),
+                        False, (29,) * 24)
+  if dtype == jnp.float32:
+    assert rnn_cudnn.algorithm(call, False) == rnn_cudnn.algorithm(call, True) == 1, (
+        "cuDNN refused its persistent algorithm: the test no longer reaches it")
+  bound = jnp.bfloat16 if dtype == jnp.float32 else dtype
+  whole = dict(num_layers=num_layers, bidirectional=bidirectional, implementation="cudnn")
+  out = gpu_call(cell, args[:4] + (None,), **whole)
+  expected = numpy_rnn(cell, *args, num_layers, bidirectional)
+  for a, e, name in zip(out, expected, ("y", "h_n", "c_n")):
+    if e is not None:
+      assert_close(a, e, bound, factor=4, name=name, floor=0.1)
+  directions = 2 if bidirectional else 1
+  cotangents = [random(rng, (24, 29, directions * 40), jnp.float32),
+                random(rng, args[1].shape, jnp.float32), random(rng, args[1].shape, jnp.float32)]
+  argnums = (0, 1, 2, 3) if cell == "lstm" else (0, 1, 3)
+  grads = jax.grad(_loss(cell, num_layers, bidirectional, None, cotangents, "cudnn", None),
+                   argnums)(*args[:4])
+  with x64():
+    wide = [jnp.asarray(np.asarray(a, np.float64)) for a in args[:4]]
+    reference = jax.grad(_loss(cell, num_layers, bidirectional, None, cotangents, "xla",
+                               jax.lax.Precision.HIGHEST), argnums)(*wide)
+  names = ("x", "h_0", "c_0", "weights") if cell == "lstm" else ("x", "h_0", "weights")
+  for g, e, name in zip(grads, reference, names):
+    assert_close(g, np.asarray(e), bound, factor=8, name=name, floor=0.1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cell", CELLS)
 def test_gpu_cudnn_deterministic(rng, cell):
   _cudnn_or_skip()
   args = gpu_make(rng, cell, 2, True, jnp.bfloat16, batch=40, hidden_size=96)
@@ -934,6 +974,55 @@ def _stand_in_cudnn(monkeypatch):
   monkeypatch.setattr(rnn_cudnn, "unavailable", lambda: None)
   monkeypatch.setattr(rnn_cudnn, "forward", forward)
   monkeypatch.setattr(rnn_cudnn, "backward", backward)
+
+
+def test_cudnn_calls_take_time_major_data_and_one_algorithm_for_training(monkeypatch):
+  """The binding's calls as cuDNN would see them (the size query and the FFI call faked): x,
+  y, dy and dx time-major; cuDNN's persistent algorithm for whole sequences of small hidden
+  sizes at the default math, the training forward's also the backward's, and the standard
+  one where cuDNN refuses it, for ragged lengths and for FMA math."""
+  from jaxfuse.ops.rnn import cudnn as rnn_cudnn
+  refused, calls = set(), []
+
+  def sizes(call, training, algo):
+    if (call.hidden_size, algo) in refused:
+      raise NotImplementedError("refused")
+    return 16, 8 * call.batch
+
+  def ffi_call(name, outputs, **options):
+    def run(*args, **attributes):
+      calls.append((name, [a.shape for a in args], outputs[0].shape, attributes["algo"]))
+      return tuple(jnp.zeros(o.shape, o.dtype) for o in outputs)
+    return run
+
+  monkeypatch.setattr(rnn_cudnn, "_sizes", sizes)
+  monkeypatch.setattr(jax.ffi, "ffi_call", ffi_call)
+  rnn_cudnn.algorithm.cache_clear()
+  try:
+    def call(hidden, lengths=(5, 5), exact=False):
+      return rnn_cudnn.Call("lstm", 3, hidden, 1, False, 2, 5, jnp.dtype(jnp.float32), exact,
+                            lengths)
+
+    whole = call(16)
+    x, states = jnp.ones((2, 5, 3)), jnp.ones((1, 2, 16))
+    w = jnp.ones((jaxfuse.lstm_weight_count(3, 16, 1, False),))
+    y, h_n, c_n, reserve = rnn_cudnn.forward(whole, x, states, states, w, training=True)
+    assert y.shape == (2, 5, 16) and reserve.shape == (2, 8)
+    dx, *_ = rnn_cudnn.backward(whole, y, h_n, c_n, x, states, states, w, y, reserve)
+    assert dx.shape == x.shape
+    (_, forward_args, y_shape, forward_algo), (_, backward_args, dx_shape, backward_algo) = calls
+    assert forward_args[0] == (5, 2, 3) and y_shape == (5, 2, 16)
+    assert [backward_args[i] for i in (0, 3, 7)] == [(5, 2, 16), (5, 2, 3), (5, 2, 16)]
+    assert dx_shape == (5, 2, 3) and forward_algo == backward_algo == 1
+    # Evaluated calls take it to a larger hidden size than trained ones.
+    assert [rnn_cudnn.algorithm(call(h), training) for h in (128, 160, 192, 200)
+            for training in (False, True)] == [1, 1, 1, 0, 1, 0, 0, 0]
+    assert rnn_cudnn.algorithm(call(16, lengths=(5, 3)), True) == 0
+    assert rnn_cudnn.algorithm(call(16, exact=True), False) == 0
+    refused.add((24, 1))
+    assert rnn_cudnn.algorithm(call(24), False) == 0
+  finally:
+    rnn_cudnn.algorithm.cache_clear()
 
 
 @pytest.mark.parametrize("cell", CELLS)

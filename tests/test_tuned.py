@@ -65,6 +65,7 @@ def test_a_table_names_its_gpu_and_cites_recorded_runs(path):
     assert len(grid["order"]) == len(grid["batch"]) > 0, key
     for orders in grid["order"]:
       assert len(orders) == len(grid["hidden"]) > 0, key
+      assert any(orders), (key, "a grid row with no timed point")
       for order in filter(None, orders):  # '': a point the run did not time
         names = order.split(">")
         assert len(set(names)) == len(names) and set(names) <= {"cuda", "cudnn", "xla"}, key

@@ -235,7 +235,9 @@ def _traced_groups(run_group, calls, groups):
   host's seconds) ``groups`` times under one JAX profiler trace, which sees every kernel of
   the process, PyTorch's too (one trace, not one a group: starting and reading a trace costs
   more than a small problem's group). Per group: its calls' (span, busy) seconds, or None
-  where the trace shows no activity; GPU activities per call; the host's seconds."""
+  where the trace shows no activity; GPU activities per call; the host's seconds. The trace
+  is split into ``calls * groups`` runs of equal activity counts (:func:`split_calls`), so a
+  group whose calls ran other work than the rest breaks the split rather than hiding in it."""
   with tempfile.TemporaryDirectory() as log_dir:
     with jax.profiler.trace(log_dir):
       walls = [run_group() for _ in range(groups)]

@@ -54,18 +54,23 @@ def _preference(cell: str, dtype, batch: int, hidden: int, use: str) -> tuple[st
     return ("xla",)
   grid = _measured_grid(tuned.rows("rnn", _untuned), cell, dtype, use)
   if grid is None:
-    width = "bfloat16" if jnp.dtype(dtype).itemsize == 2 else "float32"
-    work = batch * hidden
-    order = ("cuda", "xla") if work <= _UNTUNED_CUDA_MOST_WORK[width, use] else ("xla", "cuda")
-    return ("cudnn",) + order if work >= _UNTUNED_CUDNN_LEAST_WORK[width, use] else order
+    return _by_work(dtype, batch * hidden, use)
   # The nearest point the run timed, by the ratios of batch and of hidden size.
   distance = lambda i, j: (abs(np.log(grid["batch"][i] / max(batch, 1)))
                            + abs(np.log(grid["hidden"][j] / hidden)))
   timed = [(i, j) for i, orders in enumerate(grid["order"]) for j, order in enumerate(orders)
            if order]
+  if not timed:
+    return _by_work(dtype, batch * hidden, use)
   i, j = min(timed, key=lambda point: distance(*point))
   measured = tuple(grid["order"][i][j].split(">"))
   return measured + tuple(name for name in ("cuda", "cudnn", "xla") if name not in measured)
+
+
+def _by_work(dtype, work: int, use: str) -> tuple[str, ...]:
+  width = "bfloat16" if jnp.dtype(dtype).itemsize == 2 else "float32"
+  order = ("cuda", "xla") if work <= _UNTUNED_CUDA_MOST_WORK[width, use] else ("xla", "cuda")
+  return ("cudnn",) + order if work >= _UNTUNED_CUDNN_LEAST_WORK[width, use] else order
 
 
 def _measured_grid(rows: dict, cell: str, dtype, use: str) -> dict | None:
@@ -75,7 +80,7 @@ def _measured_grid(rows: dict, cell: str, dtype, use: str) -> dict | None:
   name = jnp.dtype(dtype).name
   width = "bfloat16" if name == "float16" else name
   other = "gru" if cell == "lstm" else "lstm"
-  for key in (f"{cell}/{name}", f"{cell}/{width}", f"{other}/{width}"):
+  for key in (f"{cell}/{width}", f"{other}/{width}"):
     if rows.get(f"fastest/{key}/{use}") is not None:
       return rows[f"fastest/{key}/{use}"]
   return None
@@ -105,9 +110,9 @@ def lstm(x, h_0, c_0, weights, seq_lengths, *, input_size: int, hidden_size: int
       and the weights, float32 with TF32 products unless ``precision`` asks for more, float16
       or bfloat16; the whole network in one call where the host holds the lengths (None or a
       NumPy array) and there is no dropout, else a call per layer and direction over whole
-      sequences, the final states read at each sequence's end) or ``None``: the fastest that takes the
-      call by the GPU's tuned table, measured over batch x hidden; a call only evaluated by
-      the forwards' times, a differentiated one by the training steps'.
+      sequences, the final states read at each sequence's end) or ``None``: the fastest
+      that takes the call by the GPU's tuned table, measured over batch x hidden; a call only
+      evaluated by the forwards' times, a differentiated one by the training steps'.
 
   Returns:
     ``(y, h_n, c_n)``: ``y`` ``(B, T, directions * hidden_size)``, zero past each sequence's

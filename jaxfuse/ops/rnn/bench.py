@@ -239,12 +239,14 @@ def tuned_rows(rows) -> dict:
   """``fastest/CELL/DTYPE/USE`` for each cell, dtype and use (the evaluated ``forward``, the
   training ``step``) the run timed: its batches and hidden sizes and, at each (batch, hidden),
   the implementations that ran and passed their check there, fastest first (``'cuda>xla'``;
-  ``''`` at a point the run did not time)."""
+  ``''`` at a point the run did not time). Rows of other cases (another run's steps or
+  layers) are left out."""
+  tuning = {case.label for case in tune_cases()}
   out = {}
   for op in GATES:
     for dtype in ("float32", "bfloat16"):
       group = [r for r in rows if r.op == op and r.label.endswith(dtype)
-               and r.implementation in TUNED_IMPLEMENTATIONS]
+               and r.label in tuning and r.implementation in TUNED_IMPLEMENTATIONS]
       for use in ("forward", "step"):
         times = {}
         for row in group:
