@@ -54,36 +54,37 @@ def _preference(cell: str, dtype, batch: int, hidden: int, use: str) -> tuple[st
     return ("xla",)
   grid = _measured_grid(tuned.rows("rnn", _untuned), cell, dtype, use)
   if grid is None:
-    return _by_work(dtype, batch * hidden, use)
+    width = "bfloat16" if jnp.dtype(dtype).itemsize == 2 else "float32"
+    work = batch * hidden
+    order = ("cuda", "xla") if work <= _UNTUNED_CUDA_MOST_WORK[width, use] else ("xla", "cuda")
+    return ("cudnn",) + order if work >= _UNTUNED_CUDNN_LEAST_WORK[width, use] else order
   # The nearest point the run timed, by the ratios of batch and of hidden size.
   distance = lambda i, j: (abs(np.log(grid["batch"][i] / max(batch, 1)))
                            + abs(np.log(grid["hidden"][j] / hidden)))
-  timed = [(i, j) for i, orders in enumerate(grid["order"]) for j, order in enumerate(orders)
-           if order]
-  if not timed:
-    return _by_work(dtype, batch * hidden, use)
-  i, j = min(timed, key=lambda point: distance(*point))
+  i, j = min(_timed_points(grid), key=lambda point: distance(*point))
   measured = tuple(grid["order"][i][j].split(">"))
   return measured + tuple(name for name in ("cuda", "cudnn", "xla") if name not in measured)
 
 
-def _by_work(dtype, work: int, use: str) -> tuple[str, ...]:
-  width = "bfloat16" if jnp.dtype(dtype).itemsize == 2 else "float32"
-  order = ("cuda", "xla") if work <= _UNTUNED_CUDA_MOST_WORK[width, use] else ("xla", "cuda")
-  return ("cudnn",) + order if work >= _UNTUNED_CUDNN_LEAST_WORK[width, use] else order
-
-
 def _measured_grid(rows: dict, cell: str, dtype, use: str) -> dict | None:
-  """The grid the GPU's table measured for this cell, dtype and use, or None; a pair it did
-  not time takes the nearest it did: float16 as bfloat16 (one 16-bit path in each library),
-  then the other cell at that dtype (the cells' kernels share their tiling)."""
+  """The grid the GPU's table measured for this cell, dtype and use (one with a timed point),
+  or None; a pair it did not time takes the nearest it did: float16 as bfloat16 (one 16-bit
+  path in each library), then the other cell at that dtype (the cells' kernels share their
+  tiling)."""
   name = jnp.dtype(dtype).name
   width = "bfloat16" if name == "float16" else name
   other = "gru" if cell == "lstm" else "lstm"
   for key in (f"{cell}/{width}", f"{other}/{width}"):
-    if rows.get(f"fastest/{key}/{use}") is not None:
-      return rows[f"fastest/{key}/{use}"]
+    grid = rows.get(f"fastest/{key}/{use}")
+    if grid is not None and _timed_points(grid):
+      return grid
   return None
+
+
+def _timed_points(grid: dict) -> list[tuple[int, int]]:
+  """(batch index, hidden index) of each point a grid timed (``''``: one it did not)."""
+  return [(i, j) for i, orders in enumerate(grid["order"]) for j, order in enumerate(orders)
+          if order]
 
 
 def lstm(x, h_0, c_0, weights, seq_lengths, *, input_size: int, hidden_size: int,
@@ -564,7 +565,7 @@ def _cudnn_sharded(call, kernel, *args, in_dims, out_dims):
   (each shard's call then differs only in its batch); ragged host lengths name every
   sequence of the whole batch and run unsharded. Under vmap, one example at a time: a call
   is compiled for its configuration, and each example has its own weight gradient."""
-  if len(set(call.lengths)) == 1 and call.lengths[0] == call.time:
+  if call.whole:
     local = lambda *local_args: kernel(call.uniform(local_args[0].shape[0]), *local_args)
     run = lambda *args: parallel_call(call.cell, local, *args, in_dims=in_dims,
                                       out_dims=out_dims, parallel={"b"})

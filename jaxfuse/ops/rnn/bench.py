@@ -252,7 +252,7 @@ def tuned_rows(rows) -> dict:
         for row in group:
           t = tune.time_of(row, use)
           if t is not None:
-            times.setdefault(_batch_hidden(row.label), {})[row.implementation] = t
+            times.setdefault(grid_place(row.label)[1:], {})[row.implementation] = t
         if not times:
           continue
         batches = sorted({b for b, _ in times})
@@ -262,12 +262,6 @@ def tuned_rows(rows) -> dict:
             "batch": batches, "hidden": hidden,
             "order": [[order(times.get((b, h), {})) for h in hidden] for b in batches]}
   return out
-
-
-def _batch_hidden(label: str) -> tuple[int, int]:
-  """``'LSTM 4x64x256x256 L1 float32'`` -> ``(4, 256)``."""
-  b, _, _, h = (int(v) for v in label.split()[1].split("x"))
-  return b, h
 
 
 # The grid: batch x hidden (input = hidden), each cell, dtype and layout (layers,

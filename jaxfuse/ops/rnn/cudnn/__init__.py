@@ -83,6 +83,11 @@ class Call:
     return dataclasses.replace(self, batch=batch, lengths=(self.time,) * batch)
 
   @property
+  def whole(self) -> bool:
+    """Whether every sequence runs all ``time`` steps."""
+    return all(n == self.time for n in self.lengths)
+
+  @property
   def states(self) -> tuple[int, int, int]:
     return (self.num_layers * (2 if self.bidirectional else 1), self.batch, self.hidden_size)
 
@@ -106,8 +111,7 @@ def algorithm(call: Call, training: bool) -> int:
   backward shares): the persistent kernels where their bounds allow and cuDNN takes them, for
   the default math only (float32 FMA math, asked by ``precision``, keeps the standard
   algorithm, whose products are known to follow it)."""
-  whole = all(n == call.time for n in call.lengths)
-  if whole and not call.exact and call.hidden_size <= _SMALL_HIDDEN_MOST[training]:
+  if call.whole and not call.exact and call.hidden_size <= _SMALL_HIDDEN_MOST[training]:
     try:
       _sizes(call, training, _SMALL_HIDDEN)
       return _SMALL_HIDDEN
