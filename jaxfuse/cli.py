@@ -330,12 +330,12 @@ def _tune(family: str, path: str | None, write: bool, only: list[str] | None) ->
   values = tune.derive(family, rows)
   save(rows, ceilings, tuned_rows=values)
   print(f"saved {path}")
-  return _tuned_rows(family, kind, rows, values, [path], write)
+  return _tuned_rows(family, kind, rows, values, dict.fromkeys(values, [path]), write)
 
 
 def _tune_from(family: str, paths: list[str], write: bool) -> int:
   # A point timed again by a later run (a part run over a cut-short one) takes its new times.
-  rows, kinds = {}, set()
+  rows, kinds, derived_by = {}, set(), {}
   for path in paths:
     record = json.loads(Path(path).read_text())
     if (record.get("tune_family") or _family_by_rows(record)) != family:
@@ -344,8 +344,9 @@ def _tune_from(family: str, paths: list[str], write: bool) -> int:
     if write and tune.cited_path(path) is None:
       return _uncitable(path)
     kinds.add(record.get("device_kind") or record["gpu"]["kind"])
-    rows.update({(row["op"], row["label"], row["implementation"]): bench.Row(**row)
-                 for row in record["rows"]})
+    timed = [bench.Row(**row) for row in record["rows"]]
+    rows.update({(row.op, row.label, row.implementation): row for row in timed})
+    derived_by[path] = set(tune.derive(family, timed))
     print(f"jaxfuse tune {family} from {path} ({record['device']}, jax "
           f"{record['jax_version']}, {record['date']})")
   if len(kinds) != 1:
@@ -353,7 +354,10 @@ def _tune_from(family: str, paths: list[str], write: bool) -> int:
           file=sys.stderr)
     return 2
   rows = list(rows.values())
-  return _tuned_rows(family, kinds.pop(), rows, tune.derive(family, rows), paths, write)
+  values = tune.derive(family, rows)
+  # A row cites the runs that timed its cases, not every run given.
+  sources = {name: [path for path in paths if name in derived_by[path]] for name in values}
+  return _tuned_rows(family, kinds.pop(), rows, values, sources, write)
 
 
 def _family_by_rows(record) -> str | None:
@@ -384,7 +388,7 @@ def _uncitable(path: str) -> int:
   return 2
 
 
-def _tuned_rows(family: str, kind: str, rows, values: dict, paths: list[str],
+def _tuned_rows(family: str, kind: str, rows, values: dict, sources: dict[str, list[str]],
                 write: bool) -> int:
   """Prints the rows beside what ``kind``'s table holds now and, with ``write``, puts them in
   it unless an implementation failed its check in ``rows``."""
@@ -403,8 +407,8 @@ def _tuned_rows(family: str, kind: str, rows, values: dict, paths: list[str],
     print("jaxfuse tune --write: not written, an implementation failed its check",
           file=sys.stderr)
   elif write:
-    cited = [tune.cited_path(path) for path in paths]
-    print(f"wrote {tune.write_rows(family, kind, values, cited[0] if len(cited) == 1 else cited)}")
+    cited = {name: [tune.cited_path(path) for path in paths] for name, paths in sources.items()}
+    print(f"wrote {tune.write_rows(family, kind, values, cited)}")
   return 1 if failed else 0
 
 

@@ -293,6 +293,19 @@ def test_groups_with_different_activity_counts_are_an_error():
     bench._timed(groups, 1.0, min_seconds=0.0, groups=2)
 
 
+@pytest.mark.parametrize("activities, expected_calls", [(None, 200), (1, 200), (400, 10),
+                                                         (10_000, 3)])
+def test_a_trace_of_many_activities_gets_fewer_calls(activities, expected_calls):
+  asked = []
+
+  def groups(calls, n):
+    asked.append((calls, n))
+    return [([(1e-6, 1e-6)] * calls, activities, calls * 1e-5)] * n
+
+  bench._timed(groups, 1e-6, min_seconds=1.0, groups=5)
+  assert asked[-1] == (expected_calls, 5)
+
+
 @pytest.mark.parametrize("busy", [0.5, None])
 def test_a_span_past_the_wall_clock_is_an_error(busy):
   groups = lambda calls, n: [([(1.0, busy)] * calls, 2, calls * 1e-3)] * n

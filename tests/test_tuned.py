@@ -1,5 +1,6 @@
 """Tuned tables: every table's rows cite recorded runs, inheritance and the untuned fallback."""
 
+import dataclasses
 import json
 import logging
 import os
@@ -408,6 +409,31 @@ def test_tune_writes_the_rows_citing_its_run(tmp_path, monkeypatch, capsys):
   assert "not written" in said.err and 'order: ["cuda", "xla"] (the table\'s: ["xla", ' in said.out
   monkeypatch.setattr(registry, "device_kind", lambda: None)
   assert cli.main(["tune", "norm"]) == 2
+
+
+def test_rows_written_from_parts_cite_the_parts_that_timed_them(tmp_path, monkeypatch):
+  from jaxfuse import cli
+  from jaxfuse._core import bench, tune
+  ops, results = tmp_path / "ops", tmp_path / "benchmarks" / "results"
+  results.mkdir(parents=True)
+  monkeypatch.setattr(tuned, "_OPS", ops)
+  monkeypatch.setattr(tune, "results_dir", lambda: results)
+  monkeypatch.setattr(registry, "device_kind", lambda: None)
+  parts = []
+  for cell in ("LSTM", "GRU"):
+    label = f"{cell} 4x64x256x256 L1 float32"
+    rows = [bench.Row(cell.lower(), label, 1, impl, "TFLOP/s", forward_ms=t, train_ms=t)
+            for impl, t in (("cuda", 1.0), ("xla", 2.0))]
+    part = results / f"{cell.lower()}.json"
+    part.write_text(json.dumps({"tune_family": "rnn", "device_kind": "NVIDIA Test GPU",
+                                "device": "test", "jax_version": "0", "date": "today",
+                                "rows": [dataclasses.asdict(r) for r in rows]}))
+    parts += ["--from", str(part)]
+  assert cli.main(["tune", "rnn", *parts, "--write"]) == 0
+  table = json.loads((ops / "rnn" / "tuned" / "nvidia_test_gpu.json").read_text())
+  assert {name: row["source"] for name, row in table["rows"].items()} == {
+      f"fastest/{cell}/float32/{use}": f"benchmarks/results/{cell}.json"
+      for cell in ("lstm", "gru") for use in ("forward", "step")}
 
 
 def test_a_table_may_leave_rows_to_the_built_in_defaults(tables, monkeypatch):

@@ -290,12 +290,23 @@ def _host_group(call, calls, wait):
   return [(wall / calls, wall / calls)] * calls, None, wall
 
 
+# The most GPU activities one timing trace holds (its groups' calls' together).
+TRACED_ACTIVITIES = 20_000
+
+
 def _timed(run_groups, single_seconds: float, *, min_seconds: float, groups: int) -> Timing:
   """Runs ``groups`` groups of back-to-back calls (``run_groups(calls, groups)``: per group,
   its calls' (span, busy) seconds, GPU activities per call and the host's seconds), enough for
-  ``min_seconds`` in all, and returns the median per-call times; checks busy <= span <= wall
-  and the same activity count in every group."""
+  ``min_seconds`` in all (fewer where their trace would pass :data:`TRACED_ACTIVITIES`), and
+  returns the median per-call times; checks busy <= span <= wall and the same activity count
+  in every group."""
   calls = int(max(3, min(200, math.ceil(min_seconds / groups / max(single_seconds, 1e-6)))))
+  if calls > 3:
+    # A trace's cost grows with its activities: a program of many short kernels (a scan's
+    # steps) gets fewer calls a group, so that reading the trace costs less than running it.
+    _, activities, _ = run_groups(1, 1)[0]
+    if activities:
+      calls = max(3, min(calls, TRACED_ACTIVITIES // (groups * activities)))
   spans, busys, walls, counts = [], [], [], set()
   for per_call, activities, wall in run_groups(calls, groups):
     wall /= calls

@@ -161,14 +161,15 @@ def family_module(family: str, part: str):
 
 
 def write_rows(family: str, kind: str, values: Mapping[str, Any],
-               source: str | list[str]) -> str:
+               sources: Mapping[str, list[str]]) -> str:
   """Puts ``values`` into ``family``'s table for GPU ``kind`` (a new one where it has none),
-  each row citing ``source``, and returns the table's path."""
+  each row citing its ``sources`` (one run as a string), and returns the table's path."""
   path = tuned.table_path(family, tuned.device_file(kind))
   table = (json.loads(path.read_text()) if path.is_file()
            else {"device": kind, "inherits": None, "rows": {}})
   for name, value in values.items():
-    table["rows"][name] = {"value": value, "source": source}
+    cited = sources[name]
+    table["rows"][name] = {"value": value, "source": cited[0] if len(cited) == 1 else cited}
   path.parent.mkdir(parents=True, exist_ok=True)
   path.write_text(table_text(table))
   return str(path)
