@@ -1,5 +1,5 @@
 """Command line: ``jaxfuse bench [family-or-op ...] [--regret] [--json PATH] [--plot PATH]``,
-``jaxfuse tune FAMILY [--write] [--json PATH]`` and ``jaxfuse build [--arch sm_90]``."""
+``jaxfuse tune FAMILY [--write] [--json PATH] [--resume]`` and ``jaxfuse build [--arch sm_90]``."""
 
 from __future__ import annotations
 
@@ -98,6 +98,9 @@ def main(argv=None) -> int:
                  help="derive the rows from saved tuning runs of this family (repeatable; no "
                       "GPU needed; a point in several takes the last one's times) instead of "
                       "timing one")
+  t.add_argument("--resume", action="store_true",
+                 help="keep the cases the run at --json (or the default path) already timed "
+                      "and time the rest into it: a run cut short goes on where it stopped")
   c = sub.add_parser("build", help="build the CUDA kernels now (for an image to bake in), "
                                    "into $JAXFUSE_CACHE or ~/.cache/jaxfuse")
   c.add_argument("--arch", help="GPU architecture, e.g. sm_90 (default: this machine's GPU)")
@@ -106,8 +109,9 @@ def main(argv=None) -> int:
     return _build(args.arch)
   if args.command == "tune":
     if args.recorded:
-      if args.json or args.only:
-        parser.error("--from reads saved runs: --json and --only choose what to time")
+      if args.json or args.only or args.resume:
+        parser.error("--from reads saved runs: --json, --only and --resume choose what to "
+                     "time")
       return _tune_from(args.family, args.recorded, args.write)
     if args.only and args.write:
       # A part's rows hold only its cases and would replace the table's whole rows.
@@ -116,7 +120,7 @@ def main(argv=None) -> int:
     # Tables choose for a model's step, which runs as a graph: small problems timed without
     # one measure their launches.
     _graph_every_program()
-    return _tune(args.family, args.json, args.write, args.only)
+    return _tune(args.family, args.json, args.write, args.only, args.resume)
 
   if args.recorded:
     if not (args.grid or args.regret) or args.grid and args.regret:
@@ -307,7 +311,8 @@ def _version() -> str:
   return f"jaxfuse {jaxfuse.__version__} (jax {jax.__version__})"
 
 
-def _tune(family: str, path: str | None, write: bool, only: list[str] | None) -> int:
+def _tune(family: str, path: str | None, write: bool, only: list[str] | None,
+          resume: bool = False) -> int:
   kind = registry.device_kind()
   if kind is None:
     print("jaxfuse tune: tuned tables are per GPU kind, and there is no GPU here",
@@ -323,12 +328,26 @@ def _tune(family: str, path: str | None, write: bool, only: list[str] | None) ->
   if only:
     cases = _only(cases, only)
   print(f"jaxfuse tune {family} on {kind} (jax {env['jax_version']}, {env['date']})")
-  # Saved after each case: a run cut short still gives its rows to --from.
-  save = functools.partial(report.save_json, path, tune_family=family, device_kind=kind)
-  rows, ceilings = bench.run(cases, on_case=save)
+  earlier = []
+  if resume and os.path.exists(path):
+    record = json.loads(Path(path).read_text())
+    if (record.get("tune_family"), record.get("device_kind")) != (family, kind):
+      print(f"jaxfuse tune --resume: {path} is not a tuning run of {family} on {kind}",
+            file=sys.stderr)
+      return 2
+    earlier = [bench.Row(**row) for row in record["rows"]]
+    # A case's rows are saved together once all its implementations ran.
+    timed = {(row.op, row.label) for row in earlier}
+    cases = [c for c in cases if (c.op, c.label) not in timed]
+    print(f"resuming {path}: {len(timed)} cases timed, {len(cases)} left")
+  # Saved after each case: a run cut short still gives its rows to --from and --resume.
+  save = lambda so_far, ceilings, **extra: report.save_json(
+      path, earlier + so_far, ceilings, tune_family=family, device_kind=kind, **extra)
+  new_rows, ceilings = bench.run(cases, on_case=save)
+  rows = earlier + new_rows
   print(report.table(rows, ceilings))
   values = tune.derive(family, rows)
-  save(rows, ceilings, tuned_rows=values)
+  save(new_rows, ceilings, tuned_rows=values)
   print(f"saved {path}")
   return _tuned_rows(family, kind, rows, values, dict.fromkeys(values, [path]), write)
 

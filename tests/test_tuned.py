@@ -436,6 +436,40 @@ def test_rows_written_from_parts_cite_the_parts_that_timed_them(tmp_path, monkey
       for cell in ("lstm", "gru") for use in ("forward", "step")}
 
 
+def test_a_tuning_run_cut_short_is_resumed_where_it_stopped(tmp_path, monkeypatch, capsys):
+  from jaxfuse import cli
+  from jaxfuse._core import bench
+  from jaxfuse.ops.rnn import bench as rnn_bench
+  monkeypatch.setattr(registry, "device_kind", lambda: "NVIDIA Test GPU")
+  monkeypatch.setenv("XLA_FLAGS", "")
+  cases = rnn_bench.tune_cases()
+  asked = []
+
+  def run(todo, on_case=None, **_):
+    # Times the first case, then the run is cut short (a time limit, say).
+    asked.append([c.label for c in todo])
+    rows = [bench.Row(todo[0].op, todo[0].label, 1, impl, "TFLOP/s", forward_ms=1.0,
+                      train_ms=1.0) for impl in todo[0].implementations]
+    on_case(rows, {})
+    if len(asked) == 1:
+      raise KeyboardInterrupt
+    return rows, {}
+
+  monkeypatch.setattr(bench, "run", run)
+  path = tmp_path / "run.json"
+  with pytest.raises(KeyboardInterrupt):
+    cli.main(["tune", "rnn", "--json", str(path)])
+  assert cli.main(["tune", "rnn", "--json", str(path), "--resume"]) == 0
+  assert asked == [[c.label for c in cases], [c.label for c in cases[1:]]]
+  assert "1 cases timed, 119 left" in capsys.readouterr().out
+  saved = json.loads(path.read_text())
+  assert [r["label"] for r in saved["rows"]] == [cases[0].label] * 3 + [cases[1].label] * 3
+  # Not a run of this family on this GPU: nothing is timed into it.
+  monkeypatch.setattr(registry, "device_kind", lambda: "NVIDIA Other GPU")
+  assert cli.main(["tune", "rnn", "--json", str(path), "--resume"]) == 2
+  assert len(asked) == 2
+
+
 def test_a_table_may_leave_rows_to_the_built_in_defaults(tables, monkeypatch):
   tables("gpu_a", device="GPU A", inherits=None, rows={"a": _row(1)})
   monkeypatch.setattr(registry, "device_kind", lambda: "GPU A")
