@@ -77,6 +77,10 @@ def main(argv=None) -> int:
   b.add_argument("--graph-every-program", action="store_true",
                  help="let XLA run every timed program as a CUDA graph, as the steps of a "
                       "model are (XLA graphs only programs of several kernels by default)")
+  b.add_argument("--resume", action="store_true",
+                 help="with --json: keep the cases that run already timed (same GPU, timing "
+                      "and mode) and time the rest into it: a run cut short goes on where it "
+                      "stopped")
   b.add_argument("--from", dest="recorded", action="append", metavar="RUN",
                  help="with --grid or --regret: the report (and --plot) of saved runs of "
                       "that mode, one GPU and one timing, instead of timing (repeatable: a "
@@ -129,7 +133,8 @@ def main(argv=None) -> int:
                                        ("--sizes", args.sizes), ("--impl", args.impl),
                                        ("--quick", args.quick),
                                        ("--without-triton", args.without_triton),
-                                       ("--graph-every-program", args.graph_every_program))
+                                       ("--graph-every-program", args.graph_every_program),
+                                       ("--resume", args.resume))
               if given]
     if timing or args.ops:
       parser.error(f"--from reads saved runs and times nothing: drop "
@@ -170,8 +175,19 @@ def main(argv=None) -> int:
                  f"implementations ({', '.join(sorted(offered))})")
   if not cases:
     parser.error("no case is left after --sizes/--only: nothing to run")
+  if args.resume and not args.json:
+    parser.error("--resume goes on with the run saved at --json: name it")
   on_gpu = registry.platform() == "gpu"
   env = bench.environment()
+  earlier = []
+  if args.resume:
+    resumed = _resumed("bench", args.json, cases, "GPU, timing method, XLA_FLAGS, mode",
+                       lambda r: (r.get("device"), r.get("timing"), r.get("xla_flags"),
+                                  _mode_of(r)),
+                       (env["device"], env["timing"], env["xla_flags"], mode))
+    if resumed is None:
+      return 2
+    earlier, cases = resumed
   print(f"jaxfuse bench on {env['device']} (jax {env['jax_version']}, {env['date']}); "
         f"timing: {env['timing']}")
   if not on_gpu:
@@ -197,7 +213,7 @@ def main(argv=None) -> int:
     report.save_json(args.json, rows, ceilings, **extra)
 
   # Each family's table is printed as soon as it is done.
-  rows, ceilings = [], {}
+  rows, ceilings = earlier, {}
   family_of = {id(c): family for family, c in tagged}
   for group in _consecutive(cases, lambda c: family_of[id(c)]):
     done = len(rows)
@@ -260,14 +276,39 @@ def _plot_regrets(path: str, found, mode: str) -> bool:
   return report.save_regret_plot(path, found)
 
 
+def _resumed(command: str, path: str, cases, what: str, facts, here):
+  """The rows of the run saved at ``path`` (none where there is no file yet) and the ``cases``
+  it did not time; None, said why, where ``facts(record)`` (the ``what`` of the run) differ
+  from ``here``."""
+  if not os.path.exists(path):
+    return [], cases
+  record = json.loads(Path(path).read_text())
+  if facts(record) != here:
+    print(f"jaxfuse {command} --resume: {path} was timed otherwise ({what}): "
+          f"{facts(record)}, here {here}", file=sys.stderr)
+    return None
+  earlier = [bench.Row(**row) for row in record["rows"]]
+  # A case's rows are saved together once all its implementations ran.
+  timed = {(row.op, row.label) for row in earlier}
+  left = [c for c in cases if (c.op, c.label) not in timed]
+  print(f"resuming {path}: {len(timed)} cases timed, {len(left)} left")
+  return earlier, left
+
+
+def _mode_of(record) -> str:
+  """'grid', 'regret' or 'cases': the kind of bench run a saved record is."""
+  if "against" in record or " --grid" in record.get("command", ""):
+    return "grid"
+  return "regret" if "regrets" in record else "cases"
+
+
 def _report_from(paths: list[str], mode: str, plot: str | None) -> int:
   """The grid's or regret's report of saved runs: each point's rows from the last run that
   timed it (a ratio is never taken across runs), all of one GPU and one timing."""
   points, sources = {}, set()
   for path in paths:
     record = json.loads(Path(path).read_text())
-    grid = "against" in record or " --grid" in record.get("command", "")
-    if "regrets" not in record or grid != (mode == "grid"):
+    if _mode_of(record) != mode:
       print(f"jaxfuse bench --from: {path} is not a run of --{mode}", file=sys.stderr)
       return 2
     sources.add((record["device"], record.get("timing"), record.get("xla_flags")))
@@ -329,17 +370,12 @@ def _tune(family: str, path: str | None, write: bool, only: list[str] | None,
     cases = _only(cases, only)
   print(f"jaxfuse tune {family} on {kind} (jax {env['jax_version']}, {env['date']})")
   earlier = []
-  if resume and os.path.exists(path):
-    record = json.loads(Path(path).read_text())
-    if (record.get("tune_family"), record.get("device_kind")) != (family, kind):
-      print(f"jaxfuse tune --resume: {path} is not a tuning run of {family} on {kind}",
-            file=sys.stderr)
+  if resume:
+    resumed = _resumed("tune", path, cases, "family, GPU",
+                       lambda r: (r.get("tune_family"), r.get("device_kind")), (family, kind))
+    if resumed is None:
       return 2
-    earlier = [bench.Row(**row) for row in record["rows"]]
-    # A case's rows are saved together once all its implementations ran.
-    timed = {(row.op, row.label) for row in earlier}
-    cases = [c for c in cases if (c.op, c.label) not in timed]
-    print(f"resuming {path}: {len(timed)} cases timed, {len(cases)} left")
+    earlier, cases = resumed
   # Saved after each case: a run cut short still gives its rows to --from and --resume.
   save = lambda so_far, ceilings, **extra: report.save_json(
       path, earlier + so_far, ceilings, tune_family=family, device_kind=kind, **extra)

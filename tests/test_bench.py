@@ -15,6 +15,7 @@ from jax.experimental import io_callback
 
 from jaxfuse import cli
 from jaxfuse._core import bench, ceilings, registry, report
+from jaxfuse.ops.rnn import bench as rnn_bench
 
 
 def _case(forward):
@@ -176,6 +177,38 @@ def test_a_grid_timed_in_parts_is_reported_from_the_saved_runs(tmp_path, capsys)
     with pytest.raises(SystemExit):
       cli.main(["bench", *args])
     assert "--from" in capsys.readouterr().err
+
+
+def test_a_bench_run_cut_short_is_resumed_where_it_stopped(tmp_path, monkeypatch, capsys):
+  asked = []
+
+  def run(todo, on_case=None, **_):
+    # Times the first case, then the run is cut short (a time limit, say).
+    asked.append([c.label for c in todo])
+    rows = [_timed_row(todo[0].label, impl, 1.0, 1.0, todo[0].op)
+            for impl in todo[0].implementations]
+    on_case(rows, {})
+    if len(asked) == 1:
+      raise KeyboardInterrupt
+    return rows, {}
+
+  monkeypatch.setattr(bench, "run", run)
+  path = str(tmp_path / "grid.json")
+  cases = rnn_bench.grid_cases()
+  labels = [c.label for c in cases]
+  with pytest.raises(KeyboardInterrupt):
+    cli.main(["bench", "rnn", "--grid", "--json", path])
+  assert cli.main(["bench", "rnn", "--grid", "--json", path, "--resume"]) == 0
+  assert asked == [labels, labels[1:]]
+  assert f"1 cases timed, {len(labels) - 1} left" in capsys.readouterr().out
+  assert [r["label"] for r in json.loads(Path(path).read_text())["rows"]] == [
+      case.label for case in cases[:2] for _ in case.implementations]
+  # Only a run of the same mode, GPU and timing goes on.
+  assert cli.main(["bench", "rnn", "--regret", "--json", path, "--resume"]) == 2
+  assert "was timed otherwise" in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    cli.main(["bench", "rnn", "--grid", "--resume"])
+  assert "--resume" in capsys.readouterr().err
 
 
 def test_a_point_is_launch_bound_where_nones_span_passes_twice_its_busy_time():
