@@ -503,10 +503,11 @@ def _references(case, inputs):
   """The float64 references' checked rows (forward, training step) and the step's floors."""
   with x64():
     wide = _upcast(inputs)
-    ref_fwd = jax.tree.map(lambda a: np.asarray(_sample(a)), case.forward("xla")(*wide))
+    # One program each, as the timed ones are: op by op, each primitive would compile apart.
+    ref_fwd = jax.tree.map(lambda a: np.asarray(_sample(a)), jax.jit(case.forward("xla"))(*wide))
     ref_train = floors = None
     if case.train:
-      full = jax.tree.leaves(case.train("xla")(*wide))
+      full = jax.tree.leaves(jax.jit(case.train("xla"))(*wide))
       ref_train = [np.asarray(_sample(a)) for a in full]
       if case.train_floors is not None:
         floors = [_floor_rows(f, a.shape)
