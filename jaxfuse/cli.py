@@ -102,8 +102,9 @@ def main(argv=None) -> int:
                       "GPU needed; a point in several takes the last one's times) instead of "
                       "timing one")
   t.add_argument("--resume", action="store_true",
-                 help="keep the cases the run at --json (or the default path) already timed "
-                      "and time the rest into it: a run cut short goes on where it stopped")
+                 help="with --json: keep the cases that run already timed (same GPU and "
+                      "timing) and time the rest into it: a run cut short goes on where it "
+                      "stopped")
   c = sub.add_parser("build", help="build the CUDA kernels now (for an image to bake in), "
                                    "into $JAXFUSE_CACHE or ~/.cache/jaxfuse")
   c.add_argument("--arch", help="GPU architecture, e.g. sm_90 (default: this machine's GPU)")
@@ -116,6 +117,9 @@ def main(argv=None) -> int:
         parser.error("--from reads saved runs: --json, --only and --resume choose what to "
                      "time")
       return _tune_from(args.family, args.recorded, args.write)
+    if args.resume and not args.json:
+      # The default path is dated: a run resumed the next day would start over.
+      parser.error("--resume goes on with the run saved at --json: name it")
     if args.only and args.write:
       # A part's rows hold only its cases and would replace the table's whole rows.
       parser.error("--write takes a whole run: time the parts with --only, then write the "
@@ -178,7 +182,7 @@ def main(argv=None) -> int:
     parser.error("--resume goes on with the run saved at --json: name it")
   on_gpu = registry.platform() == "gpu"
   env = bench.environment()
-  earlier = []
+  earlier, ceilings = [], {}
   if args.resume:
     resumed = _resumed("bench", args.json, cases, "GPU, timing method, XLA_FLAGS, mode",
                        lambda r: (r.get("device"), r.get("timing"), r.get("xla_flags"),
@@ -186,7 +190,7 @@ def main(argv=None) -> int:
                        (env["device"], env["timing"], env["xla_flags"], mode))
     if resumed is None:
       return 2
-    earlier, cases = resumed
+    earlier, ceilings, cases = resumed
   print(f"jaxfuse bench on {env['device']} (jax {env['jax_version']}, {env['date']}); "
         f"timing: {env['timing']}")
   if not on_gpu:
@@ -212,7 +216,7 @@ def main(argv=None) -> int:
     report.save_json(args.json, rows, ceilings, **extra)
 
   # Each family's table is printed as soon as it is done.
-  rows, ceilings = earlier, {}
+  rows = earlier
   family_of = {id(c): family for family, c in tagged}
   for group in _consecutive(cases, lambda c: family_of[id(c)]):
     done = len(rows)
@@ -276,11 +280,12 @@ def _plot_regrets(path: str, found, mode: str) -> bool:
 
 
 def _resumed(command: str, path: str, cases, what: str, facts, here):
-  """The rows of the run saved at ``path`` (none where there is no file yet) and the ``cases``
-  it did not time; None, said why, where ``facts(record)`` (the ``what`` of the run) differ
-  from ``here``."""
+  """The rows and ceilings of the run saved at ``path`` (none where there is no file yet) and
+  the ``cases`` it did not time; None, said why, where ``facts(record)`` (the ``what`` of the
+  run) differ from ``here``."""
   if not os.path.exists(path):
-    return [], cases
+    print(f"no run at {path} yet: timing every case into it")
+    return [], {}, cases
   record = json.loads(Path(path).read_text())
   if facts(record) != here:
     print(f"jaxfuse {command} --resume: {path} was timed otherwise ({what}): "
@@ -291,7 +296,7 @@ def _resumed(command: str, path: str, cases, what: str, facts, here):
   timed = {(row.op, row.label) for row in earlier}
   left = [c for c in cases if (c.op, c.label) not in timed]
   print(f"resuming {path}: {len(timed)} cases timed, {len(left)} left")
-  return earlier, left
+  return earlier, record.get("ceilings") or {}, left
 
 
 def _mode_of(record) -> str:
@@ -368,17 +373,19 @@ def _tune(family: str, path: str | None, write: bool, only: list[str] | None,
   if only:
     cases = _only(cases, only)
   print(f"jaxfuse tune {family} on {kind} (jax {env['jax_version']}, {env['date']})")
-  earlier = []
+  earlier, ceilings = [], {}
   if resume:
-    resumed = _resumed("tune", path, cases, "family, GPU",
-                       lambda r: (r.get("tune_family"), r.get("device_kind")), (family, kind))
+    resumed = _resumed("tune", path, cases, "family, GPU, timing method, XLA_FLAGS",
+                       lambda r: (r.get("tune_family"), r.get("device_kind"), r.get("timing"),
+                                  r.get("xla_flags")),
+                       (family, kind, env["timing"], env["xla_flags"]))
     if resumed is None:
       return 2
-    earlier, cases = resumed
+    earlier, ceilings, cases = resumed
   # Saved after each case: a run cut short still gives its rows to --from and --resume.
   save = lambda so_far, ceilings, **extra: report.save_json(
       path, earlier + so_far, ceilings, tune_family=family, device_kind=kind, **extra)
-  new_rows, ceilings = bench.run(cases, on_case=save)
+  new_rows, ceilings = bench.run(cases, on_case=save, ceilings=ceilings)
   rows = earlier + new_rows
   print(report.table(rows, ceilings))
   values = tune.derive(family, rows)
@@ -389,7 +396,7 @@ def _tune(family: str, path: str | None, write: bool, only: list[str] | None,
 
 def _tune_from(family: str, paths: list[str], write: bool) -> int:
   # A point timed again by a later run (a part run over a cut-short one) takes its new times.
-  rows, kinds, derived_by = {}, set(), {}
+  rows, kinds = {}, set()
   for path in paths:
     record = json.loads(Path(path).read_text())
     if (record.get("tune_family") or _family_by_rows(record)) != family:
@@ -398,20 +405,31 @@ def _tune_from(family: str, paths: list[str], write: bool) -> int:
     if write and tune.cited_path(path) is None:
       return _uncitable(path)
     kinds.add(record.get("device_kind") or record["gpu"]["kind"])
-    timed = [bench.Row(**row) for row in record["rows"]]
-    rows.update({(row.op, row.label, row.implementation): row for row in timed})
-    derived_by[path] = set(tune.derive(family, timed))
+    rows.update({(row["op"], row["label"], row["implementation"]): (path, bench.Row(**row))
+                 for row in record["rows"]})
     print(f"jaxfuse tune {family} from {path} ({record['device']}, jax "
           f"{record['jax_version']}, {record['date']})")
   if len(kinds) != 1:
     print(f"jaxfuse tune --from: the runs are of several GPUs: {sorted(kinds)}",
           file=sys.stderr)
     return 2
-  rows = list(rows.values())
-  values = tune.derive(family, rows)
-  # A row cites the runs that timed its cases, not every run given.
-  sources = {name: [path for path in paths if name in derived_by[path]] for name in values}
-  return _tuned_rows(family, kinds.pop(), rows, values, sources, write)
+  values = tune.derive(family, [row for _, row in rows.values()])
+  return _tuned_rows(family, kinds.pop(), [row for _, row in rows.values()], values,
+                     _sources(family, paths, list(rows.values()), values), write)
+
+
+def _sources(family: str, paths: list[str], kept, values: dict) -> dict[str, list[str]]:
+  """The runs each derived row cites: those whose kept rows (``(path, row)``, not timed
+  again by a later run) alone derive it otherwise than no rows do; all runs with kept rows
+  where none does (a row whose value is also its default)."""
+  own = {path: [row for p, row in kept if p == path] for path in paths}
+  holding = [path for path in paths if own[path]]
+  empty = tune.derive(family, [])
+  alone = {path: tune.derive(family, own[path]) for path in holding}
+  missing = object()
+  return {name: [path for path in holding
+                 if alone[path].get(name, missing) != empty.get(name, missing)] or holding
+          for name in values}
 
 
 def _family_by_rows(record) -> str | None:
@@ -426,8 +444,9 @@ def _family_by_rows(record) -> str | None:
 
 def _graph_every_program():
   # Read when JAX starts its GPU backend, which nothing before the call has asked for yet.
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                             + " --xla_gpu_graph_min_graph_size=1").strip()
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "--xla_gpu_graph_min_graph_size=1" not in flags.split():
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_graph_min_graph_size=1".strip()
 
 
 def _only(cases, texts: list[str]):

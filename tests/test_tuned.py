@@ -394,8 +394,9 @@ def test_tune_writes_the_rows_citing_its_run(tmp_path, monkeypatch, capsys):
   assert cli.main(["tune", "linear_cross_entropy", "--from", str(run), "--from", str(part),
                    "--write"]) == 0
   assert json.loads(path.read_text())["rows"]["order"] == {
-      "value": ["cuda", "xla"],  # the later run's times of a point timed twice
-      "source": ["benchmarks/results/run.json", "benchmarks/results/part.json"]}
+      # The later run's times of a point timed twice, citing that run alone: the first
+      # run's rows of it were all timed again.
+      "value": ["cuda", "xla"], "source": "benchmarks/results/part.json"}
   path.write_text(json.dumps(table))
   monkeypatch.setattr(registry, "device_kind", lambda: "NVIDIA Test GPU")
   monkeypatch.setattr(bench, "run", lambda cases, **_: (rows, {}))
@@ -434,6 +435,22 @@ def test_rows_written_from_parts_cite_the_parts_that_timed_them(tmp_path, monkey
   assert {name: row["source"] for name, row in table["rows"].items()} == {
       f"fastest/{cell}/float32/{use}": f"benchmarks/results/{cell}.json"
       for cell in ("lstm", "gru") for use in ("forward", "step")}
+  # A family whose rows are all derived from any run (None where it has no data): each row
+  # cites the run with data for it.
+  parts = []
+  for op in ("softmax", "cross_entropy"):
+    rows = [bench.Row(op, f"{op} {n}", n, impl, "GB/s", forward_ms=t, train_ms=t)
+            for n in (1024, 4096) for impl, t in (("cuda", 1.0), ("triton", 2.0))]
+    part = results / f"{op}.json"
+    part.write_text(json.dumps({"tune_family": "softmax", "device_kind": "NVIDIA Test GPU",
+                                "device": "test", "jax_version": "0", "date": "today",
+                                "rows": [dataclasses.asdict(r) for r in rows]}))
+    parts += ["--from", str(part)]
+  assert cli.main(["tune", "softmax", *parts, "--write"]) == 0
+  table = json.loads((ops / "softmax" / "tuned" / "nvidia_test_gpu.json").read_text())
+  cited = {name: row["source"] for name, row in table["rows"].items()}
+  assert cited["cuda_from_forward"] == "benchmarks/results/softmax.json"
+  assert cited["cuda_from_cross_entropy"] == "benchmarks/results/cross_entropy.json"
 
 
 def test_a_tuning_run_cut_short_is_resumed_where_it_stopped(tmp_path, monkeypatch, capsys):
@@ -445,29 +462,40 @@ def test_a_tuning_run_cut_short_is_resumed_where_it_stopped(tmp_path, monkeypatc
   cases = rnn_bench.tune_cases()
   asked = []
 
-  def run(todo, on_case=None, **_):
+  given_ceilings = []
+
+  def run(todo, on_case=None, ceilings=None):
     # Times the first case, then the run is cut short (a time limit, say).
     asked.append([c.label for c in todo])
+    given_ceilings.append(ceilings)
     rows = [bench.Row(todo[0].op, todo[0].label, 1, impl, "TFLOP/s", forward_ms=1.0,
                       train_ms=1.0) for impl in todo[0].implementations]
-    on_case(rows, {})
+    on_case(rows, {"matmul TFLOP/s": 900.0})
     if len(asked) == 1:
       raise KeyboardInterrupt
-    return rows, {}
+    return rows, ceilings
 
   monkeypatch.setattr(bench, "run", run)
   path = tmp_path / "run.json"
+  assert not path.exists()
   with pytest.raises(KeyboardInterrupt):
-    cli.main(["tune", "rnn", "--json", str(path)])
+    cli.main(["tune", "rnn", "--json", str(path), "--resume"])
+  assert "no run at" in capsys.readouterr().out
   assert cli.main(["tune", "rnn", "--json", str(path), "--resume"]) == 0
   assert asked == [[c.label for c in cases], [c.label for c in cases[1:]]]
   assert "1 cases timed, 119 left" in capsys.readouterr().out
+  # The ceilings the run measured are the ones its rows' rates were quoted against.
+  assert given_ceilings == [{}, {"matmul TFLOP/s": 900.0}]
   saved = json.loads(path.read_text())
   assert [r["label"] for r in saved["rows"]] == [cases[0].label] * 3 + [cases[1].label] * 3
+  assert saved["ceilings"] == {"matmul TFLOP/s": 900.0}
   # Not a run of this family on this GPU: nothing is timed into it.
   monkeypatch.setattr(registry, "device_kind", lambda: "NVIDIA Other GPU")
   assert cli.main(["tune", "rnn", "--json", str(path), "--resume"]) == 2
   assert len(asked) == 2
+  # The default path is dated: a resumed run names its file.
+  with pytest.raises(SystemExit):
+    cli.main(["tune", "rnn", "--resume"])
 
 
 def test_a_table_may_leave_rows_to_the_built_in_defaults(tables, monkeypatch):

@@ -290,7 +290,8 @@ def _host_group(call, calls, wait):
   return [(wall / calls, wall / calls)] * calls, None, wall
 
 
-# The most GPU activities one timing trace holds (its groups' calls' together).
+# The GPU activities one timing trace may hold (its groups' calls' together), unless three
+# calls a group already pass it.
 TRACED_ACTIVITIES = 20_000
 
 

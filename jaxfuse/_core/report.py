@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from collections.abc import Callable, Sequence
 
 from jaxfuse._core import device
@@ -74,8 +75,10 @@ def table(rows: Sequence[Row], ceilings: dict) -> str:
 def save_json(path: str, rows: Sequence[Row], ceilings: dict, **extra):
   record = dict(environment(), ceilings=ceilings, rows=[dataclasses.asdict(r) for r in rows],
                 **extra)
-  with open(path, "w") as f:
+  # Written beside and moved over: a run killed mid-write (a time limit) keeps its last save.
+  with open(f"{path}.tmp", "w") as f:
     json.dump(record, f, indent=1)
+  os.replace(f"{path}.tmp", path)
 
 
 def save_plot(path: str, rows: Sequence[Row], ceilings: dict) -> bool:
