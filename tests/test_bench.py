@@ -335,8 +335,12 @@ def test_a_trace_of_many_activities_gets_fewer_calls(activities, expected_calls)
     asked.append((calls, n))
     return [([(1e-6, 1e-6)] * calls, activities, calls * 1e-5)] * n
 
-  bench._timed(groups, 1e-6, min_seconds=1.0, groups=5)
+  bench._timed(groups, 1e-3, min_seconds=1.0, groups=5)
   assert asked[-1] == (expected_calls, 5)
+  # Calls too quick to hold many activities are not probed: one trace, the calls as before.
+  asked.clear()
+  bench._timed(groups, 1e-6, min_seconds=1.0, groups=5)
+  assert asked == [(200, 5)]
 
 
 @pytest.mark.parametrize("busy", [0.5, None])

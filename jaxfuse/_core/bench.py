@@ -293,6 +293,9 @@ def _host_group(call, calls, wait):
 # The GPU activities one timing trace may hold (its groups' calls' together), unless three
 # calls a group already pass it.
 TRACED_ACTIVITIES = 20_000
+# Calls quicker than this are not probed for their activities: each takes a microsecond or
+# more, so such calls hold too few for their trace to cost more than the probe's own trace.
+PROBED_FROM_SECONDS = 2e-4
 
 
 def _timed(run_groups, single_seconds: float, *, min_seconds: float, groups: int) -> Timing:
@@ -302,7 +305,7 @@ def _timed(run_groups, single_seconds: float, *, min_seconds: float, groups: int
   returns the median per-call times; checks busy <= span <= wall and the same activity count
   in every group."""
   calls = int(max(3, min(200, math.ceil(min_seconds / groups / max(single_seconds, 1e-6)))))
-  if calls > 3:
+  if calls > 3 and single_seconds >= PROBED_FROM_SECONDS:
     # A trace's cost grows with its activities: a program of many short kernels (a scan's
     # steps) gets fewer calls a group, so that reading the trace costs less than running it.
     _, activities, _ = run_groups(1, 1)[0]
