@@ -412,6 +412,14 @@ def test_tune_writes_the_rows_citing_its_run(tmp_path, monkeypatch, capsys):
   assert cli.main(["tune", "norm"]) == 2
 
 
+def _saved_part(path, family, rows) -> list[str]:
+  """``--from PATH`` of a tuning run of ``family`` holding ``rows``, saved at ``path``."""
+  path.write_text(json.dumps({"tune_family": family, "device_kind": "NVIDIA Test GPU",
+                              "device": "test", "jax_version": "0", "date": "today",
+                              "rows": [dataclasses.asdict(r) for r in rows]}))
+  return ["--from", str(path)]
+
+
 def test_rows_written_from_parts_cite_the_parts_that_timed_them(tmp_path, monkeypatch):
   from jaxfuse import cli
   from jaxfuse._core import bench, tune
@@ -423,13 +431,9 @@ def test_rows_written_from_parts_cite_the_parts_that_timed_them(tmp_path, monkey
   parts = []
   for cell in ("LSTM", "GRU"):
     label = f"{cell} 4x64x256x256 L1 float32"
-    rows = [bench.Row(cell.lower(), label, 1, impl, "TFLOP/s", forward_ms=t, train_ms=t)
-            for impl, t in (("cuda", 1.0), ("xla", 2.0))]
-    part = results / f"{cell.lower()}.json"
-    part.write_text(json.dumps({"tune_family": "rnn", "device_kind": "NVIDIA Test GPU",
-                                "device": "test", "jax_version": "0", "date": "today",
-                                "rows": [dataclasses.asdict(r) for r in rows]}))
-    parts += ["--from", str(part)]
+    parts += _saved_part(results / f"{cell.lower()}.json", "rnn", [
+        bench.Row(cell.lower(), label, 1, impl, "TFLOP/s", forward_ms=t, train_ms=t)
+        for impl, t in (("cuda", 1.0), ("xla", 2.0))])
   assert cli.main(["tune", "rnn", *parts, "--write"]) == 0
   table = json.loads((ops / "rnn" / "tuned" / "nvidia_test_gpu.json").read_text())
   assert {name: row["source"] for name, row in table["rows"].items()} == {
@@ -439,13 +443,9 @@ def test_rows_written_from_parts_cite_the_parts_that_timed_them(tmp_path, monkey
   # cites the run with data for it.
   parts = []
   for op in ("softmax", "cross_entropy"):
-    rows = [bench.Row(op, f"{op} {n}", n, impl, "GB/s", forward_ms=t, train_ms=t)
-            for n in (1024, 4096) for impl, t in (("cuda", 1.0), ("triton", 2.0))]
-    part = results / f"{op}.json"
-    part.write_text(json.dumps({"tune_family": "softmax", "device_kind": "NVIDIA Test GPU",
-                                "device": "test", "jax_version": "0", "date": "today",
-                                "rows": [dataclasses.asdict(r) for r in rows]}))
-    parts += ["--from", str(part)]
+    parts += _saved_part(results / f"{op}.json", "softmax", [
+        bench.Row(op, f"{op} {n}", n, impl, "GB/s", forward_ms=t, train_ms=t)
+        for n in (1024, 4096) for impl, t in (("cuda", 1.0), ("triton", 2.0))])
   assert cli.main(["tune", "softmax", *parts, "--write"]) == 0
   table = json.loads((ops / "softmax" / "tuned" / "nvidia_test_gpu.json").read_text())
   cited = {name: row["source"] for name, row in table["rows"].items()}
