@@ -224,6 +224,16 @@ def test_a_point_is_launch_bound_where_nones_span_passes_twice_its_busy_time():
       in text
 
 
+def test_the_regret_table_sums_up_each_use_apart():
+  # None at half the comparator's speed in the forward and twice it in the training step.
+  rows = [_timed_row("a", "torch", 1.0, 4.0), _timed_row("a", bench.DEFAULT, 2.0, 2.0)]
+  text = report.regret_table(report.regrets(rows, against="torch".__eq__))
+  assert "geometric mean 1.000 over 2 points\n" in text
+  assert "worst 0.500 (a forward, torch), geometric mean 0.500 over 1 points (forward only)" \
+      in text
+  assert "worst 2.000 (a step, torch), geometric mean 2.000 over 1 points (step only)" in text
+
+
 def test_regret_by_choice_counts_a_point_where_none_ran_the_fastest_as_one():
   rows = [_timed_row("a", "xla", 1.0, 2.0), _timed_row("a", "cuda", 1.1, 1.0),
           _timed_row("a", bench.DEFAULT, 1.25, 1.25)]
@@ -311,6 +321,23 @@ def test_calls_split_into_span_and_busy():
   assert bench.split_calls(intervals, 3) == [(30, 30), (40, 20), (10, 10)]
   # Activities of one call that overlap (two streams) count once in busy, fully in span.
   assert bench.split_calls([(0, 10), (5, 20), (30, 40), (32, 38)], 2) == [(20, 20), (10, 10)]
+
+
+def test_two_streams_activities_at_the_same_times_count_apart(tmp_path, monkeypatch):
+  # Each call runs one kernel on each of two streams, launched together; the first stream's
+  # line shows its first call's kernel twice.
+  streams = {"Stream #1": [(0, 10), (0, 10), (20, 30), (40, 50)],
+             "Stream #2": [(0, 10), (20, 30), (41, 49)], "XLA Ops": [(0, 50)]}
+  event = lambda start, end: types.SimpleNamespace(start_ns=start, duration_ns=end - start)
+  plane = types.SimpleNamespace(name="/device:GPU:0", lines=[
+      types.SimpleNamespace(name=name, events=[event(*e) for e in events])
+      for name, events in streams.items()])
+  (tmp_path / "host.xplane.pb").write_bytes(b"")
+  monkeypatch.setattr(jax.profiler, "ProfileData", types.SimpleNamespace(
+      from_file=lambda path: types.SimpleNamespace(planes=[plane])))
+  intervals = bench._jax_trace_intervals(str(tmp_path))
+  assert sorted(intervals) == [(0, 10), (0, 10), (20, 30), (20, 30), (40, 50), (41, 49)]
+  assert bench.split_calls(intervals, 3) == [(10, 10), (10, 10), (10, 10)]
 
 
 def test_calls_that_cannot_be_told_apart_are_an_error():

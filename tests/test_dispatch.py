@@ -847,6 +847,27 @@ def test_rnn_none_takes_the_order_measured_at_the_nearest_point_of_its_grid(gpu,
   assert chosen() == "cuda"
 
 
+def test_rnn_none_takes_a_bidirectional_call_by_the_grid_of_two_directions(gpu, chosen):
+  one_direction = both_uses("lstm/bfloat16", [64, 128], [64], [["cuda>xla"], ["xla>cuda"]])
+  two_directions = [(f"{key}/bidirectional", *rest) for key, *rest in
+                    both_uses("lstm/bfloat16", [64, 128], [64], [["cudnn>cuda"], ["cuda>xla"]])]
+  gpu.rnn_rows(measured(*one_direction, *two_directions))
+  # At its own batch in the grid of two directions, not at twice it in the other.
+  recurrent("lstm", 64, batch=64, bidirectional=True, on_host=True)
+  assert chosen() == "cudnn"
+  recurrent("lstm", 64, batch=128, bidirectional=True, on_host=True)
+  assert chosen() == "cuda"
+  recurrent("lstm", 64, batch=64, on_host=True)
+  assert chosen() == "cuda"
+  # GRU has no grid of its own: the LSTM's of two directions, before its one direction's.
+  recurrent("gru", 64, batch=64, bidirectional=True, on_host=True)
+  assert chosen() == "cudnn"
+  # Without a grid of two directions: the one-direction grid at twice the batch.
+  gpu.rnn_rows(measured(*one_direction))
+  recurrent("lstm", 64, batch=64, bidirectional=True, on_host=True)
+  assert chosen() == "xla"
+
+
 @pytest.mark.parametrize("cell,dtype,largest", RNN_LARGEST)
 def test_rnn_cuda_refuses_a_hidden_size_that_does_not_fit(gpu, chosen, cell, dtype, largest):
   recurrent(cell, largest, dtype, implementation="cuda")

@@ -194,7 +194,7 @@ def split_calls(intervals, calls: int) -> list[tuple[float, float]]:
   One stream runs the calls in order, so the sorted activities fall into ``calls`` runs of
   equal length that do not overlap; anything else means the trace cannot be split by call.
   """
-  intervals = sorted(set(intervals))
+  intervals = sorted(intervals)
   if not intervals or len(intervals) % calls:
     raise TimingError(f"{len(intervals)} GPU activities in a trace of {calls} calls: the calls "
                       f"did not each run the same number")
@@ -220,13 +220,16 @@ def _union(intervals) -> float:
 
 
 def _jax_trace_intervals(log_dir) -> list[tuple[int, int]]:
+  """The GPU activities' ``(start, end)`` in a JAX trace, each stream's apart: one shown twice
+  on a stream counts once, while two streams' at the same times (a bidirectional RNN's two
+  directions, launched together, on a coarse GPU clock) count as the two they are."""
   intervals = []
   for path in glob.glob(f"{log_dir}/**/*.xplane.pb", recursive=True):
     for plane in jax.profiler.ProfileData.from_file(path).planes:
       if plane.name.startswith("/device:GPU"):
-        intervals += [(e.start_ns, e.start_ns + e.duration_ns)
-                      for line in plane.lines if line.name.startswith("Stream")
-                      for e in line.events]
+        for line in plane.lines:
+          if line.name.startswith("Stream"):
+            intervals += {(e.start_ns, e.start_ns + e.duration_ns) for e in line.events}
   return intervals
 
 
@@ -246,7 +249,7 @@ def _traced_groups(run_group, calls, groups):
     return [(None, None, wall) for wall in walls]
   per_call = [(span * 1e-9, busy * 1e-9)
               for span, busy in split_calls(intervals, calls * groups)]
-  activities = len(set(intervals)) // (calls * groups)
+  activities = len(intervals) // (calls * groups)
   return [(per_call[g * calls:(g + 1) * calls], activities, wall)
           for g, wall in enumerate(walls)]
 

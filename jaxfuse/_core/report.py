@@ -169,8 +169,8 @@ def regrets(rows: Sequence[Row], against: Callable[[str], bool] | None = None,
 
 def regret_table(found: Sequence[Regret], subject: str = "None") -> str:
   """Each point's regret and what ``subject`` (the row weighed) ran there, then per op and
-  over all, of every point, of those not launch-bound and by choice: the worst point and the
-  geometric mean."""
+  over all, of every point, of each use's (the forward's, the training step's), of those not
+  launch-bound and by choice: the worst point and the geometric mean."""
   if not found:
     return f"regret: no point where {subject} and a row it is weighed against both ran"
   width = max(28, *(len(r.label) for r in found))
@@ -188,6 +188,8 @@ def regret_table(found: Sequence[Regret], subject: str = "None") -> str:
   for op in list(dict.fromkeys(r.op for r in found)) + [None]:
     points = [r for r in found if op is None or r.op == op]
     for which, subset, value in (("", points, timed),
+                                 *((f" ({use} only)", [r for r in points if r.direction == use],
+                                    timed) for use in ("forward", "step")),
                                  (" (not launch-bound)",
                                   [r for r in points if not r.launch_bound], timed),
                                  (" (by choice)", points, chosen)):

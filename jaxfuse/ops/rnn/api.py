@@ -31,9 +31,13 @@ _UNTUNED_CUDNN_LEAST_WORK = {("float32", "forward"): 2**17, ("float32", "step"):
                              ("bfloat16", "forward"): 2**16, ("bfloat16", "step"): 2**16}
 
 
-# The tables' rows: a measured grid per cell, dtype and use, ``fastest/lstm/float32/step``.
-_GRID_ROWS = tuple(f"fastest/{cell}/{dtype}/{use}" for cell in ("lstm", "gru")
-                   for dtype in ("float32", "bfloat16") for use in ("forward", "step"))
+# The tables' rows: a measured grid per cell, dtype, use and layout, ``fastest/lstm/float32/step``
+# for one direction and ``.../bidirectional`` for two (timed at two layers): XLA runs a layer's
+# directions one after the other and the fused kernels side by side, where cuDNN overlaps them
+# and its layers, so the order one direction measured need not hold for two.
+_GRID_ROWS = tuple(f"fastest/{cell}/{dtype}/{use}{layout}" for cell in ("lstm", "gru")
+                   for dtype in ("float32", "bfloat16") for use in ("forward", "step")
+                   for layout in ("", "/bidirectional"))
 
 
 def _untuned() -> dict:
@@ -41,18 +45,25 @@ def _untuned() -> dict:
   return dict.fromkeys(_GRID_ROWS)
 
 
-def _preference(cell: str, dtype, batch: int, hidden: int, use: str) -> tuple[str, ...]:
+def _preference(cell: str, dtype, batch: int, hidden: int, directions: int,
+                use: str) -> tuple[str, ...]:
   """The order None tries for ``use`` (``'forward'``: a call only evaluated; ``'step'``: one
-  differentiated, both directions) of a layer of ``hidden`` units over ``batch`` rows, those
-  of both directions counted (each direction is a recurrence of its own beside the other):
-  the order measured fastest at the nearest point the GPU's grid timed for this cell, dtype
-  and use (see :func:`_measured_grid`), those it did not time after it; on a GPU without
-  one, by the work per step against :data:`_UNTUNED_CUDA_MOST_WORK` and
-  :data:`_UNTUNED_CUDNN_LEAST_WORK`. The sizes are the call's, before sharding splits its
-  batch or vmap adds to it: the grid was measured on one GPU, unmapped."""
+  differentiated, both directions) of layers of ``hidden`` units in ``directions`` directions
+  over ``batch`` rows: the order measured fastest at the nearest point the GPU's grid timed
+  for this cell, dtype, use and number of directions (see :func:`_measured_grid`), those it
+  did not time after it. A bidirectional call on a GPU whose table has no grid of two
+  directions takes the one-direction grid at ``batch * directions`` rows (each direction a
+  recurrence beside the other); on a GPU without either, the work per step against
+  :data:`_UNTUNED_CUDA_MOST_WORK` and :data:`_UNTUNED_CUDNN_LEAST_WORK`. The sizes are the
+  call's, before sharding splits its batch or vmap adds to it: the grid was measured on one
+  GPU, unmapped."""
   if registry.platform() != "gpu":
     return ("xla",)
-  grid = _measured_grid(tuned.rows("rnn", _untuned), cell, dtype, use)
+  rows = tuned.rows("rnn", _untuned)
+  grid = _measured_grid(rows, cell, dtype, use, bidirectional=directions == 2)
+  if grid is None:
+    batch *= directions
+    grid = _measured_grid(rows, cell, dtype, use, bidirectional=False)
   if grid is None:
     width = "bfloat16" if jnp.dtype(dtype).itemsize == 2 else "float32"
     work = batch * hidden
@@ -66,16 +77,17 @@ def _preference(cell: str, dtype, batch: int, hidden: int, use: str) -> tuple[st
   return measured + tuple(name for name in ("cuda", "cudnn", "xla") if name not in measured)
 
 
-def _measured_grid(rows: dict, cell: str, dtype, use: str) -> dict | None:
-  """The grid the GPU's table measured for this cell, dtype and use (one with a timed point),
-  or None; a pair it did not time takes the nearest it did: float16 as bfloat16 (one 16-bit
-  path in each library), then the other cell at that dtype (the cells' kernels share their
-  tiling)."""
+def _measured_grid(rows: dict, cell: str, dtype, use: str, bidirectional: bool) -> dict | None:
+  """The grid the GPU's table measured for this cell, dtype, use and layout (one with a timed
+  point), or None; a pair it did not time takes the nearest it did: float16 as bfloat16 (one
+  16-bit path in each library), then the other cell at that dtype (the cells' kernels share
+  their tiling)."""
   name = jnp.dtype(dtype).name
   width = "bfloat16" if name == "float16" else name
   other = "gru" if cell == "lstm" else "lstm"
+  layout = "/bidirectional" if bidirectional else ""
   for key in (f"{cell}/{width}", f"{other}/{width}"):
-    grid = rows.get(f"fastest/{key}/{use}")
+    grid = rows.get(f"fastest/{key}/{use}{layout}")
     if grid is not None and _timed_points(grid):
       return grid
   return None
@@ -112,8 +124,9 @@ def lstm(x, h_0, c_0, weights, seq_lengths, *, input_size: int, hidden_size: int
       or bfloat16; the whole network in one call where the host holds the lengths (None or a
       NumPy array) and there is no dropout, else a call per layer and direction over whole
       sequences, the final states read at each sequence's end) or ``None``: the fastest
-      that takes the call by the GPU's tuned table, measured over batch x hidden; a call only
-      evaluated by the forwards' times, a differentiated one by the training steps'.
+      that takes the call by the GPU's tuned table, measured over batch x hidden for one
+      direction and for two; a call only evaluated by the forwards' times, a differentiated
+      one by the training steps'.
 
   Returns:
     ``(y, h_n, c_n)``: ``y`` ``(B, T, directions * hidden_size)``, zero past each sequence's
@@ -194,7 +207,7 @@ def _run(cell, x, initial_state, weights, seq_lengths, input_size, hidden_size, 
               "cuda": functools.partial(_cuda_unavailable, layer),
               "cudnn": lambda: (cudnn_kernels.unavailable() or cudnn_kernels.unsupported(
                   (x.dtype, weights.dtype, *(s.dtype for s in initial_state))))}
-  sizes = (batch * directions, hidden_size)
+  sizes = (batch, hidden_size, directions)
 
   def fastest(use):
     return registry.resolve(op, None, backends,

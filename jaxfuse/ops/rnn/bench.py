@@ -220,47 +220,52 @@ def regret_cases() -> list[Case]:
           for shape in REGRET_GRID]
 
 
-# The tuning grid: one layer, one direction, TUNE_STEPS steps, batch x hidden, each cell and
-# dtype.
+# The tuning grid: batch x hidden, TUNE_STEPS steps, each cell, dtype and layout (one layer in
+# one direction; two layers in two, the bidirectional networks' table, see api._GRID_ROWS).
 TUNE_BATCHES = (1, 4, 16, 64, 256, 1024)
 TUNE_HIDDEN = (128, 256, 512, 1024, 2048)
+TUNE_LAYOUTS = ((1, False), (2, True))
 TUNE_STEPS = 64
 TUNED_IMPLEMENTATIONS = ("cuda", "cudnn", "xla")
 
 
 def tune_cases() -> list[Case]:
-  """The fused kernels, cuDNN's and XLA's scan over the tuning grid, each cell and dtype."""
-  return [_case(cell, b, TUNE_STEPS, h, h, 1, False, dtype, TUNED_IMPLEMENTATIONS)
+  """The fused kernels, cuDNN's and XLA's scan over the tuning grid, each cell, dtype and
+  layout."""
+  return [_case(cell, b, TUNE_STEPS, h, h, layers, bidirectional, dtype, TUNED_IMPLEMENTATIONS)
           for cell in GATES for dtype in (jnp.float32, jnp.bfloat16)
-          for b in TUNE_BATCHES for h in TUNE_HIDDEN]
+          for layers, bidirectional in TUNE_LAYOUTS for b in TUNE_BATCHES for h in TUNE_HIDDEN]
 
 
 def tuned_rows(rows) -> dict:
-  """``fastest/CELL/DTYPE/USE`` for each cell, dtype and use (the evaluated ``forward``, the
-  training ``step``) the run timed: its batches and hidden sizes and, at each (batch, hidden),
-  the implementations that ran and passed their check there, fastest first (``'cuda>xla'``;
-  ``''`` at a point the run did not time). Rows of other cases (another run's steps or
-  layers) are left out."""
+  """``fastest/CELL/DTYPE/USE`` (one direction) and ``fastest/CELL/DTYPE/USE/bidirectional``
+  for each cell, dtype, use (the evaluated ``forward``, the training ``step``) and layout the
+  run timed: its batches and hidden sizes and, at each (batch, hidden), the implementations
+  that ran and passed their check there, fastest first (``'cuda>xla'``; ``''`` at a point the
+  run did not time). Rows of other cases (another run's steps or layers) are left out."""
   tuning = {case.label for case in tune_cases()}
   out = {}
   for op in GATES:
     for dtype in ("float32", "bfloat16"):
-      group = [r for r in rows if r.op == op and r.label.endswith(dtype)
-               and r.label in tuning and r.implementation in TUNED_IMPLEMENTATIONS]
-      for use in ("forward", "step"):
-        times = {}
-        for row in group:
-          t = tune.time_of(row, use)
-          if t is not None:
-            times.setdefault(grid_place(row.label)[1:], {})[row.implementation] = t
-        if not times:
-          continue
-        batches = sorted({b for b, _ in times})
-        hidden = sorted({h for _, h in times})
-        order = lambda ran: ">".join(sorted(ran, key=lambda n: (ran[n], n)))
-        out[f"fastest/{op}/{dtype}/{use}"] = {
-            "batch": batches, "hidden": hidden,
-            "order": [[order(times.get((b, h), {})) for h in hidden] for b in batches]}
+      for layers, bidirectional in TUNE_LAYOUTS:
+        layout = f" L{layers}{' bi' if bidirectional else ''} {dtype}"
+        group = [r for r in rows if r.op == op and r.label.endswith(layout)
+                 and r.label in tuning and r.implementation in TUNED_IMPLEMENTATIONS]
+        for use in ("forward", "step"):
+          times = {}
+          for row in group:
+            t = tune.time_of(row, use)
+            if t is not None:
+              times.setdefault(grid_place(row.label)[1:], {})[row.implementation] = t
+          if not times:
+            continue
+          batches = sorted({b for b, _ in times})
+          hidden = sorted({h for _, h in times})
+          order = lambda ran: ">".join(sorted(ran, key=lambda n: (ran[n], n)))
+          name = f"fastest/{op}/{dtype}/{use}{'/bidirectional' if bidirectional else ''}"
+          out[name] = {"batch": batches, "hidden": hidden,
+                       "order": [[order(times.get((b, h), {})) for h in hidden]
+                                 for b in batches]}
   return out
 
 
