@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Runs bench and tune parts on every GPU of one host at once, each GPU's parts one after another:
+#
+#   benchmarks/run_on_gpus.sh PARTS SECONDS
+#
+# PARTS: lines "GPU|command", run from the checkout with that GPU alone visible ("KIND" in a
+# command becomes h100, h200 or "other", by the first GPU's name); SECONDS: the whole run's
+# limit, each part given what is left. Parts saved with --json and --resume go on where a run
+# cut short stopped. Builds the CUDA kernels first (into $JAXFUSE_CACHE, default build/jfcache).
+# Logs: build/logs/gpuN.log. With OUT set (a directory), the new results and the logs are
+# archived into $OUT/results.tgz as they come, so a run killed at its limit keeps what it timed.
+set -u
+start=$(date +%s)
+parts=$1 limit=$2
+cd "$(dirname "$0")/.."
+export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+export JAXFUSE_CACHE=${JAXFUSE_CACHE:-build/jfcache}
+mkdir -p build/logs
+touch build/logs/started
+name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+case "$name" in *H200*) kind=h200 ;; *H100*) kind=h100 ;; *) kind=other ;; esac
+echo "$(nvidia-smi -L | wc -l) GPUs, $name: KIND=$kind"
+timeout 300 python -m jaxfuse build > build/logs/build.log 2>&1
+echo "build rc $?"
+
+archive() {
+  [ -n "${OUT:-}" ] || return 0
+  tar czf "$OUT/results.tgz.part" build/logs \
+    $(find benchmarks/results -newer build/logs/started -type f) 2>/dev/null
+  mv "$OUT/results.tgz.part" "$OUT/results.tgz"
+}
+
+for gpu in $(cut -d'|' -f1 "$parts" | sort -u); do
+  (
+    grep "^$gpu|" "$parts" | cut -d'|' -f2- | sed "s/KIND/$kind/g" | while read -r command; do
+      left=$((limit - ($(date +%s) - start)))
+      [ "$left" -lt 40 ] && break
+      echo "== $(date +%T) ${left}s left: $command" >> "build/logs/gpu$gpu.log"
+      CUDA_VISIBLE_DEVICES=$gpu timeout "$left" bash -c "$command" \
+        >> "build/logs/gpu$gpu.log" 2>&1 < /dev/null
+      echo "== rc $? at $(date +%T)" >> "build/logs/gpu$gpu.log"
+    done
+  ) &
+done
+while [ -n "$(jobs -r)" ]; do sleep 20; archive; done
+wait
+archive
+for log in build/logs/gpu*.log; do
+  echo "### $log"
+  grep -E "^==|FAILED|geometric mean .* points$|saved" "$log" | tail -20
+done
+echo "$(( $(date +%s) - start )) s"
