@@ -324,11 +324,15 @@ def test_calls_split_into_span_and_busy():
 
 
 def test_two_streams_activities_at_the_same_times_count_apart(tmp_path, monkeypatch):
-  # Each call runs one kernel on each of two streams, launched together; the first stream's
-  # line shows its first call's kernel twice.
-  streams = {"Stream #1": [(0, 10), (0, 10), (20, 30), (40, 50)],
-             "Stream #2": [(0, 10), (20, 30), (41, 49)], "XLA Ops": [(0, 50)]}
-  event = lambda start, end: types.SimpleNamespace(start_ns=start, duration_ns=end - start)
+  # Each call runs a kernel on each of two streams, launched together, then on the first a
+  # kernel and a copy of no length at the same time; that stream's line shows each call's first
+  # kernel twice.
+  streams = {"Stream #1": [e for b in (0, 20, 40) for e in ((b, b + 10), (b, b + 10),
+                                                             (b + 10, b + 10),
+                                                             (b + 10, b + 10, "copy"))],
+             "Stream #2": [(b, b + 10) for b in (0, 20, 40)], "XLA Ops": [(0, 50)]}
+  event = lambda start, end, name="kernel": types.SimpleNamespace(
+      start_ns=start, duration_ns=end - start, name=name)
   plane = types.SimpleNamespace(name="/device:GPU:0", lines=[
       types.SimpleNamespace(name=name, events=[event(*e) for e in events])
       for name, events in streams.items()])
@@ -336,8 +340,9 @@ def test_two_streams_activities_at_the_same_times_count_apart(tmp_path, monkeypa
   monkeypatch.setattr(jax.profiler, "ProfileData", types.SimpleNamespace(
       from_file=lambda path: types.SimpleNamespace(planes=[plane])))
   intervals = bench._jax_trace_intervals(str(tmp_path))
-  assert sorted(intervals) == [(0, 10), (0, 10), (20, 30), (20, 30), (40, 50), (41, 49)]
-  assert bench.split_calls(intervals, 3) == [(10, 10), (10, 10), (10, 10)]
+  assert sorted(intervals) == sorted(
+      i for b in (0, 20, 40) for i in [(b, b + 10)] * 2 + [(b + 10, b + 10)] * 2)
+  assert bench.split_calls(intervals, 3) == [(10, 10)] * 3
 
 
 def test_calls_that_cannot_be_told_apart_are_an_error():

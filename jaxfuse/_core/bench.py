@@ -191,8 +191,9 @@ def split_calls(intervals, calls: int) -> list[tuple[float, float]]:
   """(span, busy) of each of ``calls`` back-to-back calls from their GPU activities'
   ``(start, end)`` intervals, in any unit.
 
-  One stream runs the calls in order, so the sorted activities fall into ``calls`` runs of
-  equal length that do not overlap; anything else means the trace cannot be split by call.
+  The calls run one after another (each on one stream or several), so the sorted activities
+  fall into ``calls`` runs of equal length that do not overlap; anything else means the trace
+  cannot be split by call.
   """
   intervals = sorted(intervals)
   if not intervals or len(intervals) % calls:
@@ -220,16 +221,18 @@ def _union(intervals) -> float:
 
 
 def _jax_trace_intervals(log_dir) -> list[tuple[int, int]]:
-  """The GPU activities' ``(start, end)`` in a JAX trace, each stream's apart: one shown twice
-  on a stream counts once, while two streams' at the same times (a bidirectional RNN's two
-  directions, launched together, on a coarse GPU clock) count as the two they are."""
+  """The GPU activities' ``(start, end)`` in a JAX trace, each stream's apart: an activity
+  shown twice on a stream counts once, while two at the same times on two streams (a
+  bidirectional RNN's directions, launched together, on a coarse GPU clock) or of two names
+  on one count as the two they are."""
   intervals = []
   for path in glob.glob(f"{log_dir}/**/*.xplane.pb", recursive=True):
     for plane in jax.profiler.ProfileData.from_file(path).planes:
       if plane.name.startswith("/device:GPU"):
         for line in plane.lines:
           if line.name.startswith("Stream"):
-            intervals += {(e.start_ns, e.start_ns + e.duration_ns) for e in line.events}
+            shown = {(e.start_ns, e.start_ns + e.duration_ns, e.name) for e in line.events}
+            intervals += [(start, end) for start, end, _ in shown]
   return intervals
 
 

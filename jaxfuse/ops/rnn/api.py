@@ -48,25 +48,23 @@ def _untuned() -> dict:
 def _preference(cell: str, dtype, batch: int, hidden: int, directions: int,
                 use: str) -> tuple[str, ...]:
   """The order None tries for ``use`` (``'forward'``: a call only evaluated; ``'step'``: one
-  differentiated, both directions) of layers of ``hidden`` units in ``directions`` directions
-  over ``batch`` rows: the order measured fastest at the nearest point the GPU's grid timed
-  for this cell, dtype, use and number of directions (see :func:`_measured_grid`), those it
-  did not time after it. A bidirectional call on a GPU whose table has no grid of two
-  directions takes the one-direction grid at ``batch * directions`` rows (each direction a
-  recurrence beside the other); on a GPU without either, the work per step against
-  :data:`_UNTUNED_CUDA_MOST_WORK` and :data:`_UNTUNED_CUDNN_LEAST_WORK`. The sizes are the
-  call's, before sharding splits its batch or vmap adds to it: the grid was measured on one
-  GPU, unmapped."""
+  differentiated, forward and backward) of layers of ``hidden`` units in ``directions``
+  directions over ``batch`` rows: the order measured fastest at the nearest point the GPU's
+  grid timed (see :func:`_measured_grid`), those it did not time after it. A bidirectional
+  call of any depth looks up a grid of two directions at its own batch; a one-direction grid
+  takes it at ``batch * directions`` rows (each direction a recurrence beside the other). On a
+  GPU without a grid, the work per step against :data:`_UNTUNED_CUDA_MOST_WORK` and
+  :data:`_UNTUNED_CUDNN_LEAST_WORK`. The sizes are the call's, before sharding splits its
+  batch or vmap adds to it: the grid was measured on one GPU, unmapped."""
   if registry.platform() != "gpu":
     return ("xla",)
-  rows = tuned.rows("rnn", _untuned)
-  grid = _measured_grid(rows, cell, dtype, use, bidirectional=directions == 2)
-  if grid is None:
+  grid, bidirectional = _measured_grid(tuned.rows("rnn", _untuned), cell, dtype, use,
+                                       directions)
+  if grid is not None and not bidirectional:
     batch *= directions
-    grid = _measured_grid(rows, cell, dtype, use, bidirectional=False)
   if grid is None:
     width = "bfloat16" if jnp.dtype(dtype).itemsize == 2 else "float32"
-    work = batch * hidden
+    work = batch * directions * hidden
     order = ("cuda", "xla") if work <= _UNTUNED_CUDA_MOST_WORK[width, use] else ("xla", "cuda")
     return ("cudnn",) + order if work >= _UNTUNED_CUDNN_LEAST_WORK[width, use] else order
   # The nearest point the run timed, by the ratios of batch and of hidden size.
@@ -77,20 +75,23 @@ def _preference(cell: str, dtype, batch: int, hidden: int, directions: int,
   return measured + tuple(name for name in ("cuda", "cudnn", "xla") if name not in measured)
 
 
-def _measured_grid(rows: dict, cell: str, dtype, use: str, bidirectional: bool) -> dict | None:
-  """The grid the GPU's table measured for this cell, dtype, use and layout (one with a timed
-  point), or None; a pair it did not time takes the nearest it did: float16 as bfloat16 (one
-  16-bit path in each library), then the other cell at that dtype (the cells' kernels share
-  their tiling)."""
+def _measured_grid(rows: dict, cell: str, dtype, use: str,
+                   directions: int) -> tuple[dict | None, bool]:
+  """The grid the GPU's table measured for this cell, dtype, use and number of directions (one
+  with a timed point), and whether it is one of two directions; (None, False) where there is
+  none. A set it did not time takes the nearest it did: float16 as bfloat16 (one 16-bit path in
+  each library); two directions as one; then the other cell (the cells' kernels share their
+  tiling), two directions and one likewise."""
   name = jnp.dtype(dtype).name
   width = "bfloat16" if name == "float16" else name
   other = "gru" if cell == "lstm" else "lstm"
-  layout = "/bidirectional" if bidirectional else ""
-  for key in (f"{cell}/{width}", f"{other}/{width}"):
-    grid = rows.get(f"fastest/{key}/{use}{layout}")
-    if grid is not None and _timed_points(grid):
-      return grid
-  return None
+  layouts = (True, False) if directions == 2 else (False,)
+  for key in (cell, other):
+    for bidirectional in layouts:
+      grid = rows.get(f"fastest/{key}/{width}/{use}{'/bidirectional' * bidirectional}")
+      if grid is not None and _timed_points(grid):
+        return grid, bidirectional
+  return None, False
 
 
 def _timed_points(grid: dict) -> list[tuple[int, int]]:
