@@ -3,9 +3,10 @@
 #
 #   benchmarks/run_on_gpus.sh PARTS SECONDS
 #
-# PARTS: lines "GPU|command", run from the checkout with that GPU alone visible ("KIND" in a
-# command becomes h100, h200 or "other", by the first GPU's name); SECONDS: the whole run's
-# limit, each part given what is left. Parts saved with --json and --resume go on where a run
+# PARTS: lines "GPU|command" (benchmarks/split_parts.py deals a tuning run or a grid out so),
+# each run from the checkout with that GPU alone visible ("KIND" in a command becomes h100,
+# h200 or "other", by the first GPU's name); SECONDS: the whole run's limit, each part given
+# what is left. Parts saved with --json and --resume go on where a run
 # cut short stopped. Builds the CUDA kernels first (into $JAXFUSE_CACHE, default build/jfcache).
 # Logs: build/logs/gpuN.log. With OUT set (a directory), the new results and the logs are
 # archived into $OUT/results.tgz as they come, so a run killed at its limit keeps what it timed.

@@ -2,7 +2,9 @@
 jaxfuse implementation that is wrong or crashes fails the job."""
 
 import dataclasses
+import importlib.util
 import json
+import shlex
 import time
 import types
 from pathlib import Path
@@ -521,3 +523,40 @@ def test_version(capsys):
   with pytest.raises(SystemExit):
     cli.main(["--version"])
   assert f"jaxfuse {jaxfuse.__version__} (jax " in capsys.readouterr().out
+
+
+def _split_parts():
+  path = Path(__file__).resolve().parent.parent / "benchmarks" / "split_parts.py"
+  spec = importlib.util.spec_from_file_location("split_parts", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_a_run_split_over_gpus_times_each_case_once_in_shares_of_like_cost(capsys):
+  split = _split_parts()
+  assert split.main(["3", "DAY-KIND-tune-rnn-bi", "tune", "rnn", "--only", " L2 bi "]) == 0
+  lines = capsys.readouterr().out.splitlines()
+  labels = []
+  for gpu, line in enumerate(lines):
+    assert line.startswith(f"{gpu}|python -m jaxfuse tune rnn ")
+    argv = shlex.split(line.split("|", 1)[1])
+    assert argv[-3:] == ["--json", f"benchmarks/results/DAY-KIND-tune-rnn-bi-p{gpu}.json",
+                         "--resume"]
+    labels += [argv[i + 1].strip() for i, a in enumerate(argv) if a == "--only"]
+  wanted = [c.label for c in rnn_bench.tune_cases() if " L2 bi " in c.label]
+  assert len(lines) == 3 and sorted(labels) == sorted(wanted)
+  # No share costs more than another by more than the costliest case.
+  cases = [c for c in rnn_bench.tune_cases() if " L2 bi " in c.label]
+  largest = max(c.forward_work for c in cases)
+  loads = [sum(1 + 4 * c.forward_work / largest for c in share)
+           for share in split.deal(cases, 3)]
+  assert max(loads) - min(loads) <= 5
+  # A grid's part asks only for the implementations its cases offer (here, on the CPU, no
+  # comparator).
+  parts = split.commands(2, "grid", "bench", "rnn", impl="default,torch")
+  assert [argv[argv.index("--impl") + 1] for _, argv in parts] == ["default", "default"]
+  with pytest.raises(SystemExit):
+    split.main(["2", "x", "tune", "rnn", "--impl", "cuda"])
+  with pytest.raises(SystemExit):
+    split.main(["2", "x", "bench", "rnn"])
