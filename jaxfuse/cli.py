@@ -413,9 +413,11 @@ def _tune_from(family: str, paths: list[str], write: bool) -> int:
     print(f"jaxfuse tune --from: the runs are of several GPUs: {sorted(kinds)}",
           file=sys.stderr)
     return 2
-  values = tune.derive(family, [row for _, row in rows.values()])
-  return _tuned_rows(family, kinds.pop(), [row for _, row in rows.values()], values,
-                     _sources(family, paths, list(rows.values()), values), write)
+  kept = list(rows.values())
+  timed = [row for _, row in kept]
+  values = tune.derive(family, timed)
+  return _tuned_rows(family, kinds.pop(), timed, values, _sources(family, paths, kept, values),
+                     write)
 
 
 def _sources(family: str, paths: list[str], kept, values: dict) -> dict[str, list[str]]:

@@ -165,11 +165,15 @@ def _flops(cell, b, t, i, h, layers, bidirectional) -> float:
   return sum(2 * b * t * directions * GATES[cell] * h * k for k in per_layer)
 
 
+def _layout(layers, bidirectional, dtype) -> str:
+  """A case label's tail: ``'L2 bi bfloat16'``."""
+  return f"L{layers}{' bi' if bidirectional else ''} {jnp.dtype(dtype).name}"
+
+
 def _case(cell, b, t, i, h, layers, bidirectional, dtype, impls, external=None):
   spec = (cell, i, h, layers, bidirectional)
   flops = _flops(cell, b, t, i, h, layers, bidirectional)
-  label = (f"{cell.upper()} {b}x{t}x{i}x{h} L{layers}{' bi' if bidirectional else ''} "
-           f"{jnp.dtype(dtype).name}")
+  label = f"{cell.upper()} {b}x{t}x{i}x{h} {_layout(layers, bidirectional, dtype)}"
   return Case(
       op=cell, label=label, size=b,
       make_inputs=functools.partial(_inputs, cell=cell, b=b, t=t, i=i, h=h, layers=layers,
@@ -248,7 +252,7 @@ def tuned_rows(rows) -> dict:
   for op in GATES:
     for dtype in ("float32", "bfloat16"):
       for layers, bidirectional in TUNE_LAYOUTS:
-        layout = f" L{layers}{' bi' if bidirectional else ''} {dtype}"
+        layout = f" {_layout(layers, bidirectional, dtype)}"
         group = [r for r in rows if r.op == op and r.label.endswith(layout)
                  and r.label in tuning and r.implementation in TUNED_IMPLEMENTATIONS]
         for use in ("forward", "step"):
