@@ -518,7 +518,8 @@ SOFTMAX_ON_HOPPER = [
 ]
 
 
-# The H200's own rows over the H100's: XLA for rows with float32 outputs past 16384, and for
+# The H200's own rows over the H100's: XLA for rows with float32 outputs past 16384 (CUDA's
+# evaluated LayerNorm of 16-bit rows up to 65536 with float32 outputs), and for
 # RMSNorm's evaluated forward of float32 rows from 5120 and of 16-bit rows up to 128; Triton's
 # evaluated RMSNorm up to 24576 and LayerNorm's step up to 8192; CUDA's LayerNorm of 16-bit
 # rows up to 128 and Triton's evaluated one of few rows past 65536; the softmax's evaluated
@@ -527,7 +528,10 @@ SOFTMAX_ON_HOPPER = [
 # tile hold 16-bit rows up to 50257.
 @pytest.mark.parametrize("call,expected", [
     (lambda: normalize("rms_norm", 32768, param_dtype="float32"), ("xla", "xla")),
-    (lambda: normalize("layer_norm", 32768, param_dtype="float32"), ("xla", "xla")),
+    (lambda: normalize("layer_norm", 32768, param_dtype="float32"), ("cuda", "xla", "xla")),
+    (lambda: normalize("layer_norm", 65536, param_dtype="float32"), ("cuda", "xla", "xla")),
+    (lambda: normalize("layer_norm", 65544, param_dtype="float32"), ("xla", "xla")),
+    (lambda: normalize("layer_norm", 32768, "float32"), ("xla", "xla")),
     (lambda: normalize("layer_norm", 32768), ("cuda", "cuda")),
     (lambda: normalize("layer_norm", 512), ("cuda", "cuda")),
     (lambda: normalize("rms_norm", 8192, "float32"), ("xla", "triton", "triton")),
@@ -546,7 +550,8 @@ SOFTMAX_ON_HOPPER = [
     (lambda: softmax(50264), ("cuda", "cuda")),
     (lambda: softmax(65545), ("xla", "xla")),
     (lambda: cross_entropy(131072), ("triton", "triton")),
-], ids=["rms f32 out", "layer f32 out", "layer", "layer short", "rms f32 evaluated",
+], ids=["rms f32 out", "layer f32 out", "layer f32 out at 65536",
+        "layer f32 out past 65536", "layer f32", "layer", "layer short", "rms f32 evaluated",
         "rms shortest", "rms 16392", "layer 12288", "layer shortest", "layer few long rows",
         "layer long rows", "softmax 1024",
         "softmax 2048", "softmax 12288", "softmax 16376", "softmax 16376 many rows",
