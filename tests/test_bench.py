@@ -236,18 +236,23 @@ def test_the_regret_table_sums_up_each_use_apart():
   assert "worst 2.000 (a step, torch), geometric mean 2.000 over 1 points (step only)" in text
 
 
-def test_regret_by_choice_counts_a_point_where_none_ran_the_fastest_as_one():
+def test_regret_by_choice_weighs_the_named_row_of_what_none_ran():
   rows = [_timed_row("a", "xla", 1.0, 2.0), _timed_row("a", "cuda", 1.1, 1.0),
-          _timed_row("a", bench.DEFAULT, 1.25, 1.25)]
+          _timed_row("a", bench.DEFAULT, 1.25, 1.25), _timed_row("b", "xla", 1.0, 1.0),
+          _timed_row("b", "cuda", 0.9, 1.0), _timed_row("b", bench.DEFAULT, 0.95, 1.0)]
   rows[0].forward_ran, rows[1].train_ran = "xla", "cuda"
   rows[2].forward_ran, rows[2].train_ran = "xla", "xla+cuda"
+  rows[3].forward_ran, rows[4].forward_ran, rows[5].forward_ran = "xla", "cuda", "xla"
   found = report.regrets(rows)
-  assert [(r.direction, r.ran, r.regret, r.by_choice) for r in found] == [
-      ("forward", "xla", 0.8, 1.0), ("step", "xla+cuda", 0.8, 0.8)]
+  # a: None ran the fastest (its own row timed slower: 1 by choice); its step ran a pair no
+  # named row ran (the regret). b: None ran the slower XLA, its own row timed between both.
+  assert [(r.label, r.direction, r.ran, r.regret, r.by_choice) for r in found][:3] == [
+      ("a", "forward", "xla", 0.8, 1.0), ("a", "step", "xla+cuda", 0.8, 0.8),
+      ("b", "forward", "xla", 0.9 / 0.95, 0.9)]
   text = report.regret_table(found)
   assert "forward    0.800 xla      xla" in text
-  assert f"worst 0.800 (a step, cuda), geometric mean {0.8 ** 0.5:.3f} over 2 points (by choice)" \
-      in text
+  assert "worst 0.800 (a step, cuda), geometric mean " in text
+  assert f"{(0.8 * 0.9) ** 0.25:.3f} over 4 points (by choice)" in text
 
 
 def test_the_bench_records_what_each_program_of_none_ran():

@@ -130,10 +130,15 @@ class Regret:
   launch_bound: bool
   ran: str | None = None  # what None ran there (see Row.forward_ran)
   fastest_ran: str | None = None  # what the fastest row ran there
+  chosen_ms: float | None = None  # the time of the named row of what None ran, if one is
 
   @property
   def by_choice(self) -> float:
-    """1 where None ran what the fastest row ran (one program timed twice), else the regret."""
+    """What None's choice alone costs, apart from its own row's timing noise (the same program
+    timed apart): the fastest named time over that of the named row of what None ran; where
+    no row is that, 1 if the fastest row ran what None ran, else the regret."""
+    if self.chosen_ms:
+      return self.fastest_ms / self.chosen_ms
     return 1.0 if self.ran is not None and self.ran == self.fastest_ran else self.regret
 
 
@@ -163,7 +168,7 @@ def regrets(rows: Sequence[Row], against: Callable[[str], bool] | None = None,
         busy_ms = getattr(default, busy[direction])
         out.append(Regret(*key, direction, named[fastest] / ms, fastest, named[fastest], ms,
                           busy_ms is not None and ms > LAUNCH_BOUND * busy_ms,
-                          ran_by[subject], ran_by[fastest]))
+                          ran_by[subject], ran_by[fastest], named.get(ran_by[subject])))
   return out
 
 
