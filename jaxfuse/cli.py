@@ -227,7 +227,7 @@ def main(argv=None) -> int:
     print(report.table(group_rows, ceilings), flush=True)
   found = regrets(rows)
   if mode != "cases":
-    _print_regrets(found, mode)
+    _print_regrets(found, mode, rows)
   if args.without_triton:
     print("\nNone without Pallas Triton: None's time over its time as if Triton were gone "
           "(below 1: slower without)\n"
@@ -265,11 +265,16 @@ def _regrets(rows, mode: str):
   return report.regrets(rows)
 
 
-def _print_regrets(found, mode: str):
+def _print_regrets(found, mode: str, rows):
   if mode == "grid":
     print(f"\nNone against the faster of {', '.join(sorted(_comparators()))}: that one's time "
           f"over None's (above 1: None faster)")
   print("\n" + report.regret_table(found))
+  if mode == "grid":
+    for against in sorted(_comparators()):
+      if any(r.implementation == against and r.train_temp_mib for r in rows):
+        print(f"\nThe training step's temporary memory, None's over {against}'s peak (below "
+              f"1: None needs less)\n" + report.memory_table(rows, against))
 
 
 def _plot_regrets(path: str, found, mode: str) -> bool:
@@ -329,8 +334,9 @@ def _report_from(paths: list[str], mode: str, plot: str | None) -> int:
     print(f"jaxfuse bench --from: the runs differ in GPU or timing (method, XLA_FLAGS): "
           f"{sorted(sources, key=str)}", file=sys.stderr)
     return 2
-  found = _regrets([row for rows in points.values() for row in rows], mode)
-  _print_regrets(found, mode)
+  rows = [row for rows in points.values() for row in rows]
+  found = _regrets(rows, mode)
+  _print_regrets(found, mode, rows)
   if plot:
     drawn = _plot_regrets(plot, found, mode)
     print(f"saved {plot}" if drawn else f"nothing to plot: {plot} not written")

@@ -255,6 +255,23 @@ def test_regret_by_choice_weighs_the_named_row_of_what_none_ran():
   assert f"{(0.8 * 0.9) ** 0.25:.3f} over 4 points (by choice)" in text
 
 
+def test_the_memory_table_weighs_nones_step_memory_against_a_comparators_peak():
+  rows = [_timed_row(label, impl, 1.0, op=op) for op, label in
+          (("lstm", "a"), ("lstm", "b"), ("gru", "c"), ("gru", "d"))
+          for impl in (bench.DEFAULT, "torch")]
+  for row, mib in zip(rows, (1.0, 4.0, 3.0, 1.5, 2.0, 2.0, 8.0, None)):
+    row.train_temp_mib = mib
+  text = report.memory_table(rows, "torch").splitlines()
+  assert text == [
+      "lstm                     geometric mean 0.71 over 2 points, most 2.00 (b: 3.0 MiB "
+      "against 1.5), least 0.25 (a: 1.0 MiB against 4.0)",
+      "gru                      geometric mean 1.00 over 1 points, most 1.00 (c: 2.0 MiB "
+      "against 2.0), least 1.00 (c: 2.0 MiB against 2.0)",
+      "all                      geometric mean 0.79 over 3 points, most 2.00 (b: 3.0 MiB "
+      "against 1.5), least 0.25 (a: 1.0 MiB against 4.0)"]
+  assert "no point" in report.memory_table(rows, "jax.experimental.rnn")
+
+
 def test_the_bench_records_what_each_program_of_none_ran():
   from jaxfuse.ops.norm import bench as norm_bench
   rows, _ = bench.run(norm_bench.regret_cases()[:1], time_it=False)

@@ -208,6 +208,29 @@ def regret_table(found: Sequence[Regret], subject: str = "None") -> str:
   return "\n".join(out)
 
 
+def memory_table(rows: Sequence[Row], against: str, subject: str = DEFAULT) -> str:
+  """The training step's temporary memory of ``subject``'s row over ``against``'s at each point
+  where both have it: per op and over all, the geometric mean and the points where
+  ``subject`` needs the most and the least beside it."""
+  mib = {}
+  for key in dict.fromkeys((r.op, r.label) for r in rows):
+    temp = {r.implementation: r.train_temp_mib for r in rows if (r.op, r.label) == key}
+    if temp.get(subject) and temp.get(against):
+      mib[key] = temp[subject], temp[against]
+  if not mib:
+    return f"step memory: no point where None and {against} both have it"
+  ratio = lambda key: mib[key][0] / mib[key][1]
+  point = lambda key: (f"{ratio(key):.2f} ({key[1]}: {mib[key][0]:.1f} MiB against "
+                       f"{mib[key][1]:.1f})")
+  out = []
+  for op in list(dict.fromkeys(op for op, _ in mib)) + [None]:
+    keys = [key for key in mib if op is None or key[0] == op]
+    mean = math.exp(sum(math.log(ratio(key)) for key in keys) / len(keys))
+    out.append(f"{op or 'all':<24} geometric mean {mean:.2f} over {len(keys)} points, most "
+               f"{point(max(keys, key=ratio))}, least {point(min(keys, key=ratio))}")
+  return "\n".join(out)
+
+
 def save_regret_plot(path: str, found: Sequence[Regret]) -> bool:
   """Regret per point, one panel per op, forward and step side by side."""
   import matplotlib
