@@ -63,6 +63,7 @@ def test_a_comparator_may_report_its_training_steps_temporary_memory():
       "torch": lambda inputs: (timing, timing, 12.5), "other": lambda inputs: (timing, timing)})
   rows, _ = bench.run([case])
   assert {r.implementation: r.train_temp_mib for r in rows} == {"torch": 12.5, "other": None}
+  assert all(r.time_s >= 0 for r in rows)  # a sweep's time spent on comparators shows
 
 
 def test_exit_code_counts_only_jaxfuse_failures(monkeypatch, capsys):

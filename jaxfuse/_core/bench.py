@@ -127,7 +127,8 @@ class Row:
   train_pct: float | None = None
   steps: int | None = None
   note: str = ""
-  # Host seconds this row took to compile, to check and to time: where a sweep's time goes.
+  # Host seconds this row took to compile, to check and to time: where a sweep's time goes (a
+  # comparator's all in time_s).
   compile_s: float | None = None
   check_s: float | None = None
   time_s: float | None = None
@@ -649,8 +650,10 @@ def _run_external(case, impls, inputs, ceilings, progress):
     row = Row(case.op, case.label, case.size, impl, case.unit, steps=case.steps,
               ceiling_name="matmul TFLOP/s" if case.unit == "TFLOP/s" else "copy GB/s",
               cache_resident=_cache_resident(case))
+    started = time.perf_counter()
     try:
       forward, train, *temp_mib = case.external[impl](inputs)
+      row.time_s = time.perf_counter() - started
       row.train_temp_mib = temp_mib[0] if temp_mib else None
       _set_timing(row, "forward", forward)
       _set_timing(row, "train", train)
