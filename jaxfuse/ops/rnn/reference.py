@@ -1,9 +1,10 @@
 """XLA implementation of the multi-layer LSTM and GRU: ``lax.scan`` over time.
 
 Each layer and direction projects its whole input sequence with one matmul before the scan, so
-the scan carries only the recurrent matmul. Ragged batches: a step past a sequence's end leaves
-its state unchanged and outputs zero; the reverse direction reads each sequence backwards from
-its own last step (positions past the end stay in place, where they are masked anyway).
+the scan carries only the recurrent matmul; a bidirectional layer runs its two directions in one
+scan. Ragged batches: a step past a sequence's end leaves its state unchanged and outputs zero;
+the reverse direction reads each sequence backwards from its own last step (positions past the
+end stay in place, where they are masked anyway).
 """
 
 from __future__ import annotations
@@ -27,37 +28,43 @@ def reverse_within_lengths(sequences, seq_lengths):
   return jnp.take_along_axis(sequences, source[:, :, None], axis=1)
 
 
-def project(a, w, precision, accumulate):
-  """``a @ w.T`` over the last axis of ``a``, accumulated in ``accumulate``."""
+def project(a, w, precision, accumulate, batched=False):
+  """``a @ w.T`` over the last axis of ``a``, accumulated in ``accumulate``; ``batched``: one
+  product per leading index, ``w`` ``(D, N, K)`` and ``a`` ``(D, ..., K)``."""
   if replicated_sharding(a) is not None:
-    return _sharded_project(a, w, precision, accumulate)
-  return lax.dot_general(a, w, (((a.ndim - 1,), (1,)), ((), ())), precision=precision,
+    return _sharded_project(a, w, precision, accumulate, batched)
+  return _product(a, w, precision, accumulate, batched)
+
+
+def _product(a, w, precision, accumulate, batched):
+  batch = ((0,), (0,)) if batched else ((), ())
+  return lax.dot_general(a, w, (((a.ndim - 1,), (w.ndim - 1,)), batch), precision=precision,
                          preferred_element_type=accumulate)
 
 
 # Under an explicitly sharded batch the gradient of w contracts the sharded axis, and JAX asks
 # for its sharding (the recurrent product's, inside the scan): replicated, like w.
-def _sharded_project(a, w, precision, accumulate):
-  return lax.dot_general(a, w, (((a.ndim - 1,), (1,)), ((), ())), precision=precision,
-                         preferred_element_type=accumulate)
+def _sharded_project(a, w, precision, accumulate, batched):
+  return _product(a, w, precision, accumulate, batched)
 
 
-def _sharded_project_fwd(a, w, precision, accumulate):
-  return _sharded_project(a, w, precision, accumulate), (a, w)
+def _sharded_project_fwd(a, w, precision, accumulate, batched):
+  return _product(a, w, precision, accumulate, batched), (a, w)
 
 
-def _sharded_project_bwd(precision, accumulate, residuals, grad):
+def _sharded_project_bwd(precision, accumulate, batched, residuals, grad):
   a, w = residuals
-  leading = tuple(range(a.ndim - 1))
-  da = lax.dot_general(grad, w.astype(grad.dtype), (((a.ndim - 1,), (0,)), ((), ())),
+  batch = ((0,), (0,)) if batched else ((), ())
+  leading = tuple(range(int(batched), a.ndim - 1))
+  da = lax.dot_general(grad, w.astype(grad.dtype), (((a.ndim - 1,), (w.ndim - 2,)), batch),
                        precision=precision)
-  dw = lax.dot_general(grad, a.astype(grad.dtype), ((leading, leading), ((), ())),
+  dw = lax.dot_general(grad, a.astype(grad.dtype), ((leading, leading), batch),
                        precision=precision, out_sharding=replicated_sharding(a))
   return da.astype(a.dtype), dw.astype(w.dtype)
 
 
 _sharded_project = op.differentiable(_sharded_project, _sharded_project_fwd, _sharded_project_bwd,
-                                     static=(2, 3))
+                                     static=(2, 3, 4))
 
 
 def _lstm_step(hidden_gates, projected, state):
@@ -91,17 +98,18 @@ def drop(inputs, dropout, dropout_key, layer):
   return jnp.where(keep, inputs / (1 - dropout), 0).astype(inputs.dtype)
 
 
-def _direction(cell, inputs, state, W_ih, W_hh, b_ih, b_hh, seq_lengths, reverse, precision,
-               accumulate):
-  """One layer in one direction: outputs ``(B, T, H)`` in ``accumulate`` and final state."""
+def _projected(inputs, W_ih, b_ih, seq_lengths, reverse, precision, accumulate):
+  """The input products of one direction over the whole sequence, time-major ``(T, B, G)``."""
   if reverse:
     inputs = reverse_within_lengths(inputs, seq_lengths)
   operand = jnp.result_type(inputs, W_ih)
   projected = project(inputs.astype(operand), W_ih.astype(operand), precision, accumulate)
-  projected = jnp.swapaxes(projected + b_ih.astype(accumulate), 0, 1)  # time-major for the scan
-  hidden_bias = b_hh.astype(accumulate)
-  W_hh = W_hh.astype(operand)
-  hidden_gates = lambda h: project(h.astype(operand), W_hh, precision, accumulate) + hidden_bias
+  return jnp.swapaxes(projected + b_ih.astype(accumulate), 0, 1)
+
+
+def _recur(cell, hidden_gates, projected, state, seq_lengths):
+  """The recurrence over time-major ``projected`` from ``state``: the final state and the
+  time-major outputs, zero past each sequence's end (where the state stays)."""
   step = _STEPS[cell]
 
   def scan_step(state, inputs_t):
@@ -111,12 +119,39 @@ def _direction(cell, inputs, state, W_ih, W_hh, b_ih, b_hh, seq_lengths, reverse
     state = tuple(jnp.where(running, new, old) for new, old in zip(new_state, state))
     return state, jnp.where(running, new_state[0], 0)
 
-  steps = jnp.arange(projected.shape[0])
-  state, outputs = lax.scan(scan_step, state, (projected, steps))
-  outputs = jnp.swapaxes(outputs, 0, 1)
-  if reverse:
-    outputs = reverse_within_lengths(outputs, seq_lengths)
-  return outputs, state
+  return lax.scan(scan_step, state, (projected, jnp.arange(projected.shape[0])))
+
+
+def _direction(cell, inputs, state, W_ih, W_hh, b_ih, b_hh, seq_lengths, precision,
+               accumulate):
+  """One layer in one direction: outputs ``(B, T, H)`` in ``accumulate`` and final state."""
+  operand = jnp.result_type(inputs, W_ih)
+  projected = _projected(inputs, W_ih, b_ih, seq_lengths, False, precision, accumulate)
+  hidden_bias = b_hh.astype(accumulate)
+  W_hh = W_hh.astype(operand)
+  hidden_gates = lambda h: project(h.astype(operand), W_hh, precision, accumulate) + hidden_bias
+  state, outputs = _recur(cell, hidden_gates, projected, state, seq_lengths)
+  return jnp.swapaxes(outputs, 0, 1), state
+
+
+def _both_directions(cell, inputs, states, params, seq_lengths, precision, accumulate):
+  """One layer in both directions, side by side in one scan: each step's two recurrent
+  products are one batched matmul (one direction's alone fills few of a GPU's SMs at small
+  batches, and the steps halve). Outputs ``(B, T, H)`` in ``accumulate`` and the final state,
+  per direction."""
+  operand = jnp.result_type(inputs, params[0][0])
+  projected = jnp.stack([_projected(inputs, W_ih, b_ih, seq_lengths, reverse, precision,
+                                    accumulate)
+                         for reverse, (W_ih, _, b_ih, _) in enumerate(params)], axis=1)
+  W_hh = jnp.stack([p[1] for p in params]).astype(operand)
+  hidden_bias = jnp.stack([p[3] for p in params]).astype(accumulate)[:, None, :]
+  hidden_gates = lambda h: (project(h.astype(operand), W_hh, precision, accumulate, batched=True)
+                            + hidden_bias)
+  state = tuple(jnp.stack(pair) for pair in zip(*states))
+  state, outputs = _recur(cell, hidden_gates, projected, state, seq_lengths)  # (T, 2, B, H)
+  forward, backward = (jnp.swapaxes(outputs[:, d], 0, 1) for d in range(2))
+  return ([forward, reverse_within_lengths(backward, seq_lengths)],
+          [tuple(s[d] for s in state) for d in range(2)])
 
 
 @functools.partial(jax.jit, static_argnames=("cell", "num_layers", "bidirectional", "dropout",
@@ -143,14 +178,17 @@ def forward(cell, x, initial_state, unpacked, seq_lengths, *, num_layers, bidire
   inputs = x
   finals = []
   for layer in range(num_layers):
-    outputs = []
-    for direction in range(directions):
-      p = layer * directions + direction
-      state = tuple(s[p].astype(accumulate) for s in initial_state)
-      out, state = _direction(cell, inputs, state, W_ih[p], W_hh[p], b_ih[p], b_hh[p],
-                              seq_lengths, direction == 1, precision, accumulate)
-      outputs.append(out)
-      finals.append(state)
+    pseudo = range(layer * directions, (layer + 1) * directions)
+    states = [tuple(s[p].astype(accumulate) for s in initial_state) for p in pseudo]
+    params = [(W_ih[p], W_hh[p], b_ih[p], b_hh[p]) for p in pseudo]
+    if directions == 2:
+      outputs, states = _both_directions(cell, inputs, states, params, seq_lengths, precision,
+                                         accumulate)
+    else:
+      out, state = _direction(cell, inputs, *states, *params[0], seq_lengths, precision,
+                              accumulate)
+      outputs, states = [out], [state]
+    finals += states
     inputs = jnp.concatenate(outputs, axis=-1) if directions == 2 else outputs[0]
     inputs = inputs.astype(jnp.result_type(x, W_ih[0]))
     if layer < num_layers - 1:
