@@ -32,9 +32,9 @@ _UNTUNED_CUDNN_LEAST_WORK = {("float32", "forward"): 2**17, ("float32", "step"):
 
 
 # The tables' rows: a measured grid per cell, dtype, use and layout, ``fastest/lstm/float32/step``
-# for one direction and ``.../bidirectional`` for two (timed at two layers): XLA runs a layer's
-# directions one after the other and the fused kernels side by side, where cuDNN overlaps them
-# and its layers, so the order one direction measured need not hold for two.
+# for one direction and ``.../bidirectional`` for two (timed at two layers): XLA and the fused
+# kernels run a layer's directions side by side, where cuDNN overlaps them and its layers too,
+# so the order one direction measured need not hold for two.
 _GRID_ROWS = tuple(f"fastest/{cell}/{dtype}/{use}{layout}" for cell in ("lstm", "gru")
                    for dtype in ("float32", "bfloat16") for use in ("forward", "step")
                    for layout in ("", "/bidirectional"))
