@@ -1,13 +1,15 @@
 """Deals a tuning run or a grid out to the GPUs of one host, as parts for
 ``benchmarks/run_on_gpus.sh``:
 
-    PYTHONPATH=. python benchmarks/split_parts.py GPUS NAME tune FAMILY [--only TEXT ...]
+    PYTHONPATH=. python benchmarks/split_parts.py GPUS NAME tune FAMILY [--only TEXT ...] \\
+        [--skip TEXT ...]
     PYTHONPATH=. python benchmarks/split_parts.py GPUS NAME bench FAMILY --grid \\
-        [--impl A,B] [--graph-every-program] [--only TEXT ...]
+        [--impl A,B] [--graph-every-program] [--only TEXT ...] [--skip TEXT ...]
 
-prints a ``GPU|command`` line per GPU: ``jaxfuse`` timing its share of the selected cases (each
-named by its label) into ``benchmarks/results/NAME-pGPU.json`` with ``--resume``, so a part cut
-short goes on where it stopped. The cases are dealt by their work, the largest first, each to
+prints a ``GPU|command`` line per GPU: ``jaxfuse`` timing its share of the selected cases (those
+with a label that holds an ``--only`` text and no ``--skip`` text, each named by its label)
+into ``benchmarks/results/NAME-pGPU.json`` with ``--resume``, so a part cut short goes on where
+it stopped. The cases are dealt by their work, the largest first, each to
 the GPU with the least so far. Run it on the GPU host: a grid's cases depend on the platform.
 ``KIND`` in NAME is left for run_on_gpus.sh to fill in; the parts are reported together with
 ``jaxfuse tune FAMILY --from ...`` or ``jaxfuse bench --grid --from ...``.
@@ -38,8 +40,8 @@ def deal(cases, gpus: int) -> list[list]:
 
 
 def commands(gpus: int, name: str, command: str, family: str, *, impl: str | None = None,
-             graph_every_program: bool = False,
-             only: list[str] | None = None) -> list[tuple[int, list[str]]]:
+             graph_every_program: bool = False, only: list[str] | None = None,
+             skip: list[str] | None = None) -> list[tuple[int, list[str]]]:
   """``(GPU, argv)`` of each part that has cases: ``command`` ``'tune'`` (the family's tuning
   grid) or ``'bench'`` (its grid against other libraries)."""
   if command == "tune":
@@ -51,6 +53,8 @@ def commands(gpus: int, name: str, command: str, family: str, *, impl: str | Non
     base += ["--graph-every-program"] if graph_every_program else []
   if only:
     cases = cli._only(cases, only)
+  if skip:
+    cases = [case for case in cases if not cli._only([case], skip)]
   parts = []
   for gpu, share in enumerate(deal(cases, gpus)):
     if not share:
@@ -76,15 +80,17 @@ def main(argv=None) -> int:
   parser.add_argument("--impl", help="comma-separated, as jaxfuse bench takes it")
   parser.add_argument("--graph-every-program", action="store_true")
   parser.add_argument("--only", action="append", metavar="TEXT")
+  parser.add_argument("--skip", action="append", metavar="TEXT")
   args = parser.parse_args(argv)
   if args.command == "bench" and not args.grid:
     parser.error("bench parts split a grid: give --grid")
   if args.command == "tune" and (args.grid or args.impl or args.graph_every_program):
     parser.error("tune times its own grid, every program a graph: drop the bench options")
   parts = commands(args.gpus, args.name, args.command, args.family, impl=args.impl,
-                   graph_every_program=args.graph_every_program, only=args.only)
+                   graph_every_program=args.graph_every_program, only=args.only,
+                   skip=args.skip)
   if not parts:
-    parser.error("no case is left after --only: nothing to split")
+    parser.error("no case is left after --only and --skip: nothing to split")
   for gpu, command in parts:
     print(f"{gpu}|{shlex.join(command)}")
   return 0

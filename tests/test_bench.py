@@ -579,6 +579,11 @@ def test_a_run_split_over_gpus_times_each_case_once_in_shares_of_like_cost(capsy
   # comparator).
   parts = split.commands(2, "grid", "bench", "rnn", impl="default,torch")
   assert [argv[argv.index("--impl") + 1] for _, argv in parts] == ["default", "default"]
+  # --skip leaves out what --only kept: the GRU's one-direction cases alone.
+  parts = split.commands(2, "gru", "tune", "rnn", only=["GRU "], skip=[" L2 bi "])
+  labels = [argv[i + 1].strip() for _, argv in parts for i, a in enumerate(argv) if a == "--only"]
+  assert sorted(labels) == sorted(c.label for c in rnn_bench.tune_cases()
+                                  if c.label.startswith("GRU ") and " L1 " in c.label)
   with pytest.raises(SystemExit):
     split.main(["2", "x", "tune", "rnn", "--impl", "cuda"])
   with pytest.raises(SystemExit):
