@@ -529,6 +529,7 @@ SOFTMAX_ON_HOPPER = [
 @pytest.mark.parametrize("call,expected", [
     (lambda: normalize("rms_norm", 32768, param_dtype="float32"), ("xla", "xla")),
     (lambda: normalize("layer_norm", 32768, param_dtype="float32"), ("cuda", "xla", "xla")),
+    (lambda: normalize("layer_norm", 16392, param_dtype="float32"), ("cuda", "xla", "xla")),
     (lambda: normalize("layer_norm", 65536, param_dtype="float32"), ("cuda", "xla", "xla")),
     (lambda: normalize("layer_norm", 65544, param_dtype="float32"), ("xla", "xla")),
     (lambda: normalize("layer_norm", 32768, "float32"), ("xla", "xla")),
@@ -550,7 +551,7 @@ SOFTMAX_ON_HOPPER = [
     (lambda: softmax(50264), ("cuda", "cuda")),
     (lambda: softmax(65545), ("xla", "xla")),
     (lambda: cross_entropy(131072), ("triton", "triton")),
-], ids=["rms f32 out", "layer f32 out", "layer f32 out at 65536",
+], ids=["rms f32 out", "layer f32 out", "layer f32 out past 16384", "layer f32 out at 65536",
         "layer f32 out past 65536", "layer f32", "layer", "layer short", "rms f32 evaluated",
         "rms shortest", "rms 16392", "layer 12288", "layer shortest", "layer few long rows",
         "layer long rows", "softmax 1024",

@@ -208,15 +208,15 @@ def regret_table(found: Sequence[Regret], subject: str = "None") -> str:
   return "\n".join(out)
 
 
-def memory_table(rows: Sequence[Row], against: str, subject: str = DEFAULT) -> str:
-  """The training step's temporary memory of ``subject``'s row over ``against``'s at each point
-  where both have it: per op and over all, the geometric mean and the points where
-  ``subject`` needs the most and the least beside it."""
+def memory_table(rows: Sequence[Row], against: str) -> str:
+  """The training step's temporary memory of None's row over ``against``'s at each point
+  where both have it: per op and over all, the geometric mean and the points where None needs
+  the most and the least beside it."""
   mib = {}
   for key in dict.fromkeys((r.op, r.label) for r in rows):
     temp = {r.implementation: r.train_temp_mib for r in rows if (r.op, r.label) == key}
-    if temp.get(subject) and temp.get(against):
-      mib[key] = temp[subject], temp[against]
+    if temp.get(DEFAULT) and temp.get(against):
+      mib[key] = temp[DEFAULT], temp[against]
   if not mib:
     return f"step memory: no point where None and {against} both have it"
   ratio = lambda key: mib[key][0] / mib[key][1]

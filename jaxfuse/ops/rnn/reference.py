@@ -140,9 +140,9 @@ def _both_directions(cell, inputs, states, params, seq_lengths, precision, accum
   batches, and the steps halve). Outputs ``(B, T, H)`` in ``accumulate`` and the final state,
   per direction."""
   operand = jnp.result_type(inputs, params[0][0])
-  projected = jnp.stack([_projected(inputs, W_ih, b_ih, seq_lengths, reverse, precision,
+  projected = jnp.stack([_projected(inputs, W_ih, b_ih, seq_lengths, direction == 1, precision,
                                     accumulate)
-                         for reverse, (W_ih, _, b_ih, _) in enumerate(params)], axis=1)
+                         for direction, (W_ih, _, b_ih, _) in enumerate(params)], axis=1)
   W_hh = jnp.stack([p[1] for p in params]).astype(operand)
   hidden_bias = jnp.stack([p[3] for p in params]).astype(accumulate)[:, None, :]
   hidden_gates = lambda h: (project(h.astype(operand), W_hh, precision, accumulate, batched=True)
