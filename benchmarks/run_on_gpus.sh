@@ -48,6 +48,7 @@ wait
 archive
 for log in build/logs/gpu*.log; do
   echo "### $log"
-  grep -E "^==|FAILED|geometric mean .* points$|saved" "$log" | tail -20
+  # "resuming" shows a part that went on with a saved run (one already whole times nothing).
+  grep -E "^==|FAILED|geometric mean .* points$|saved|^resuming|^no run at" "$log" | tail -24
 done
 echo "$(( $(date +%s) - start )) s"
