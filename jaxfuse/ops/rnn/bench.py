@@ -17,6 +17,7 @@ by default.
 from __future__ import annotations
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -249,27 +250,25 @@ def tuned_rows(rows) -> dict:
   run did not time). Rows of other cases (another run's steps or layers) are left out."""
   tuning = {case.label for case in tune_cases()}
   out = {}
-  for op in GATES:
-    for dtype in ("float32", "bfloat16"):
-      for layers, bidirectional in TUNE_LAYOUTS:
-        layout = f" {_layout(layers, bidirectional, dtype)}"
-        group = [r for r in rows if r.op == op and r.label.endswith(layout)
-                 and r.label in tuning and r.implementation in TUNED_IMPLEMENTATIONS]
-        for use in ("forward", "step"):
-          times = {}
-          for row in group:
-            t = tune.time_of(row, use)
-            if t is not None:
-              times.setdefault(grid_place(row.label)[1:], {})[row.implementation] = t
-          if not times:
-            continue
-          batches = sorted({b for b, _ in times})
-          hidden = sorted({h for _, h in times})
-          order = lambda ran: ">".join(sorted(ran, key=lambda n: (ran[n], n)))
-          name = f"fastest/{op}/{dtype}/{use}{'/bidirectional' if bidirectional else ''}"
-          out[name] = {"batch": batches, "hidden": hidden,
-                       "order": [[order(times.get((b, h), {})) for h in hidden]
-                                 for b in batches]}
+  for op, dtype, (layers, bidirectional) in itertools.product(GATES, ("float32", "bfloat16"),
+                                                               TUNE_LAYOUTS):
+    layout = f" {_layout(layers, bidirectional, dtype)}"
+    group = [r for r in rows if r.op == op and r.label.endswith(layout)
+             and r.label in tuning and r.implementation in TUNED_IMPLEMENTATIONS]
+    for use in ("forward", "step"):
+      times = {}
+      for row in group:
+        t = tune.time_of(row, use)
+        if t is not None:
+          times.setdefault(grid_place(row.label)[1:], {})[row.implementation] = t
+      if not times:
+        continue
+      batches = sorted({b for b, _ in times})
+      hidden = sorted({h for _, h in times})
+      order = lambda ran: ">".join(sorted(ran, key=lambda n: (ran[n], n)))
+      name = f"fastest/{op}/{dtype}/{use}{'/bidirectional' if bidirectional else ''}"
+      out[name] = {"batch": batches, "hidden": hidden,
+                   "order": [[order(times.get((b, h), {})) for h in hidden] for b in batches]}
   return out
 
 

@@ -42,12 +42,6 @@ def _product(a, w, precision, accumulate, batched):
                          preferred_element_type=accumulate)
 
 
-# Under an explicitly sharded batch the gradient of w contracts the sharded axis, and JAX asks
-# for its sharding (the recurrent product's, inside the scan): replicated, like w.
-def _sharded_project(a, w, precision, accumulate, batched):
-  return _product(a, w, precision, accumulate, batched)
-
-
 def _sharded_project_fwd(a, w, precision, accumulate, batched):
   return _product(a, w, precision, accumulate, batched), (a, w)
 
@@ -63,7 +57,9 @@ def _sharded_project_bwd(precision, accumulate, batched, residuals, grad):
   return da.astype(a.dtype), dw.astype(w.dtype)
 
 
-_sharded_project = op.differentiable(_sharded_project, _sharded_project_fwd, _sharded_project_bwd,
+# Under an explicitly sharded batch the gradient of w contracts the sharded axis, and JAX asks
+# for its sharding (the recurrent product's, inside the scan): replicated, like w.
+_sharded_project = op.differentiable(_product, _sharded_project_fwd, _sharded_project_bwd,
                                      static=(2, 3, 4))
 
 
