@@ -484,6 +484,8 @@ def _tuned_rows(family: str, kind: str, rows, values: dict, sources: dict[str, l
   failed = [r for r in rows if tune.failed(r)]
   for r in failed:
     print(f"FAILED: {r.op} {r.label} {r.implementation}: {r.note}", file=sys.stderr)
+  for r in filter(tune.unchecked, rows):
+    print(f"untimed: {r.op} {r.label} {r.implementation}: {r.note}", file=sys.stderr)
   if write and failed:
     print("jaxfuse tune --write: not written, an implementation failed its check",
           file=sys.stderr)

@@ -169,6 +169,7 @@ PROFILER = ("GPU span per call from a profiler trace (first kernel's start to la
             "end), busy time beside it")
 HOST_CLOCK = "host clock around back-to-back calls"
 FORWARD_ONLY = "forward only"
+NO_REFERENCE = "no float64 reference"
 
 
 @functools.cache
@@ -542,7 +543,7 @@ def _run_case(case, impls, ceilings, time_it, progress):
     references, reference_failure = _references(case, inputs), None
   except Exception as e:  # noqa: BLE001  (a case without a reference fails, it is not timed)
     references = None
-    reference_failure = (f"no float64 reference: {type(e).__name__}: "
+    reference_failure = (f"{NO_REFERENCE}: {type(e).__name__}: "
                          f"{str(e).splitlines()[0][:160]}")
   sets = [inputs]
   size_copy = None

@@ -182,6 +182,9 @@ def _case(cell, b, t, i, h, layers, bidirectional, dtype, impls, external=None):
       forward=functools.partial(_forward, spec), train=functools.partial(_train, spec),
       forward_work=flops, train_work=3 * flops, implementations=impls, unit="TFLOP/s",
       external=external or {}, steps=t, reduction_length=max(b * t, i + h),
+      # Each layer past the first rounds its input and, backward, that input's gradient to the
+      # dtype once more (cuDNN keeps both in it between layers).
+      roundings=layers + 1,
       tolerance=(TF32_TOLERANCE if registry.platform() == "gpu" and dtype == jnp.float32
                  else None))
 
