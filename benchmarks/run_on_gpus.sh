@@ -5,8 +5,10 @@
 #
 # PARTS: lines "GPU|command" (benchmarks/split_parts.py deals a tuning run or a grid out so),
 # each run from the checkout with that GPU alone visible ("KIND" in a command becomes h100,
-# h200 or "other", by the first GPU's name); SECONDS: the whole run's limit, each part given
-# what is left. Parts saved with --json and --resume go on where a run
+# h200 or "other", by the first GPU's name; in PARTS's own path too, so one call can carry a
+# file per kind when the machine that comes may be either); parts for a GPU the host lacks are
+# left out, with a line saying so. SECONDS: the whole run's limit, each part given what is
+# left. Parts saved with --json and --resume go on where a run
 # cut short stopped. Builds the CUDA kernels first (into $JAXFUSE_CACHE, default build/jfcache).
 # Logs: build/logs/gpuN.log. With OUT set (a directory), the new results and the logs are
 # archived into $OUT/results.tgz as they come, so a run killed at its limit keeps what it timed.
@@ -20,7 +22,12 @@ mkdir -p build/logs
 touch build/logs/started
 name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 case "$name" in *H200*) kind=h200 ;; *H100*) kind=h100 ;; *) kind=other ;; esac
-echo "$(nvidia-smi -L | wc -l) GPUs, $name: KIND=$kind"
+gpus=$(nvidia-smi -L | wc -l)
+parts=${parts//KIND/$kind}
+echo "$gpus GPUs, $name: KIND=$kind, parts from $parts"
+for gpu in $(cut -d'|' -f1 "$parts" | sort -u); do
+  [ "$gpu" -lt "$gpus" ] || echo "no GPU $gpu here: its parts are left out"
+done
 timeout 300 python -m jaxfuse build > build/logs/build.log 2>&1
 echo "build rc $?"
 
@@ -32,6 +39,7 @@ archive() {
 }
 
 for gpu in $(cut -d'|' -f1 "$parts" | sort -u); do
+  [ "$gpu" -lt "$gpus" ] || continue
   (
     grep "^$gpu|" "$parts" | cut -d'|' -f2- | sed "s/KIND/$kind/g" | while read -r command; do
       left=$((limit - ($(date +%s) - start)))

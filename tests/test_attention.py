@@ -586,7 +586,10 @@ def test_default_takes_mosaic_before_cudnn_where_it_measured_faster(monkeypatch)
   assert chosen(h100, True, 16384, 128) == ("mosaic", "cudnn")
   assert chosen(h100, True, 16385, 128) == cudnn
   assert chosen(h100, True, 8192, 256) == ("mosaic", "cudnn")
-  assert chosen(h100, True, 2048, 128, hv=256) == ("mosaic", "cudnn")
+  assert chosen(h100, True, 2048, 256) == mosaic
+  assert chosen(h100, True, 2049, 256) == ("mosaic", "cudnn")
+  assert chosen(h100, True, 2048, 128, hv=256) == mosaic  # keyed by the wider head dim
+  assert chosen(h100, True, 4096, 128, hv=256) == ("mosaic", "cudnn")
   assert chosen(h100, False, 1024, 128) == ("cudnn", "mosaic")
   assert chosen(h100, False, 1025, 128) == cudnn
   assert chosen(h100, False, 8192, 256) == ("cudnn", "mosaic")
