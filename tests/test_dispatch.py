@@ -865,11 +865,13 @@ def test_rnn_none_takes_a_bidirectional_call_by_the_grid_of_two_directions(gpu, 
   assert chosen() == "cuda"
   recurrent("lstm", 64, batch=64, on_host=True)
   assert chosen() == "cuda"
-  # GRU has no grid of its own: the LSTM's of two directions, before its one direction's.
+  # GRU has no grid of two directions: the LSTM's, before its own of one direction.
+  gpu.rnn_rows(measured(*one_direction, *two_directions,
+                        *both_uses("gru/bfloat16", [64, 128], [64], [["cuda"], ["xla"]])))
   recurrent("gru", 64, batch=64, bidirectional=True, on_host=True)
   assert chosen() == "cudnn"
-  # With a grid of its own for one direction, that one, at twice the batch.
-  gpu.rnn_rows(measured(*one_direction, *two_directions,
+  # Its one-direction grid where no cell has one of two, at twice the batch.
+  gpu.rnn_rows(measured(*one_direction,
                         *both_uses("gru/bfloat16", [64, 128], [64], [["cuda"], ["xla"]])))
   recurrent("gru", 64, batch=64, bidirectional=True, on_host=True)
   assert chosen() == "xla"

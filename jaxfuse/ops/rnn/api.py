@@ -80,14 +80,15 @@ def _measured_grid(rows: dict, cell: str, dtype, use: str,
   """The grid the GPU's table measured for this cell, dtype, use and number of directions (one
   with a timed point), and whether it is one of two directions; (None, False) where there is
   none. A set it did not time takes the nearest it did: float16 as bfloat16 (one 16-bit path in
-  each library); two directions as one; then the other cell (the cells' kernels share their
-  tiling), two directions and one likewise."""
+  each library); then the other cell's grid of the same directions (the cells' kernels share
+  their tiling, and how each library scales to two directions and layers decides more than the
+  cell); two directions as one last."""
   name = jnp.dtype(dtype).name
   width = "bfloat16" if name == "float16" else name
   other = "gru" if cell == "lstm" else "lstm"
   layouts = (True, False) if directions == 2 else (False,)
-  for key in (cell, other):
-    for bidirectional in layouts:
+  for bidirectional in layouts:
+    for key in (cell, other):
       grid = rows.get(f"fastest/{key}/{width}/{use}{'/bidirectional' * bidirectional}")
       if grid is not None and _timed_points(grid):
         return grid, bidirectional
