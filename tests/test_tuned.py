@@ -461,7 +461,7 @@ def test_rows_written_from_parts_cite_the_parts_that_timed_them(tmp_path, monkey
       for cell in ("lstm", "gru") for use in ("forward", "step")}
   # A point whose float64 reference did not fit the GPU is a hole in the rows, not a failure.
   unchecked = [bench.Row("lstm", "LSTM 16x64x256x256 L1 float32", 16, impl, "TFLOP/s",
-                         note=f"FAILED: {bench.NO_REFERENCE}: out of memory")
+                         note=f"FAILED: {bench.NO_REFERENCE}: RESOURCE_EXHAUSTED: 74 GiB")
                for impl in ("cuda", "xla")]
   parts = _saved_part(results / "lstm.json", "rnn", [
       bench.Row("lstm", "LSTM 4x64x256x256 L1 float32", 4, impl, "TFLOP/s", forward_ms=t,
@@ -470,6 +470,10 @@ def test_rows_written_from_parts_cite_the_parts_that_timed_them(tmp_path, monkey
   table = json.loads((ops / "rnn" / "tuned" / "nvidia_test_gpu.json").read_text())
   assert table["rows"]["fastest/lstm/float32/step"]["value"] == {
       "batch": [4], "hidden": [256], "order": [["cuda>xla"]]}
+  # A reference that broke otherwise is a failure.
+  unchecked[0].note = f"FAILED: {bench.NO_REFERENCE}: FloatingPointError: reference broke"
+  parts = _saved_part(results / "lstm.json", "rnn", unchecked)
+  assert cli.main(["tune", "rnn", *parts, "--write"]) == 1
   # A family whose rows are all derived from any run (None where it has no data): each row
   # cites the run with data for it.
   parts = []

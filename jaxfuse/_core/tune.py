@@ -8,7 +8,7 @@ count in which it is, an order by geometric mean), each row only where the run t
 of its grid (a part run, ``--only``, is written only together with the others, ``--from``).
 The bench checks every implementation against float64 as it times it; one that fails counts
 as infinitely slow there, and ``--write`` refuses such a run. A case whose float64 reference
-does not fit the GPU is a point left untimed. The command saves the run (in
+ran out of GPU memory is a point left untimed. The command saves the run (in
 the checkout's ``benchmarks/results/``, after each case), and with ``--write`` puts the rows,
 each citing it, into ``jaxfuse/ops/<family>/tuned/<this GPU>.json`` over the rows it had. A
 family's ``rules`` (measured exceptions on dtype, element count and the like) are not derived:
@@ -68,13 +68,13 @@ def times_by_size(rows: Iterable[Row], use: str, first: str,
 
 def failed(row: Row) -> bool:
   """Whether ``row``'s implementation failed its check. One that could not be checked (the
-  float64 reference did not fit the GPU) did not fail: its case is a point the run left
+  float64 reference ran out of GPU memory) did not fail: its case is a point the run left
   untimed."""
   return row.note.startswith("FAILED") and not unchecked(row)
 
 
 def unchecked(row: Row) -> bool:
-  return row.note.startswith(f"FAILED: {NO_REFERENCE}")
+  return row.note.startswith(f"FAILED: {NO_REFERENCE}") and "RESOURCE_EXHAUSTED" in row.note
 
 
 def _least_regret(points: Sequence[tuple[int, float, float]], candidates: Sequence[Any],

@@ -82,7 +82,7 @@ def _measured_grid(rows: dict, cell: str, dtype, use: str,
   none. A set it did not time takes the nearest it did: float16 as bfloat16 (one 16-bit path in
   each library); then the other cell's grid of the same directions (the cells' kernels share
   their tiling, and how each library scales to two directions and layers decides more than the
-  cell); two directions as one last."""
+  cell); the grids of one direction last."""
   name = jnp.dtype(dtype).name
   width = "bfloat16" if name == "float16" else name
   other = "gru" if cell == "lstm" else "lstm"
