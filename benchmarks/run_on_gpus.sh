@@ -25,9 +25,6 @@ case "$name" in *H200*) kind=h200 ;; *H100*) kind=h100 ;; *) kind=other ;; esac
 gpus=$(nvidia-smi -L | wc -l)
 parts=${parts//KIND/$kind}
 echo "$gpus GPUs, $name: KIND=$kind, parts from $parts"
-for gpu in $(cut -d'|' -f1 "$parts" | sort -u); do
-  [ "$gpu" -lt "$gpus" ] || echo "no GPU $gpu here: its parts are left out"
-done
 timeout 300 python -m jaxfuse build > build/logs/build.log 2>&1
 echo "build rc $?"
 
@@ -39,7 +36,7 @@ archive() {
 }
 
 for gpu in $(cut -d'|' -f1 "$parts" | sort -u); do
-  [ "$gpu" -lt "$gpus" ] || continue
+  [ "$gpu" -lt "$gpus" ] || { echo "no GPU $gpu here: its parts are left out"; continue; }
   (
     grep "^$gpu|" "$parts" | cut -d'|' -f2- | sed "s/KIND/$kind/g" | while read -r command; do
       left=$((limit - ($(date +%s) - start)))
