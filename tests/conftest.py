@@ -1,12 +1,20 @@
 """Test set-up: eight fake CPU devices for the sharding tests, seeds from the test's id, GPU
 marker, and with JAXFUSE_WITHOUT_TRITON set the tests that need Pallas Triton skipped."""
 
+import importlib.util
 import os
 
 # Must happen before jax initializes its backends; harmless on a GPU machine.
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+# The tests compile thousands of small programs and run each a few times: without a GPU plugin
+# (where these flags would reach the GPU's code too) LLVM's optimizations cost more than they save.
+_GPU_PLUGINS = ("jax_plugins", "jax_cuda12_plugin", "jax_cuda13_plugin")
+if ("xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]
+    and not any(importlib.util.find_spec(name) for name in _GPU_PLUGINS)):
+  os.environ["XLA_FLAGS"] += (" --xla_backend_optimization_level=0"
+                              " --xla_llvm_disable_expensive_passes=true")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

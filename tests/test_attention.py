@@ -523,8 +523,9 @@ def test_bad_input(kwargs, error, match):
 def test_empty_queries_and_huge_offsets_have_defined_results(rng):
   q, k, v, _ = inputs(rng, 2, 8, 8, 4, 2, 32)
   assert jaxfuse.attention(q[:, :0], k, v).shape == (2, 0, 4, 32)
-  np.testing.assert_array_equal(jaxfuse.attention(q, k, v, is_causal=True, causal_offset=2**40),
-                                jaxfuse.attention(q, k, v))
+  # Two programs (one masks, one does not): equal up to their roundings.
+  np.testing.assert_allclose(jaxfuse.attention(q, k, v, is_causal=True, causal_offset=2**40),
+                             jaxfuse.attention(q, k, v), rtol=1e-6, atol=1e-7)
   # Traced lengths cannot be read at trace time: they are taken as given.
   lengths = jnp.asarray([8, 3])
   np.testing.assert_allclose(

@@ -105,8 +105,9 @@ _SHARDED = textwrap.dedent("""
 
 
 def test_gpt_sharded_step_adds_no_all_gathers():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu")
+  # The suite's flags (conftest.py) and eight devices whatever they say.
+  flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+  env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
   result = subprocess.run([sys.executable, "-c", _SHARDED, str(EXAMPLES)], env=env,
                           capture_output=True, text=True, timeout=600)
   assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
