@@ -9,7 +9,9 @@
 # file per kind when the machine that comes may be either); parts for a GPU the host lacks are
 # left out, with a line saying so. SECONDS: the whole run's limit, each part given what is
 # left. Parts saved with --json and --resume go on where a run
-# cut short stopped. Builds the CUDA kernels first (into $JAXFUSE_CACHE, default build/jfcache).
+# cut short stopped. Builds the CUDA kernels first (into $JAXFUSE_CACHE, default build/jfcache),
+# from build/jfcache.tgz where the call carries one: a call whose build added kernels leaves
+# the whole cache in $OUT/jfcache.tgz, to be carried as build/jfcache.tgz by the next call.
 # Logs: build/logs/gpuN.log. With OUT set (a directory), the new results and the logs are
 # archived into $OUT/results.tgz as they come, so a run killed at its limit keeps what it timed.
 set -u
@@ -25,8 +27,15 @@ case "$name" in *H200*) kind=h200 ;; *H100*) kind=h100 ;; *) kind=other ;; esac
 gpus=$(nvidia-smi -L | wc -l)
 parts=${parts//KIND/$kind}
 echo "$gpus GPUs, $name: KIND=$kind, parts from $parts"
+if [ -f build/jfcache.tgz ]; then
+  mkdir -p "$JAXFUSE_CACHE" && tar xzf build/jfcache.tgz -C "$JAXFUSE_CACHE"
+fi
 timeout 300 python -m jaxfuse build > build/logs/build.log 2>&1
-echo "build rc $?"
+echo "build rc $? at $(( $(date +%s) - start )) s"
+built=$(find "$JAXFUSE_CACHE" -name '*.so' -newer build/logs/started)
+if [ -n "${OUT:-}" ] && [ -n "$built" ]; then
+  tar czf "$OUT/jfcache.tgz" -C "$JAXFUSE_CACHE" .
+fi
 
 archive() {
   [ -n "${OUT:-}" ] || return 0
