@@ -18,7 +18,7 @@ from jaxfuse._core import bench, registry, report, tune, tuned
 # Op families with a bench spec module exposing ``cases(quick) -> list[Case]``,
 # ``regret_cases() -> list[Case]``, ``tune_cases() -> list[Case]`` and ``tuned_rows(rows)``;
 # one with a grid against other libraries adds ``grid_cases()``, ``grid_place(label)`` and
-# its ``COMPARATORS``.
+# its ``COMPARATORS``; one with CUDA kernels names their modules in ``CUDA_LIBRARIES``.
 FAMILIES = {
     "norm": "jaxfuse.ops.norm.bench",
     "softmax": "jaxfuse.ops.softmax.bench",
@@ -181,6 +181,8 @@ def main(argv=None) -> int:
   if args.resume and not args.json:
     parser.error("--resume goes on with the run saved at --json: name it")
   on_gpu = registry.platform() == "gpu"
+  if on_gpu:
+    _load_libraries({family for family, _ in tagged})
   env = bench.environment()
   earlier, ceilings = [], {}
   if args.resume:
@@ -378,6 +380,7 @@ def _tune(family: str, path: str | None, write: bool, only: list[str] | None,
   cases = importlib.import_module(FAMILIES[family]).tune_cases()
   if only:
     cases = _only(cases, only)
+  _load_libraries({family})
   print(f"jaxfuse tune {family} on {kind} (jax {env['jax_version']}, {env['date']})")
   earlier, ceilings = [], {}
   if resume:
@@ -493,6 +496,18 @@ def _tuned_rows(family: str, kind: str, rows, values: dict, sources: dict[str, l
     cited = {name: [tune.cited_path(path) for path in paths] for name, paths in sources.items()}
     print(f"wrote {tune.write_rows(family, kind, values, cited)}")
   return 1 if failed else 0
+
+
+def _load_libraries(families) -> None:
+  """Loads the CUDA libraries that ``families``' cases run and the copy kernels the ceilings
+  time, side by side: left to each op's first use, a cold cache waits for one nvcc after
+  another. A library that fails keeps its reason for the ops that need it."""
+  modules = {"jaxfuse._core.cuda.copies"}
+  for family in families:
+    modules.update(getattr(importlib.import_module(FAMILIES[family]), "CUDA_LIBRARIES", ()))
+  libraries = [importlib.import_module(module).LIBRARY for module in sorted(modules)]
+  with concurrent.futures.ThreadPoolExecutor(len(libraries)) as pool:
+    list(pool.map(lambda library: library.unavailable(), libraries))
 
 
 def _build(arch: str | None) -> int:

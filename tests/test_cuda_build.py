@@ -3,11 +3,13 @@ key, the lock between processes, failures remembered, timeouts, no partial files
 ``jaxfuse build``. A fake nvcc (a shell script) stands in for the compiler, so these run
 anywhere; one test compiles a tiny source with a real nvcc where one is installed."""
 
+import importlib
 import os
 import stat
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -249,6 +251,31 @@ def test_cli_build_for_ampere_leaves_out_what_only_hopper_runs(tmp_path, toolcha
   out = capsys.readouterr().out
   assert f"norm.cu for {arch}:" in out and "rnn.cu" not in out
   assert _compiles(tmp_path) == len(cli.CUDA_LIBRARIES) - 1
+
+
+def test_the_families_name_every_library_the_build_makes():
+  named = {"jaxfuse._core.cuda.copies"}  # the ceilings' copy kernels, timed in every family
+  for module in cli.FAMILIES.values():
+    named.update(getattr(importlib.import_module(module), "CUDA_LIBRARIES", ()))
+  assert named == set(cli.CUDA_LIBRARIES)
+
+
+def test_the_bench_loads_its_families_libraries_side_by_side(monkeypatch):
+  """Each library waits for the others at a barrier: loaded one after another, the first
+  would wait alone until the barrier breaks."""
+  wanted = ["jaxfuse._core.cuda.copies", "jaxfuse.ops.rnn.cuda", "jaxfuse.ops.rnn.cudnn",
+            "jaxfuse.ops.softmax.cuda"]
+  barrier, loaded = threading.Barrier(len(wanted), timeout=20), []
+
+  def load(module):
+    loaded.append(module)
+    barrier.wait()
+
+  for module in cli.CUDA_LIBRARIES:
+    monkeypatch.setattr(importlib.import_module(module).LIBRARY, "unavailable",
+                        lambda module=module: load(module))
+  cli._load_libraries({"rnn", "linear_cross_entropy", "attention"})
+  assert sorted(loaded) == wanted
 
 
 def test_architectures_read_as_numbers():

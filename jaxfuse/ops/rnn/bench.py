@@ -28,6 +28,10 @@ from jaxfuse._core.bench import (DEFAULT, TF32_TOLERANCE, Case, implementation_a
 from jaxfuse.ops.rnn import api
 from jaxfuse.ops.rnn.weights import GATES, weight_count
 
+# The CUDA libraries this family's cases run, loaded (built on a cold cache) side by side before
+# any is timed.
+CUDA_LIBRARIES = ("jaxfuse.ops.rnn.cuda", "jaxfuse.ops.rnn.cudnn")
+
 # None's row with the lengths on the device (the others' whole sequences take none).
 DEVICE_LENGTHS = "default-device-lengths"
 
