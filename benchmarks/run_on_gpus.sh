@@ -11,7 +11,7 @@
 # left. Parts saved with --json and --resume go on where a run
 # cut short stopped. Builds the CUDA kernels first (into $JAXFUSE_CACHE, default build/jfcache),
 # from build/jfcache.tgz where the call carries one: a call whose build added kernels leaves
-# the whole cache in $OUT/jfcache.tgz, to be carried as build/jfcache.tgz by the next call.
+# this tree's kernels in $OUT/jfcache.tgz, to be carried as build/jfcache.tgz by the next call.
 # Logs: build/logs/gpuN.log. With OUT set (a directory), the new results and the logs are
 # archived into $OUT/results.tgz as they come, so a run killed at its limit keeps what it timed.
 set -u
@@ -32,10 +32,17 @@ if [ -f build/jfcache.tgz ]; then
 fi
 timeout 300 python -m jaxfuse build > build/logs/build.log 2>&1
 echo "build rc $? at $(( $(date +%s) - start )) s"
-built=$(find "$JAXFUSE_CACHE" -name '*.so' -newer build/logs/started)
-if [ -n "${OUT:-}" ] && [ -n "$built" ]; then
-  tar czf "$OUT/jfcache.tgz" -C "$JAXFUSE_CACHE" .
-fi
+
+save_cache() {
+  # The kernels the build reports (this source tree's keys), when it built any: older keys are
+  # not carried on.
+  [ -n "${OUT:-}" ] || return 0
+  [ -n "$(find "$JAXFUSE_CACHE" -name '*.so' -newer build/logs/started 2>/dev/null)" ] || return 0
+  sed -n 's|^[^ ]* for [a-z_0-9]*: \(.*\.so\)$|\1|p' build/logs/build.log \
+    | tar czf "$OUT/jfcache.tgz.part" --transform 's|^.*/|cuda/|' -T - \
+    && mv "$OUT/jfcache.tgz.part" "$OUT/jfcache.tgz"
+}
+save_cache
 
 archive() {
   [ -n "${OUT:-}" ] || return 0

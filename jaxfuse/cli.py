@@ -181,8 +181,6 @@ def main(argv=None) -> int:
   if args.resume and not args.json:
     parser.error("--resume goes on with the run saved at --json: name it")
   on_gpu = registry.platform() == "gpu"
-  if on_gpu:
-    _load_libraries({family for family, _ in tagged})
   env = bench.environment()
   earlier, ceilings = [], {}
   if args.resume:
@@ -193,6 +191,9 @@ def main(argv=None) -> int:
     if resumed is None:
       return 2
     earlier, ceilings, cases = resumed
+  if on_gpu:
+    left = {id(c) for c in cases}
+    _load_libraries({family for family, c in tagged if id(c) in left}, impls)
   print(f"jaxfuse bench on {env['device']} (jax {env['jax_version']}, {env['date']}); "
         f"timing: {env['timing']}")
   if not on_gpu:
@@ -380,7 +381,6 @@ def _tune(family: str, path: str | None, write: bool, only: list[str] | None,
   cases = importlib.import_module(FAMILIES[family]).tune_cases()
   if only:
     cases = _only(cases, only)
-  _load_libraries({family})
   print(f"jaxfuse tune {family} on {kind} (jax {env['jax_version']}, {env['date']})")
   earlier, ceilings = [], {}
   if resume:
@@ -391,6 +391,7 @@ def _tune(family: str, path: str | None, write: bool, only: list[str] | None,
     if resumed is None:
       return 2
     earlier, ceilings, cases = resumed
+  _load_libraries({family} if cases else set())
   # Saved after each case: a run cut short still gives its rows to --from and --resume.
   save = lambda so_far, ceilings, **extra: report.save_json(
       path, earlier + so_far, ceilings, tune_family=family, device_kind=kind, **extra)
@@ -498,11 +499,15 @@ def _tuned_rows(family: str, kind: str, rows, values: dict, sources: dict[str, l
   return 1 if failed else 0
 
 
-def _load_libraries(families) -> None:
-  """Loads the CUDA libraries that ``families``' cases run and the copy kernels the ceilings
-  time, side by side: left to each op's first use, a cold cache waits for one nvcc after
-  another. A library that fails keeps its reason for the ops that need it."""
+def _load_libraries(families, implementations=None) -> None:
+  """Loads the CUDA libraries that ``families``' cases run (unless ``implementations`` names
+  none that can run them) and the copy kernels the ceilings time, side by side: left to each
+  op's first use, a cold cache waits for one nvcc after another. A library that fails keeps
+  its reason for the ops that need it."""
   modules = {"jaxfuse._core.cuda.copies"}
+  running_cuda = {"cuda", "cudnn", bench.DEFAULT, bench.DEFAULT_WITHOUT_TRITON}
+  if implementations is not None and not running_cuda & set(implementations):
+    families = ()
   for family in families:
     modules.update(getattr(importlib.import_module(FAMILIES[family]), "CUDA_LIBRARIES", ()))
   libraries = [importlib.import_module(module).LIBRARY for module in sorted(modules)]

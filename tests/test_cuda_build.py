@@ -260,11 +260,16 @@ def test_the_families_name_every_library_the_build_makes():
   assert named == set(cli.CUDA_LIBRARIES)
 
 
-def test_the_bench_loads_its_families_libraries_side_by_side(monkeypatch):
+@pytest.mark.parametrize("implementations, wanted", [
+    (None, ["jaxfuse._core.cuda.copies", "jaxfuse.ops.rnn.cuda", "jaxfuse.ops.rnn.cudnn",
+            "jaxfuse.ops.softmax.cuda"]),
+    (["xla", "torch"], ["jaxfuse._core.cuda.copies"]),
+])
+def test_the_bench_loads_its_families_libraries_side_by_side(monkeypatch, implementations,
+                                                             wanted):
   """Each library waits for the others at a barrier: loaded one after another, the first
-  would wait alone until the barrier breaks."""
-  wanted = ["jaxfuse._core.cuda.copies", "jaxfuse.ops.rnn.cuda", "jaxfuse.ops.rnn.cudnn",
-            "jaxfuse.ops.softmax.cuda"]
+  would wait alone until the barrier breaks. Implementations that run no CUDA code need only
+  the ceilings' copies."""
   barrier, loaded = threading.Barrier(len(wanted), timeout=20), []
 
   def load(module):
@@ -274,7 +279,7 @@ def test_the_bench_loads_its_families_libraries_side_by_side(monkeypatch):
   for module in cli.CUDA_LIBRARIES:
     monkeypatch.setattr(importlib.import_module(module).LIBRARY, "unavailable",
                         lambda module=module: load(module))
-  cli._load_libraries({"rnn", "linear_cross_entropy", "attention"})
+  cli._load_libraries({"rnn", "linear_cross_entropy", "attention"}, implementations)
   assert sorted(loaded) == wanted
 
 
