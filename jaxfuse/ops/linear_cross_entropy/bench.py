@@ -18,10 +18,11 @@ from jaxfuse._core import registry, tune
 from jaxfuse._core.bench import DEFAULT, TF32_TOLERANCE, Case, implementation_arg
 from jaxfuse.ops.linear_cross_entropy.api import linear_cross_entropy
 
-# GPT-2 small's output layer at 8 x 2048 tokens (the shape issue 21 names).
 # The CUDA libraries this family's cases run, loaded (built on a cold cache) side by side before
 # any is timed.
 CUDA_LIBRARIES = ("jaxfuse.ops.softmax.cuda",)
+
+# GPT-2 small's output layer at 8 x 2048 tokens (the shape issue 21 names).
 GPU_SHAPES = [(16384, 768, 50257)]
 
 

@@ -24,6 +24,7 @@ from jaxfuse.ops.norm.api import layer_norm, rms_norm
 # The CUDA libraries this family's cases run, loaded (built on a cold cache) side by side before
 # any is timed.
 CUDA_LIBRARIES = ("jaxfuse.ops.norm.cuda",)
+
 GPU_SIZES = (256, 1024, 2048, 4096, 8192, 16384, 65536)
 GPU_MIXED_SIZES = (4096, 65536)
 GPU_ROWS = 16384

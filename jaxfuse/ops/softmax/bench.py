@@ -19,6 +19,7 @@ from jaxfuse.ops.softmax.api import softmax, softmax_cross_entropy
 # The CUDA libraries this family's cases run, loaded (built on a cold cache) side by side before
 # any is timed.
 CUDA_LIBRARIES = ("jaxfuse.ops.softmax.cuda",)
+
 GPU_SOFTMAX = [(16384, n) for n in (1024, 4096, 8192, 16384, 32768)] + [(4096, 131072),
                                                                        (4096, 262144)]
 GPU_CROSS_ENTROPY = [(8192, 131072), (16384, 32768)]
