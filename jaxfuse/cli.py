@@ -26,9 +26,8 @@ FAMILIES = {
     "attention": "jaxfuse.ops.attention.bench",
     "rnn": "jaxfuse.ops.rnn.bench",
 }
-# Families with CUDA kernels: each module declares its ``LIBRARY``.
-CUDA_LIBRARIES = ("jaxfuse.ops.norm.cuda", "jaxfuse.ops.softmax.cuda", "jaxfuse.ops.rnn.cuda",
-                  "jaxfuse.ops.rnn.cudnn", "jaxfuse._core.cuda.copies")
+# The copy kernels the ceilings time, beside the families' own CUDA libraries.
+COPIES = "jaxfuse._core.cuda.copies"
 
 
 def _cases(names, quick, mode):
@@ -499,18 +498,24 @@ def _tuned_rows(family: str, kind: str, rows, values: dict, sources: dict[str, l
   return 1 if failed else 0
 
 
+def cuda_libraries(families=tuple(FAMILIES)) -> list[str]:
+  """The modules (each declares its ``LIBRARY``) of the CUDA libraries ``families`` run, and
+  the ceilings' copies."""
+  modules = {COPIES}
+  for family in families:
+    modules.update(getattr(importlib.import_module(FAMILIES[family]), "CUDA_LIBRARIES", ()))
+  return sorted(modules)
+
+
 def _load_libraries(families, implementations=None) -> None:
   """Loads the CUDA libraries that ``families``' cases run (unless ``implementations`` names
   none that can run them) and the copy kernels the ceilings time, side by side: left to each
   op's first use, a cold cache waits for one nvcc after another. A library that fails keeps
   its reason for the ops that need it."""
-  modules = {"jaxfuse._core.cuda.copies"}
   running_cuda = {"cuda", "cudnn", bench.DEFAULT, bench.DEFAULT_WITHOUT_TRITON}
   if implementations is not None and not running_cuda & set(implementations):
     families = ()
-  for family in families:
-    modules.update(getattr(importlib.import_module(FAMILIES[family]), "CUDA_LIBRARIES", ()))
-  libraries = [importlib.import_module(module).LIBRARY for module in sorted(modules)]
+  libraries = [importlib.import_module(module).LIBRARY for module in cuda_libraries(families)]
   with concurrent.futures.ThreadPoolExecutor(len(libraries)) as pool:
     list(pool.map(lambda library: library.unavailable(), libraries))
 
@@ -530,7 +535,7 @@ def _build(arch: str | None) -> int:
           f"newer for PTX; got --arch {arch!r}", file=sys.stderr)
     return 2
   libraries = []
-  for library in (importlib.import_module(module).LIBRARY for module in CUDA_LIBRARIES):
+  for library in (importlib.import_module(module).LIBRARY for module in cuda_libraries()):
     if number < library.min_arch:
       continue
     if library.flags() is None:

@@ -5,6 +5,7 @@ anywhere; one test compiles a tiny source with a real nvcc where one is installe
 
 import importlib
 import os
+import pkgutil
 import stat
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+import jaxfuse
 from jaxfuse import cli
 from jaxfuse._core import registry
 from jaxfuse._core.cuda import build
@@ -212,7 +214,7 @@ def test_cli_build_builds_every_library(tmp_path, toolchain, monkeypatch, capsys
   assert cli.main(["build", "--arch", "sm_90"]) == 0
   out = capsys.readouterr().out
   assert "norm.cu for sm_90:" in out and "softmax.cu for sm_90:" in out
-  assert _compiles(tmp_path) == len(cli.CUDA_LIBRARIES)
+  assert _compiles(tmp_path) == len(cli.cuda_libraries())
 
 
 def test_cli_build_leaves_out_what_links_cudnn_without_it(tmp_path, toolchain, monkeypatch,
@@ -221,7 +223,7 @@ def test_cli_build_leaves_out_what_links_cudnn_without_it(tmp_path, toolchain, m
   monkeypatch.setattr(build, "_cudnn_flags", lambda: None)
   assert cli.main(["build", "--arch", "sm_90"]) == 0
   assert "rnn_cudnn.cu left out: cuDNN 9 was not found" in capsys.readouterr().err
-  assert _compiles(tmp_path) == len(cli.CUDA_LIBRARIES) - 1
+  assert _compiles(tmp_path) == len(cli.cuda_libraries()) - 1
 
 
 def test_cudnn_is_found_in_the_wheel_jax_brings(tmp_path):
@@ -250,14 +252,16 @@ def test_cli_build_for_ampere_leaves_out_what_only_hopper_runs(tmp_path, toolcha
   assert cli.main(["build", "--arch", arch]) == 0
   out = capsys.readouterr().out
   assert f"norm.cu for {arch}:" in out and "rnn.cu" not in out
-  assert _compiles(tmp_path) == len(cli.CUDA_LIBRARIES) - 1
+  assert _compiles(tmp_path) == len(cli.cuda_libraries()) - 1
 
 
 def test_the_families_name_every_library_the_build_makes():
-  named = {"jaxfuse._core.cuda.copies"}  # the ceilings' copy kernels, timed in every family
-  for module in cli.FAMILIES.values():
-    named.update(getattr(importlib.import_module(module), "CUDA_LIBRARIES", ()))
-  assert named == set(cli.CUDA_LIBRARIES)
+  defined = set()
+  for module in pkgutil.walk_packages(jaxfuse.__path__, "jaxfuse."):
+    if module.name != "jaxfuse.__main__":
+      if isinstance(vars(importlib.import_module(module.name)).get("LIBRARY"), build.Library):
+        defined.add(module.name)
+  assert defined == set(cli.cuda_libraries())
 
 
 @pytest.mark.parametrize("implementations, wanted", [
@@ -276,7 +280,7 @@ def test_the_bench_loads_its_families_libraries_side_by_side(monkeypatch, implem
     loaded.append(module)
     barrier.wait()
 
-  for module in cli.CUDA_LIBRARIES:
+  for module in cli.cuda_libraries():
     monkeypatch.setattr(importlib.import_module(module).LIBRARY, "unavailable",
                         lambda module=module: load(module))
   cli._load_libraries({"rnn", "linear_cross_entropy", "attention"}, implementations)
