@@ -433,6 +433,23 @@ def test_norm_none_without_triton_takes_cuda_where_it_takes_the_rows(gpu, chosen
   assert chosen() == _each_direction(expected)
 
 
+def test_norm_none_without_triton_takes_xla_below_the_tables_length(gpu, chosen, monkeypatch):
+  """Per norm and use, XLA's fusions below the length from which the table measured CUDA
+  faster without Triton (None: never)."""
+  gpu.without_triton()
+  rows_of = tuned.rows
+  lengths = {"rms/forward": 32768, "rms/step": 1024, "layer/forward": None, "layer/step": 0}
+  monkeypatch.setattr(tuned, "rows", lambda family, untuned: (
+      {**rows_of(family, untuned), "cuda_from_without_triton": lengths} if family == "norm"
+      else rows_of(family, untuned)))
+  normalize("rms_norm", 4096)
+  assert chosen() == ("xla", "cuda", "cuda")
+  normalize("rms_norm", 32768)
+  assert chosen() == ("cuda", "cuda")
+  normalize("layer_norm", 65536)
+  assert chosen() == ("xla", "cuda", "cuda")
+
+
 @pytest.mark.parametrize("rows,dtype,expected", [
     (MAX_EXTENT, "bfloat16", "triton"),
     (MAX_EXTENT + 1, "bfloat16", "cuda"),
@@ -617,7 +634,8 @@ def test_softmax_none_takes_triton_where_cuda_cannot(gpu, chosen, kwargs):
 
 @pytest.mark.parametrize("n,dtype,kwargs,expected", [
     (8184, "bfloat16", {}, ("xla", "xla")),
-    (8192, "bfloat16", {}, ("cuda", "cuda")),
+    (8192, "bfloat16", {}, ("xla", "cuda", "cuda")),
+    (12288, "bfloat16", {}, ("cuda", "cuda")),
     (16384, "bfloat16", dict(mask=jnp.ones((1, 16384), bool)), ("xla", "xla")),
     (262152, "bfloat16", {}, ("cuda", "xla")),
     (16384, "float64", {}, ("xla", "xla")),
@@ -709,12 +727,12 @@ def test_cross_entropy_none_on_hopper(gpu, chosen, vocab, dtype, expected):
 
 
 @pytest.mark.parametrize("vocab,expected", [
-    (8184, ("xla", "xla")), (8192, ("cuda", "cuda")), (131080, ("cuda", "cuda")),
-    (262152, ("xla", "xla")),
+    (2040, ("xla", "xla")), (2048, ("cuda", "xla")), (4096, ("cuda", "cuda")),
+    (131080, ("cuda", "cuda")), (262152, ("xla", "xla")),
 ])
 def test_cross_entropy_none_without_triton_takes_cuda_from_its_row(gpu, chosen, vocab, expected):
   gpu.without_triton()
-  cross_entropy(vocab, rows=256)  # past the rule that leaves tiny problems to XLA
+  cross_entropy(vocab, rows=1024)  # past the rule that leaves tiny problems to XLA
   assert chosen() == expected
 
 
@@ -1152,5 +1170,5 @@ def test_explain_tells_what_runs_for_each_use_and_what_was_passed_over(gpu, chos
   choices = jaxfuse.explain(
       lambda x, w: (jaxfuse.rms_norm(x, w, implementation="xla"), jaxfuse.softmax(x)),
       Array((64, 8192), jnp.bfloat16), Array((8192,), jnp.bfloat16))
-  assert [(c.op, c.implementation, c.evaluated) for c in choices] == [
-      ("rms_norm", "xla", "xla"), ("softmax", None, "cuda")]
+  assert [(c.op, c.implementation, c.evaluated, c.forward) for c in choices] == [
+      ("rms_norm", "xla", "xla", "xla"), ("softmax", None, "xla", "cuda")]

@@ -221,7 +221,9 @@ def test_each_family_reads_its_rows_from_a_tuning_run():
                                    (16384, "cuda", 1.0, 3.5), (16384, "xla", 3.0, 9.0)]]
   assert softmax_bench.tuned_rows(softmax) == {
       "cuda_from_forward": 16384, "cuda_from_step": 1024, "cuda_from_cross_entropy": 1024,
-      "cuda_from_cross_entropy_loss": 16384, "cuda_from_without_triton": 1024}
+      "cuda_from_cross_entropy_loss": 16384, "cuda_from_forward_without_triton": 16384,
+      "cuda_from_step_without_triton": 1024, "cuda_from_cross_entropy_without_triton": 1024,
+      "cuda_from_cross_entropy_loss_without_triton": 16384}
   # Per norm and use: RMSNorm's forward Triton's at both lengths, its step and LayerNorm's
   # forward and step CUDA's at the longer.
   norm = [_timed(op, f"{n}", n, impl, f, s) for op in ("rms_norm", "layer_norm")
@@ -241,6 +243,12 @@ def test_each_family_reads_its_rows_from_a_tuning_run():
                                                "xla_few_rows": few_rows}
   assert norm_bench.tuned_rows(few) == {"xla_few_rows": few_rows}
   assert norm_bench.tuned_rows(norm) == {"triton_max_features": longest}
+  # XLA timed beside them (for the GPU without Triton): RMSNorm's forward faster than CUDA's
+  # at both lengths, every step slower; LayerNorm's forward faster at 1024 only.
+  xla = [_timed(op, f"{n}", n, "xla", 1.0 if op == "rms_norm" or n == 1024 else 2.0, 3.0)
+         for op in ("rms_norm", "layer_norm") for n in (1024, 8192)]
+  assert norm_bench.tuned_rows(norm + xla)["cuda_from_without_triton"] == {
+      "rms/forward": None, "rms/step": 1024, "layer/forward": 8192, "layer/step": 1024}
 
 
 def test_a_part_run_picks_cases_by_the_start_of_their_labels():

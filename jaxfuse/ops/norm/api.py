@@ -30,8 +30,11 @@ def _untuned() -> dict:
   # A GPU never measured: Triton while a program holds a row block in registers, CUDA's
   # cluster kernels past it (where a Pallas program walks a row twice), LayerNorm's backward
   # on CUDA's short-row kernel, whose lanes hold whole rows, and no bands of few rows for XLA.
+  # Without Triton, CUDA wherever it runs.
   return {"triton_max_features": {f"{op}/{use}": 16384 for op in ("rms", "layer")
                                   for use in ("forward", "step")},
+          "cuda_from_without_triton": {f"{op}/{use}": 0 for op in ("rms", "layer")
+                                       for use in ("forward", "step")},
           "xla_few_rows": {},
           "rules": [{"when": {"op": "layer", "direction": "backward", "cuda_short_rows": True},
                      "use": "cuda"}]}
@@ -53,7 +56,8 @@ def _fastest(facts: dict, few_rows_use: str, cuda_runs, triton_runs) -> str:
   block cluster, mostly win. Both directions share the saved statistics, so any forward pairs
   with any backward. Where the CUDA kernels cannot run (rows that do not fit a cluster,
   float64) the two-walk Triton forward still beats XLA's, and XLA's backward beats the
-  two-walk Triton one. Without Triton the CUDA kernels come first. ``cuda_runs()`` and
+  two-walk Triton one. Without Triton the CUDA kernels come first from
+  ``cuda_from_without_triton`` (per norm and use) and XLA's fusions below. ``cuda_runs()`` and
   ``triton_runs()`` say whether those kernels can take this call (the first builds them on
   first use), asked only where they would be chosen.
   """
@@ -69,7 +73,10 @@ def _fastest(facts: dict, few_rows_use: str, cuda_runs, triton_runs) -> str:
     return "xla"
   longest = table["triton_max_features"][f"{facts['op']}/{few_rows_use}"]
   n = facts["length"]
-  if (n > longest or not triton_runs()) and cuda_runs():
+  if not triton_runs():
+    cuda_from = table["cuda_from_without_triton"][f"{facts['op']}/{few_rows_use}"]
+    return "cuda" if cuda_from is not None and n >= cuda_from and cuda_runs() else "xla"
+  if n > longest and cuda_runs():
     return "cuda"
   if (facts["direction"] == "forward" or n <= longest) and triton_runs():
     return "triton"

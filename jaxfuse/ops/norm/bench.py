@@ -130,10 +130,10 @@ FEW_ROWS_LENGTHS = (1024, 4096, 12288, 32768)
 
 
 def tune_cases() -> list[Case]:
-  """RMSNorm and LayerNorm rows of :data:`TUNE_LENGTHS` under Triton and CUDA, and
-  :data:`FEW_ROWS` of :data:`FEW_ROWS_LENGTHS` under XLA too."""
+  """RMSNorm and LayerNorm rows of :data:`TUNE_LENGTHS` and :data:`FEW_ROWS` of
+  :data:`FEW_ROWS_LENGTHS` under XLA, Triton and CUDA."""
   return ([_case(op, fn, with_bias, TUNE_ELEMENTS // n, n, jnp.bfloat16, jnp.bfloat16,
-                 ("triton", "cuda"))
+                 ("xla", "triton", "cuda"))
            for op, fn, with_bias in OPS for n in TUNE_LENGTHS]
           + [_case(op, fn, with_bias, rows, n, jnp.bfloat16, jnp.bfloat16,
                    ("xla", "triton", "cuda"))
@@ -153,8 +153,9 @@ def _few_rows_points(rows, op: str, use: str):
 
 def tuned_rows(rows) -> dict:
   """Per norm, for the evaluated forward and the training step: the longest rows up to which
-  Triton's kernels beat CUDA's at the least regret (0: CUDA wherever it runs), and the bands
-  of lengths in which XLA beats the faster kernel per row count of :data:`FEW_ROWS` (see
+  Triton's kernels beat CUDA's at the least regret (0: CUDA wherever it runs), the length from
+  which CUDA's beat XLA's fusions where Triton is gone (None: never), and the bands of lengths
+  in which XLA beats the faster kernel per row count of :data:`FEW_ROWS` (see
   :func:`tune.winning_bands`). Each only where the run timed its grid."""
   rows = [r for r in rows if r.op in {op for op, _, _ in OPS}]
   few = [r for r in rows if _rows_of(r.label) in FEW_ROWS]
@@ -164,6 +165,11 @@ def tuned_rows(rows) -> dict:
     out["triton_max_features"] = {
         f"{op.split('_')[0]}/{use}": tune.least_regret_prefix(tune.times_by_size(
             [r for r in many if r.op == op], use, "triton", "cuda")) or 0
+        for op, _, _ in OPS for use in ("forward", "step")}
+  if any(r.implementation == "xla" for r in many):
+    out["cuda_from_without_triton"] = {
+        f"{op.split('_')[0]}/{use}": tune.least_regret_suffix(tune.times_by_size(
+            [r for r in many if r.op == op], use, "cuda", "xla"))
         for op, _, _ in OPS for use in ("forward", "step")}
   if few:
     out["xla_few_rows"] = {f"{op.split('_')[0]}/{use}": tune.winning_bands(

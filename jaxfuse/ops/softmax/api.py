@@ -35,7 +35,9 @@ def _untuned() -> dict:
   # short rows well and long ones badly.
   return {"cuda_from_forward": 32768, "cuda_from_step": 16384,
           "cuda_from_cross_entropy": None, "cuda_from_cross_entropy_loss": None,
-          "cuda_from_without_triton": 16384, "rules": []}
+          **{f"cuda_from_{row}_without_triton": 16384
+             for row in ("forward", "step", "cross_entropy", "cross_entropy_loss")},
+          "rules": []}
 
 
 def _fastest(op: str, use: str, row: str, n: int, x, cuda_refusal, extents,
@@ -43,7 +45,8 @@ def _fastest(op: str, use: str, row: str, n: int, x, cuda_refusal, extents,
   """The fastest implementation for ``use`` (see :data:`op.USES`) by this GPU's tuned table
   (``jaxfuse/ops/softmax/tuned/``): its ``rules``, measured exceptions matched on the call's
   facts, else 'cuda' for rows it can take from the length the table's ``cuda_from_<row>``
-  gives (``None``: never while Triton runs), else 'triton' where it runs, else 'xla'. ``n``
+  gives (``cuda_from_<row>_without_triton`` where Triton is gone; ``None``: never), else
+  'triton' where it runs, else 'xla'. ``n``
   is the row length, ``x`` the array whose rows are normalized, ``cuda_refusal()`` says why
   the CUDA kernels cannot take the call, ``extents`` is the array as the Triton kernels view
   it, and ``plain`` says the rows are the last axis, without a mask."""
@@ -58,7 +61,7 @@ def _fastest(op: str, use: str, row: str, n: int, x, cuda_refusal, extents,
   runs = {"cuda": cuda_runs, "triton": lambda: triton_runs, "xla": lambda: True}
   if chosen := tuned.ruled(table["rules"], facts, lambda name: runs[name]()):
     return chosen
-  cuda_from = table[f"cuda_from_{row}" if triton_runs else "cuda_from_without_triton"]
+  cuda_from = table[f"cuda_from_{row}" + ("" if triton_runs else "_without_triton")]
   if cuda_from is not None and n >= cuda_from and cuda_runs():
     return "cuda"
   return "triton" if triton_runs else "xla"

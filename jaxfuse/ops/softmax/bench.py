@@ -157,16 +157,15 @@ def tune_cases() -> list[Case]:
 
 
 def tuned_rows(rows) -> dict:
-  """The lengths from which CUDA goes before Triton (XLA where Triton is gone) at the least
-  regret (None: never): for an evaluated call's forward, and for both directions of a
-  differentiated call, by the whole step's times (a pair of kernels is timed together)."""
+  """The lengths from which CUDA goes before Triton (``cuda_from_<row>``), and before XLA
+  where Triton is gone (``..._without_triton``), at the least regret (None: never): for an
+  evaluated call's forward, and for both directions of a differentiated call, by the whole
+  step's times (a pair of kernels is timed together)."""
   by_op = {op: [r for r in rows if r.op == op] for op in ("softmax", "cross_entropy")}
-
-  def cuda_from(op, use, other):
-    return tune.least_regret_suffix(tune.times_by_size(by_op[op], use, "cuda", other))
-
-  return {"cuda_from_forward": cuda_from("softmax", "forward", "triton"),
-          "cuda_from_step": cuda_from("softmax", "step", "triton"),
-          "cuda_from_cross_entropy": cuda_from("cross_entropy", "step", "triton"),
-          "cuda_from_cross_entropy_loss": cuda_from("cross_entropy", "forward", "triton"),
-          "cuda_from_without_triton": cuda_from("softmax", "step", "xla")}
+  uses = {"forward": ("softmax", "forward"), "step": ("softmax", "step"),
+          "cross_entropy": ("cross_entropy", "step"),
+          "cross_entropy_loss": ("cross_entropy", "forward")}
+  return {f"cuda_from_{row}{suffix}": tune.least_regret_suffix(
+              tune.times_by_size(by_op[op], use, "cuda", other))
+          for row, (op, use) in uses.items()
+          for suffix, other in (("", "triton"), ("_without_triton", "xla"))}
