@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfuse._core import device, registry
+from jaxfuse._core.cuda.build import ARCH_VARIABLE
 from jaxfuse._core.progress import Progress
 from jaxfuse._core.testing import relative_error, x64
 
@@ -153,8 +154,7 @@ class Timing:
   inside the call included (what a user waits for); ``busy_ms``: the union of its kernels'
   intervals (``None`` where no trace is read); ``wall_ms``: the host clock over a group, per
   call. ``kernels``: GPU activities (kernels, copies) per call, the same in every group; 0
-  where no trace is read.
-  """
+  where no trace is read."""
   span_ms: float
   busy_ms: float | None
   wall_ms: float
@@ -195,8 +195,7 @@ def split_calls(intervals, calls: int) -> list[tuple[float, float]]:
 
   The calls run one after another (each on one stream or several), so the sorted activities
   fall into ``calls`` runs of equal length that do not overlap; anything else means the trace
-  cannot be split by call.
-  """
+  cannot be split by call."""
   intervals = sorted(intervals)
   if not intervals or len(intervals) % calls:
     raise TimingError(f"{len(intervals)} GPU activities in a trace of {calls} calls: the calls "
@@ -485,8 +484,7 @@ def run(cases: Sequence[Case], *, implementations: Sequence[str] | None = None,
   """Checks and times ``cases``; returns the rows and the ceilings measured.
 
   ``on_case(rows, ceilings)`` is called after each case, so a long sweep saves as it goes.
-  ``ceilings`` measured by an earlier run on this machine are reused (and added to).
-  """
+  ``ceilings`` measured by an earlier run on this machine are reused (and added to)."""
   from jaxfuse._core import ceilings as measured  # it times with this module's measure()
   ceilings = {} if ceilings is None else ceilings
   units = {c.unit for c in cases}
@@ -690,6 +688,8 @@ def environment(program: str = "jaxfuse") -> dict:
       "python": host_platform.python_version(),
       "command": " ".join([program] + sys.argv[1:]),
       "xla_flags": os.environ.get("XLA_FLAGS", ""),
+      # The CUDA kernels' forced architecture (compute_80: the pre-Hopper path), else None.
+      "cuda_arch": os.environ.get(ARCH_VARIABLE),
       "timing": timing_method(),
       "gpu": dataclasses.asdict(gpu) if (gpu := device.describe()) else None,
   }
