@@ -33,6 +33,9 @@ namespace ffi = xla::ffi;
 
 // The thread-block cluster this CTA runs in. A GPU before sm_90 has none: there the cluster is
 // the CTA alone, so the same kernels reduce within it (such a build tiles rows for one CTA).
+// A CTA launched without a cluster (a row one CTA holds: launch_clustered) is one too, and
+// meets and exchanges within itself: a cluster barrier and DSMEM stores cost more than
+// __syncthreads and local stores even where the cluster is this CTA alone.
 struct ThisCluster {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   __device__ __forceinline__ unsigned block_rank() const { return 0; }
@@ -49,9 +52,14 @@ struct ThisCluster {
     return cg::this_cluster().num_blocks();
   }
   template <typename T> __device__ __forceinline__ T* map_shared_rank(T* p, int rank) const {
-    return cg::this_cluster().map_shared_rank(p, rank);
+    return num_blocks() == 1 ? p : cg::this_cluster().map_shared_rank(p, rank);
   }
-  __device__ __forceinline__ void sync() const { cg::this_cluster().sync(); }
+  __device__ __forceinline__ void sync() const {
+    if (num_blocks() == 1)
+      __syncthreads();
+    else
+      cg::this_cluster().sync();
+  }
 #endif
 };
 
@@ -525,7 +533,8 @@ inline bool built_for_clusters() {
   return clusters;
 }
 
-// Launches `kernel` on `grid` CTAs of `threads`, in clusters of `cluster` CTAs along x.
+// Launches `kernel` on `grid` CTAs of `threads`, in clusters of `cluster` CTAs along x; a
+// cluster of one is a plain launch (see ThisCluster).
 template <typename... KernelArgs, typename... Args>
 cudaError_t launch_clustered(void (*kernel)(KernelArgs...), dim3 grid, int threads, int cluster,
                              size_t smem_bytes, cudaStream_t stream, Args... args) {
@@ -534,10 +543,8 @@ cudaError_t launch_clustered(void (*kernel)(KernelArgs...), dim3 grid, int threa
   cudaLaunchAttribute attribute;
   cudaLaunchConfig_t config =
       cluster_config(grid, threads, smem_bytes, stream, &attribute, cluster);
-  if (!built_for_clusters()) {
-    if (cluster != 1) return cudaErrorInvalidConfiguration;
-    config.numAttrs = 0;
-  }
+  if (!built_for_clusters() && cluster != 1) return cudaErrorInvalidConfiguration;
+  if (cluster == 1) config.numAttrs = 0;
   return cudaLaunchKernelEx(&config, kernel, static_cast<KernelArgs>(args)...);
 }
 
@@ -550,7 +557,7 @@ int max_active_clusters(void (*kernel)(KernelArgs...), int threads, int cluster,
   const cudaLaunchConfig_t config =
       cluster_config(dim3(cluster, 1, 1), threads, smem_bytes, nullptr, &attribute, cluster);
   int clusters = 0;
-  if (err == cudaSuccess && built_for_clusters()) {
+  if (err == cudaSuccess && built_for_clusters() && cluster > 1) {
     err = cudaOccupancyMaxActiveClusters(&clusters, kernel, &config);
   } else if (err == cudaSuccess && cluster == 1) {
     int device = 0, sms = 0, per_sm = 0;
