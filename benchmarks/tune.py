@@ -211,8 +211,8 @@ def _norm_cuda(sweep):
                  [lanes(256, 1, 32), lanes(128, 2, 16), lanes(64, 1, 32)]),
            512: ([lanes(256, 4, 16), lanes(128, 2, 32)], [lanes(128, 2, 32)]),
            1024: ([lanes(128, 4, 32)], []),
-           # Rows one CTA holds, where the Triton kernels lead: wider CTAs at fewer units, and
-           # rows split over two or four CTAs.
+           # Where the Triton kernels lead: wider CTAs at fewer units, and rows split over two
+           # to eight CTAs.
            2048: ([T(1, 128, 2), T(1, 256, 1), T(2, 64, 2), T(2, 32, 4)],
                   [T(1, 256, 1), T(2, 64, 2), T(2, 128, 1)]),
            4096: ([T(1, 256, 2), T(1, 512, 1), T(2, 64, 4), T(2, 128, 2)],

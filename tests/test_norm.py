@@ -497,8 +497,8 @@ def test_gpu_cuda_vmapped_weights_deterministic(rng, kind, n):
   """Per-example weights become groups of rows (short rows and long); the gradients repeat
   bit for bit."""
   from jaxfuse.ops.norm import cuda as cuda_kernels
-  if cuda_kernels.unsupported(n, jnp.bfloat16, jnp.bfloat16, [jnp.bfloat16]):
-    pytest.skip("longer than a CTA holds without clusters (JAXFUSE_CUDA_ARCH=compute_80)")
+  if reason := cuda_kernels.unsupported(n, jnp.bfloat16, jnp.bfloat16, [jnp.bfloat16]):
+    pytest.skip(reason)
   x = random(rng, (3, 17, n), jnp.bfloat16)
   w, b = params(rng, kind, (3, n), jnp.bfloat16)
   dy = random(rng, x.shape, jnp.bfloat16)

@@ -33,9 +33,10 @@ namespace ffi = xla::ffi;
 
 // The thread-block cluster this CTA runs in. A GPU before sm_90 has none: there the cluster is
 // the CTA alone, so the same kernels reduce within it (such a build tiles rows for one CTA).
-// A CTA launched without a cluster (a row one CTA holds: launch_clustered) is one too, and
-// meets and exchanges within itself: a cluster barrier and DSMEM stores cost more than
-// __syncthreads and local stores even where the cluster is this CTA alone.
+// A CTA launched without a cluster (launch_clustered: every launch of clusters of one, the
+// short-row kernels' too) is one as well, and meets and exchanges within itself through
+// __syncthreads and local stores, as a build for an older GPU does; that build ran rows one
+// CTA holds faster than cluster launches with cluster barriers and DSMEM (benchmarks/results/).
 struct ThisCluster {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   __device__ __forceinline__ unsigned block_rank() const { return 0; }
@@ -520,7 +521,8 @@ inline cudaLaunchConfig_t cluster_config(dim3 grid, int threads, size_t smem_byt
 __global__ void build_probe() {}
 
 // Whether this library was built for thread-block clusters (from PTX of sm_90 or newer); one
-// built for an older GPU launches plain CTAs, each its own cluster (ThisCluster).
+// built for an older GPU launches only plain CTAs, each its own cluster (ThisCluster), as any
+// build launches clusters of one.
 inline bool built_for_clusters() {
   static const bool clusters = [] {
     cudaFuncAttributes attributes;

@@ -59,7 +59,8 @@ def _fastest(facts: dict, few_rows_use: str, cuda_runs, triton_runs) -> str:
   two-walk Triton one. Without Triton the CUDA kernels come first from
   ``cuda_from_without_triton`` (per norm and use) and XLA's fusions below. ``cuda_runs()`` and
   ``triton_runs()`` say whether those kernels can take this call (the first builds them on
-  first use), asked only where they would be chosen.
+  first use): the first is asked only where CUDA would be chosen, the second past the rules
+  and bands, since without Triton the choice differs.
   """
   table = tuned.rows("norm", _untuned)
   runs = {"cuda": cuda_runs, "triton": triton_runs, "xla": lambda: True}

@@ -166,7 +166,7 @@ def tuned_rows(rows) -> dict:
         f"{op.split('_')[0]}/{use}": tune.least_regret_prefix(tune.times_by_size(
             [r for r in many if r.op == op], use, "triton", "cuda")) or 0
         for op, _, _ in OPS for use in ("forward", "step")}
-  if any(r.implementation == "xla" for r in many):
+  if all(any(r.op == op and r.implementation == "xla" for r in many) for op, _, _ in OPS):
     out["cuda_from_without_triton"] = {
         f"{op.split('_')[0]}/{use}": tune.least_regret_suffix(tune.times_by_size(
             [r for r in many if r.op == op], use, "cuda", "xla"))

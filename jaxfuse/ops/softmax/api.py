@@ -46,10 +46,10 @@ def _fastest(op: str, use: str, row: str, n: int, x, cuda_refusal, extents,
   (``jaxfuse/ops/softmax/tuned/``): its ``rules``, measured exceptions matched on the call's
   facts, else 'cuda' for rows it can take from the length the table's ``cuda_from_<row>``
   gives (``cuda_from_<row>_without_triton`` where Triton is gone; ``None``: never), else
-  'triton' where it runs, else 'xla'. ``n``
-  is the row length, ``x`` the array whose rows are normalized, ``cuda_refusal()`` says why
-  the CUDA kernels cannot take the call, ``extents`` is the array as the Triton kernels view
-  it, and ``plain`` says the rows are the last axis, without a mask."""
+  'triton' where it runs, else 'xla'. ``n`` is the row length, ``x`` the array whose rows are
+  normalized, ``cuda_refusal()`` says why the CUDA kernels cannot take the call, ``extents``
+  is the array as the Triton kernels view it, and ``plain`` says the rows are the last axis,
+  without a mask."""
   triton_runs = registry.runs(
       op, "triton", lambda: registry.triton_unavailable() or triton.unsupported(extents))
   cuda_takes = cuda_refusal() is None

@@ -10,9 +10,10 @@
 // one exp2 and the whole row needs one cluster barrier.
 //
 // The exponentials on each row's path, not the walk or the cluster barrier, keep the forward
-// short of the copy: the same kernel writing x back instead of its softmax comes closer to it,
-// and that variant gains nothing without the barrier. exp2f stays: its single-instruction form
-// (ex2.approx.ftz, which drops exp2f's subnormal fix-ups) measured slower on the H100.
+// of rows over several CTAs short of the copy: the same kernel writing x back instead of its
+// softmax comes closer to it, and that variant gains nothing without the barrier. exp2f stays:
+// its single-instruction form (ex2.approx.ftz, which drops exp2f's subnormal fix-ups) measured
+// slower on the H100.
 #include "rows.cuh"
 
 namespace jaxfuse {
