@@ -160,18 +160,22 @@ def tuned_rows(rows) -> dict:
   rows = [r for r in rows if r.op in {op for op, _, _ in OPS}]
   few = [r for r in rows if _rows_of(r.label) in FEW_ROWS]
   many = [r for r in rows if _rows_of(r.label) not in FEW_ROWS]
+
+  def per_norm_and_use(value):
+    return {f"{op.split('_')[0]}/{use}": value(op, use) for op, _, _ in OPS
+            for use in ("forward", "step")}
+
+  def times(op, use, first, second):
+    return tune.times_by_size([r for r in many if r.op == op], use, first, second)
+
   out = {}
   if many:
-    out["triton_max_features"] = {
-        f"{op.split('_')[0]}/{use}": tune.least_regret_prefix(tune.times_by_size(
-            [r for r in many if r.op == op], use, "triton", "cuda")) or 0
-        for op, _, _ in OPS for use in ("forward", "step")}
+    out["triton_max_features"] = per_norm_and_use(
+        lambda op, use: tune.least_regret_prefix(times(op, use, "triton", "cuda")) or 0)
   if all(any(r.op == op and r.implementation == "xla" for r in many) for op, _, _ in OPS):
-    out["cuda_from_without_triton"] = {
-        f"{op.split('_')[0]}/{use}": tune.least_regret_suffix(tune.times_by_size(
-            [r for r in many if r.op == op], use, "cuda", "xla"))
-        for op, _, _ in OPS for use in ("forward", "step")}
+    out["cuda_from_without_triton"] = per_norm_and_use(
+        lambda op, use: tune.least_regret_suffix(times(op, use, "cuda", "xla")))
   if few:
-    out["xla_few_rows"] = {f"{op.split('_')[0]}/{use}": tune.winning_bands(
-        _few_rows_points(few, op, use)) for op, _, _ in OPS for use in ("forward", "step")}
+    out["xla_few_rows"] = per_norm_and_use(
+        lambda op, use: tune.winning_bands(_few_rows_points(few, op, use)))
   return out
