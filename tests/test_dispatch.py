@@ -591,9 +591,9 @@ def test_norm_none_takes_xla_in_the_tuned_bands_of_few_rows(gpu, chosen, monkeyp
   """Evaluated calls by the forward's steps; both directions of a differentiated call by the
   training step's, where XLA runs the whole step."""
   gpu.kind("NVIDIA GPU without a table")
-  longest = norm_api._untuned()["triton_max_features"]
-  monkeypatch.setattr(norm_api, "_untuned", lambda: {
-      "triton_max_features": longest, "rules": [],
+  untuned = norm_api._untuned()
+  monkeypatch.setattr(norm_api, "_untuned", lambda: untuned | {
+      "rules": [],
       "xla_few_rows": {"rms/forward": [[8, 8192, 12288]], "rms/step": [[1, 4096, 8192], [8]]}})
   normalize("rms_norm", n, dtype, rows=rows)
   assert chosen() == expected
