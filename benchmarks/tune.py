@@ -192,14 +192,18 @@ def _norm_cuda(sweep):
   and for short rows the lanes that hold a row."""
   from jaxfuse.ops.norm import cuda
   from jaxfuse._core.cuda import Tiling as T
+  sms = registry.num_multiprocessors()
 
   def fwd(kind, tiling, x, dy, w):
     return cuda.forward(x, w, w if kind == "layer" else None, kind=kind, eps=1e-5,
                         out_dtype=x.dtype, tiling=tiling)[0]
 
-  def bwd(kind, tiling, x, dy, w, mean, rstd):
+  # A backward variant is a tiling, or (tiling, clusters) for a persistent grid capped below the
+  # resident clusters: fewer float32 partial rows of the parameter gradients to write and read.
+  def bwd(kind, variant, x, dy, w, mean, rstd):
+    tiling, max_clusters = variant if isinstance(variant, tuple) else (variant, None)
     return cuda.backward(dy, x, w, mean, rstd, kind=kind, has_bias=kind == "layer",
-                         bias_dtype=w.dtype, tiling=tiling)
+                         bias_dtype=w.dtype, tiling=tiling, max_clusters=max_clusters)
 
   # Short rows: (threads, units, lanes), a row to a group of lanes of one warp.
   def lanes(threads, units, n_lanes):
@@ -210,7 +214,7 @@ def _norm_cuda(sweep):
   plans = {256: ([lanes(256, 4, 8), lanes(256, 1, 32), lanes(128, 2, 16), lanes(64, 1, 32)],
                  [lanes(256, 1, 32), lanes(128, 2, 16), lanes(64, 1, 32)]),
            512: ([lanes(256, 4, 16), lanes(128, 2, 32)], [lanes(128, 2, 32)]),
-           1024: ([lanes(128, 4, 32)], []),
+           1024: ([lanes(128, 4, 32)], [T(1, 128, 1)]),
            # Where the Triton kernels lead: wider CTAs at fewer units, and rows split over two
            # to eight CTAs.
            2048: ([T(1, 128, 2), T(1, 256, 1), T(2, 64, 2), T(2, 32, 4)],
@@ -245,7 +249,9 @@ def _norm_cuda(sweep):
             _, mean, rstd = cuda.forward(x, w, None, kind=kind, eps=1e-5, out_dtype=x.dtype)
             data.append((x, dy, w, mean, rstd))
           fn, passes = functools.partial(bwd, kind), 3
-          variants = [cuda.backward_tiling(n, jnp.bfloat16)] + backward_variants
+          default = cuda.backward_tiling(n, jnp.bfloat16)
+          capped = [(t, k * sms) for t in (default, backward_variants[0]) for k in (1, 2, 4, 8)]
+          variants = [default] + backward_variants + capped
         sweep.problem("norm_cuda", label, fn, list(dict.fromkeys(variants)), data,
                       passes * pass_bytes)
 

@@ -181,16 +181,19 @@ def forward(x, weight, bias, *, kind, eps, out_dtype, tiling: Tiling | None = No
 
 
 def backward(dy, x, weight, mean, rstd, *, kind, has_bias, bias_dtype=None,
-             tiling: Tiling | None = None):
-  """Returns ``(dx, dweight | None, dbias | None)`` for ``(G, R, N)`` inputs."""
+             tiling: Tiling | None = None, max_clusters: int | None = None):
+  """Returns ``(dx, dweight | None, dbias | None)`` for ``(G, R, N)`` inputs. ``max_clusters``
+  caps the persistent grid below the clusters resident at once: each cluster writes a float32
+  partial row per parameter gradient, which fewer clusters, each walking more rows, write and
+  read less of (``benchmarks/tune.py norm_cuda`` times the trade)."""
   n_groups, n_rows, n_cols = x.shape
   has_weight = weight is not None
   t = tiling or backward_tiling(n_cols, x.dtype)
   t.check(n_cols)
   (kernel_weight,) = _params(x, weight)
-  clusters = _grid(n_groups, n_rows, t,
-                   resident_clusters("backward", kind, x.dtype, dy.dtype, kernel_weight.dtype, t,
-                                     has_weight, has_bias))
+  resident = resident_clusters("backward", kind, x.dtype, dy.dtype, kernel_weight.dtype, t,
+                               has_weight, has_bias)
+  clusters = _grid(n_groups, n_rows, t, min(resident, max_clusters or resident))
   # One call, two stages (norm.cu): float32 partial sums of the parameter gradients per
   # cluster, then their sum over the clusters in a fixed order, in the parameters' dtypes.
   n_params = has_weight + has_bias
