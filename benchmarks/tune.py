@@ -6,9 +6,10 @@
 
 Each problem times its default tiling first and then the candidates, calling the kernels
 directly (no custom VJP, no XLA around them). Memory-bound rates count the passes over the
-array (norm forward 2: x read, y written; norm backward 3: x and dy read, dx written; softmax
-the same; cross-entropy 2: logits read, gradient written) against the copy measured in the same
-run; attention counts matrix-product FLOPs against the bf16 matmul measured in the same run.
+array (norm forward 2: x read, y written; norm backward 3: x and dy read, dx written, each in
+its dtype; softmax the same; cross-entropy 2: logits read, gradient written) against the copy
+measured in the same run; attention counts matrix-product FLOPs against the bf16 matmul
+measured in the same run.
 Every candidate's output is compared with the default's, so a broken tiling shows as an error.
 """
 
@@ -83,8 +84,8 @@ class Sweep:
 
   def save(self):
     with open(self.out, "w") as f:
-      json.dump(dict(bench.environment("benchmarks/tune.py"), ceilings=self.ceilings, results=self.results), f,
-                indent=1)
+      json.dump(dict(bench.environment("benchmarks/tune.py"), ceilings=self.ceilings,
+                     results=self.results), f, indent=1)
 
   def summary(self):
     print("\nbest per problem:")
@@ -194,9 +195,10 @@ def _norm_cuda(sweep):
   from jaxfuse._core.cuda import Tiling as T
   sms = registry.num_multiprocessors()
 
+  # Float32 parameters beside bfloat16 x make float32 outputs (jnp's promotion), so dy too.
   def fwd(kind, tiling, x, dy, w):
     return cuda.forward(x, w, w if kind == "layer" else None, kind=kind, eps=1e-5,
-                        out_dtype=x.dtype, tiling=tiling)[0]
+                        out_dtype=dy.dtype, tiling=tiling)[0]
 
   # A backward variant is a tiling, or (tiling, clusters) for a persistent grid capped below the
   # resident clusters: fewer float32 partial rows of the parameter gradients to write and read.
@@ -230,30 +232,41 @@ def _norm_cuda(sweep):
            65536: ([T(4, 512, 4), T(4, 256, 8, 1), T(8, 128, 8, 2), T(16, 64, 8, 1)],
                    [T(16, 256, 2), T(16, 512, 1)]),
            131072: ([T(8, 512, 4), T(8, 256, 8, 1), T(16, 128, 8, 2)], [])}
-  for n, (forward_variants, backward_variants) in plans.items():
+
+  def as_float32_params(x, dy, w):
+    return x, dy.astype(jnp.float32), w.astype(jnp.float32)
+
+  problems = [(n, variants, "") for n, variants in plans.items()]
+  problems.append((4096, plans[4096], " f32 params"))
+  for n, (forward_variants, backward_variants), params in problems:
     rows = min(_NORM_ROWS, 2**30 // n)
-    pass_bytes = rows * n * 2
     sets = None
     for kind in ("rms", "layer"):
       for direction in ("fwd", "bwd"):
-        label = f"cuda {kind} {rows}x{n} {direction}"
+        label = f"cuda {kind} {rows}x{n} {direction}{params}"
         if not sweep.wanted(label) or (direction == "bwd" and not backward_variants):
           continue
-        sets = sets or _sets(functools.partial(_norm_inputs, n, rows=rows), 3 * pass_bytes)
+        # Bytes per element of each pass: x read, then y written (forward) or dy read and dx
+        # written (backward), each in its own dtype.
+        y_bytes = 4 if params else 2
+        work = rows * n * (2 + y_bytes + (2 if direction == "bwd" else 0))
+        if sets is None:
+          sets = _sets(functools.partial(_norm_inputs, n, rows=rows), rows * n * 8)
+          sets = [as_float32_params(*s) for s in sets] if params else sets
         if direction == "fwd":
-          fn, data, passes = functools.partial(fwd, kind), sets, 2
-          variants = [cuda.forward_tiling(n, jnp.bfloat16)] + forward_variants
+          fn, data = functools.partial(fwd, kind), sets
+          variants = [cuda.forward_tiling(n, jnp.bfloat16, sets[0][2].dtype)] + forward_variants
         else:
           data = []
           for x, dy, w in sets:
-            _, mean, rstd = cuda.forward(x, w, None, kind=kind, eps=1e-5, out_dtype=x.dtype)
+            _, mean, rstd = cuda.forward(x, w, None, kind=kind, eps=1e-5, out_dtype=dy.dtype)
             data.append((x, dy, w, mean, rstd))
-          fn, passes = functools.partial(bwd, kind), 3
+          fn = functools.partial(bwd, kind)
           default = cuda.backward_tiling(n, jnp.bfloat16)
-          capped = [(t, k * sms) for t in (default, backward_variants[0]) for k in (1, 2, 4, 8)]
+          capped = [(t, k * sms) for t in (default, backward_variants[0])
+                    for k in (1, 2, 4, 8, 16)]
           variants = [default] + backward_variants + capped
-        sweep.problem("norm_cuda", label, fn, list(dict.fromkeys(variants)), data,
-                      passes * pass_bytes)
+        sweep.problem("norm_cuda", label, fn, list(dict.fromkeys(variants)), data, work)
 
 
 # --------------------------------------------------------------------------- softmax
