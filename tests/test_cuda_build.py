@@ -30,9 +30,11 @@ def _script(path: Path, body: str) -> str:
   return str(path)
 
 
-# Writes its -o argument and counts its compiles in $FAKE_NVCC_LOG; --version prints a version.
+# Writes its -o argument and counts its compiles in $FAKE_NVCC_LOG; --version prints a version,
+# --help its options ($FAKE_NVCC_OPTIONS).
 FAKE_NVCC = """\
 if [ "$1" = "--version" ]; then echo "fake nvcc ${FAKE_NVCC_VERSION:-1}"; exit 0; fi
+if [ "$1" = "--help" ]; then echo "${FAKE_NVCC_OPTIONS:-}"; exit 0; fi
 echo compile >> "$FAKE_NVCC_LOG"
 sleep "${FAKE_NVCC_SLEEP:-0}"
 if [ -n "$FAKE_NVCC_FAIL" ]; then echo "error: $FAKE_NVCC_FAIL" >&2; exit 2; fi
@@ -99,6 +101,25 @@ def test_cache_key_covers_what_goes_into_the_binary(tmp_path, toolchain, source,
     assert build.cache_key(source, "sm_90", toolchain) != before
   finally:
     build._compiler_versions.cache_clear()
+
+
+@pytest.mark.parametrize("options,expected", [
+    ("--split-compile <number>  (-split-compile)", ["--split-compile=4"]), ("--threads", [])])
+def test_device_compilation_split_where_nvcc_can(toolchain, source, monkeypatch, options,
+                                                 expected):
+  monkeypatch.setenv("FAKE_NVCC_OPTIONS", options)
+  build.splits_compilation.cache_clear()
+  try:
+    split = lambda threads: [f for f in build._command(toolchain, source, "sm_90", "out.so",
+                                                       threads=threads) if f.startswith("--split")]
+    assert split(4) == expected and split(1) == []
+    assert not build.splits_compilation("/no/such/nvcc")
+    # The same binary either way: a cache built on a machine of other CPUs still serves.
+    key = build.cache_key(source, "sm_90", toolchain)
+    monkeypatch.setattr(build, "compile_threads", lambda: 64)
+    assert build.cache_key(source, "sm_90", toolchain) == key
+  finally:
+    build.splits_compilation.cache_clear()
 
 
 def test_a_failed_build_raises_and_leaves_nothing(tmp_path, toolchain, source, monkeypatch):
