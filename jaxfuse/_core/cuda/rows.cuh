@@ -31,21 +31,30 @@ namespace jaxfuse {
 namespace cg = cooperative_groups;
 namespace ffi = xla::ffi;
 
-// The thread-block cluster this CTA runs in. A GPU before sm_90 has none: there the cluster is
-// the CTA alone, so the same kernels reduce within it (such a build tiles rows for one CTA).
-// A CTA launched without a cluster (launch_clustered: every launch of clusters of one, the
-// short-row kernels' too) is one as well, and meets and exchanges within itself through
-// __syncthreads and local stores, as a build for an older GPU does; that build ran rows one
-// CTA holds faster than cluster launches with cluster barriers and DSMEM (benchmarks/results/).
-struct ThisCluster {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+// Whether this library is built for thread-block clusters (sm_90 and newer). nvcc's list of
+// the architectures it builds is seen by the host pass too, so a build for an older GPU
+// instantiates only the kernels of a CTA alone.
+#if defined(__CUDA_ARCH_LIST__) && __CUDA_ARCH_LIST__ >= 900
+constexpr bool kBuiltForClusters = true;
+#else
+constexpr bool kBuiltForClusters = false;
+#endif
+
+// The cluster a CTA runs in. Each kernel is built twice: for clusters of several CTAs
+// (kClusters), and for a CTA alone, launched without a cluster, which meets and exchanges
+// within itself through __syncthreads and local stores. Built apart, the CTA alone keeps the
+// registers the cluster's bookkeeping would take, which in the shared build pushed the widest
+// slices into spills; a GPU before sm_90 has only this one.
+template <bool kClusters> struct ClusterOf {
   __device__ __forceinline__ unsigned block_rank() const { return 0; }
   __device__ __forceinline__ unsigned num_blocks() const { return 1; }
   template <typename T> __device__ __forceinline__ T* map_shared_rank(T* p, int) const {
     return p;
   }
   __device__ __forceinline__ void sync() const { __syncthreads(); }
-#else
+};
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+template <> struct ClusterOf<true> {
   __device__ __forceinline__ unsigned block_rank() const {
     return cg::this_cluster().block_rank();
   }
@@ -53,16 +62,22 @@ struct ThisCluster {
     return cg::this_cluster().num_blocks();
   }
   template <typename T> __device__ __forceinline__ T* map_shared_rank(T* p, int rank) const {
-    return num_blocks() == 1 ? p : cg::this_cluster().map_shared_rank(p, rank);
+    return cg::this_cluster().map_shared_rank(p, rank);
   }
-  __device__ __forceinline__ void sync() const {
-    if (num_blocks() == 1)
-      __syncthreads();
-    else
-      cg::this_cluster().sync();
-  }
-#endif
+  __device__ __forceinline__ void sync() const { cg::this_cluster().sync(); }
 };
+#endif
+
+// Calls f(std::bool_constant<kClusters>{}) for a launch in clusters of several CTAs or of one.
+template <typename F> __host__ __forceinline__ void with_clusters(bool clustered, F&& f) {
+  if constexpr (kBuiltForClusters) {
+    if (clustered) {
+      f(std::true_type{});
+      return;
+    }
+  }
+  f(std::false_type{});
+}
 
 constexpr int kUnit = 8;
 constexpr int kMaxCluster = 16;  // non-portable above 8; an H100 launches up to 16
@@ -168,8 +183,9 @@ __device__ __forceinline__ void fill(float (&out)[kUnit], float value) {
 struct RowSlice {
   int first, threads, n;
 
+  template <bool kClusters>
   __device__ __forceinline__ static RowSlice mine(int units_per_thread, int n) {
-    const int rank = static_cast<int>(ThisCluster().block_rank());
+    const int rank = static_cast<int>(ClusterOf<kClusters>().block_rank());
     return {rank * units_per_thread * static_cast<int>(blockDim.x) * kUnit,
             static_cast<int>(blockDim.x), n};
   }
@@ -208,8 +224,8 @@ __device__ __forceinline__ void load_row(const T* row, const Slice& slice, bool 
 struct RowWalk {
   int64_t first, step;
 
-  __device__ __forceinline__ static RowWalk of_cluster() {
-    const int64_t ctas = ThisCluster().num_blocks();
+  template <bool kClusters> __device__ __forceinline__ static RowWalk of_cluster() {
+    const int64_t ctas = ClusterOf<kClusters>().num_blocks();
     return {blockIdx.x / ctas, gridDim.x / ctas};
   }
   // Short rows: the groups of `lanes` lanes of every CTA, in order, take consecutive rows.
@@ -356,8 +372,8 @@ template <typename T, int V, int kStreams>
 constexpr bool kPrefetchFits = V * Unit<T>::kVectors * kStreams <= 4;
 
 template <typename T, int V, bool kStaged, int kStreams>
-using RowFeed =
-    std::conditional_t<kStaged, StagedFeed<T, V>, RegisterFeed<T, V, kPrefetchFits<T, V, kStreams>>>;
+using RowFeed = std::conditional_t<kStaged, StagedFeed<T, V>,
+                                   RegisterFeed<T, V, kPrefetchFits<T, V, kStreams>>>;
 
 // A feed of the rows of `base` (rows x n) that this thread's cluster walks; a staged feed uses
 // `stages` stages of the CTA's dynamic shared memory from `shared` on.
@@ -401,11 +417,11 @@ template <typename S> struct ClusterScratch {
 
 // Reduces `value` over all threads of all CTAs of the cluster with `op` (which must accept its
 // `identity`); every thread of every CTA returns the same bits.
-template <typename S, typename Op>
+template <bool kClusters, typename S, typename Op>
 __device__ __forceinline__ S cluster_reduce(S value, S identity, Op op,
                                             ClusterScratch<S>& scratch, int parity) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
-  const ThisCluster cluster;
+  const ClusterOf<kClusters> cluster;
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) value = op(value, shuffle(value, offset, true));
   if (lane == 0) scratch.warp[warp] = value;
@@ -460,10 +476,11 @@ __device__ __forceinline__ float3 moments_of(float3 sums, float shift) {
 
 // Merges every thread's moments over the cluster, shifting by one part's mean at each level (a
 // warp's lane 0, the CTA's warp 0, the cluster's CTA 0); every thread returns the same bits.
+template <bool kClusters>
 __device__ __forceinline__ float3 cluster_moments(float3 moments, ClusterScratch<float3>& scratch,
                                                   int parity) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
-  const ThisCluster cluster;
+  const ClusterOf<kClusters> cluster;
   auto merge_warp = [&](float3 m) {
     const float shift = __shfl_sync(0xffffffffu, m.y, 0);
     float3 sums = shifted_sums(m, shift);
@@ -517,26 +534,8 @@ inline cudaLaunchConfig_t cluster_config(dim3 grid, int threads, size_t smem_byt
   return config;
 }
 
-// A kernel that does nothing: its attributes say how this library's kernels were built.
-__global__ void build_probe() {}
-
-// Whether this library was built for thread-block clusters (from PTX of sm_90 or newer); one
-// built for an older GPU launches only plain CTAs, each its own cluster (ThisCluster), as any
-// build launches clusters of one.
-inline bool built_for_clusters() {
-  static const bool clusters = [] {
-    cudaFuncAttributes attributes;
-    if (cudaFuncGetAttributes(&attributes, build_probe) != cudaSuccess) {
-      cudaGetLastError();
-      return true;  // the launch then reports what is wrong
-    }
-    return attributes.ptxVersion >= 90;
-  }();
-  return clusters;
-}
-
 // Launches `kernel` on `grid` CTAs of `threads`, in clusters of `cluster` CTAs along x; a
-// cluster of one is a plain launch (see ThisCluster).
+// cluster of one is a plain launch (a kernel of ClusterOf<false>).
 template <typename... KernelArgs, typename... Args>
 cudaError_t launch_clustered(void (*kernel)(KernelArgs...), dim3 grid, int threads, int cluster,
                              size_t smem_bytes, cudaStream_t stream, Args... args) {
@@ -545,7 +544,7 @@ cudaError_t launch_clustered(void (*kernel)(KernelArgs...), dim3 grid, int threa
   cudaLaunchAttribute attribute;
   cudaLaunchConfig_t config =
       cluster_config(grid, threads, smem_bytes, stream, &attribute, cluster);
-  if (!built_for_clusters() && cluster != 1) return cudaErrorInvalidConfiguration;
+  if (!kBuiltForClusters && cluster != 1) return cudaErrorInvalidConfiguration;
   if (cluster == 1) config.numAttrs = 0;
   return cudaLaunchKernelEx(&config, kernel, static_cast<KernelArgs>(args)...);
 }
@@ -559,7 +558,7 @@ int max_active_clusters(void (*kernel)(KernelArgs...), int threads, int cluster,
   const cudaLaunchConfig_t config =
       cluster_config(dim3(cluster, 1, 1), threads, smem_bytes, nullptr, &attribute, cluster);
   int clusters = 0;
-  if (err == cudaSuccess && built_for_clusters() && cluster > 1) {
+  if (err == cudaSuccess && kBuiltForClusters && cluster > 1) {
     err = cudaOccupancyMaxActiveClusters(&clusters, kernel, &config);
   } else if (err == cudaSuccess && cluster == 1) {
     int device = 0, sms = 0, per_sm = 0;

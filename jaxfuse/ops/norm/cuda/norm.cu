@@ -51,7 +51,8 @@ template <typename TP> struct ParamSlice {
       if (!slice.holds(k)) continue;
       const uint4* src = reinterpret_cast<const uint4*>(row + slice.column(k));
 #pragma unroll
-      for (int i = 0; i < Unit<TP>::kVectors; ++i) words.at(k, i, Unit<TP>::kVectors) = __ldg(src + i);
+      for (int i = 0; i < Unit<TP>::kVectors; ++i)
+        words.at(k, i, Unit<TP>::kVectors) = __ldg(src + i);
     }
   }
   __device__ __forceinline__ void get(int k, float (&out)[kUnit]) const {
@@ -82,7 +83,8 @@ struct UnitSums {
   }
 };
 
-template <typename TX, typename TY, typename TP, bool kLayer, int V, bool kStaged>
+template <typename TX, typename TY, typename TP, bool kLayer, int V, bool kStaged,
+          bool kClusters>
 __global__ void __launch_bounds__(kStaged ? kStagedThreads : kThreads, kStaged ? 3 : 2)
     norm_forward_kernel(const TX* __restrict__ x, const TP* __restrict__ weight,
                         const TP* __restrict__ bias, TY* __restrict__ y,
@@ -95,9 +97,9 @@ __global__ void __launch_bounds__(kStaged ? kStagedThreads : kThreads, kStaged ?
   const int param_words = V * Unit<TP>::kVectors * blockDim.x;
   const ParamSlice<TP> w_slice{{shared}}, b_slice{{shared + (has_weight ? param_words : 0)}};
   uint4* staging = shared + (has_weight + has_bias) * param_words;
-  const RowWalk walk = RowWalk::of_cluster();
-  const RowSlice slice = RowSlice::mine(V, n);
-  const bool leader = ThisCluster().block_rank() == 0 && threadIdx.x == 0;
+  const RowWalk walk = RowWalk::of_cluster<kClusters>();
+  const RowSlice slice = RowSlice::mine<kClusters>(V, n);
+  const bool leader = ClusterOf<kClusters>().block_rank() == 0 && threadIdx.x == 0;
   int parity = 0;
 
   for (int64_t group = 0; group < groups; ++group) {
@@ -142,8 +144,8 @@ __global__ void __launch_bounds__(kStaged ? kStagedThreads : kThreads, kStaged ?
       }
       xs.refill(i);
       Stat total;
-      if constexpr (kLayer) total = cluster_moments(partial, scratch, parity);
-      else total = cluster_reduce(partial, 0.f, Sum{}, scratch, parity);
+      if constexpr (kLayer) total = cluster_moments<kClusters>(partial, scratch, parity);
+      else total = cluster_reduce<kClusters>(partial, 0.f, Sum{}, scratch, parity);
       parity ^= 1;
       float mean = 0.f, rstd;
       if constexpr (kLayer) {
@@ -212,7 +214,7 @@ __device__ __forceinline__ void unit_gradients(float (&x)[kUnit], const float (&
 // Each CTA owns one column slice of every row its cluster walks, so it sums its slice of
 // dweight and dbias over those rows and writes one float32 partial per (group, cluster);
 // sum_partials_kernel then sums them in a fixed order, so the gradients are deterministic.
-template <typename TX, typename TDY, typename TP, bool kLayer, int V>
+template <typename TX, typename TDY, typename TP, bool kLayer, int V, bool kClusters>
 __global__ void __launch_bounds__(kThreads, 2) norm_backward_kernel(
     const TDY* __restrict__ dy, const TX* __restrict__ x, const TP* __restrict__ weight,
     const float* __restrict__ mean_in, const float* __restrict__ rstd_in, TX* __restrict__ dx,
@@ -224,10 +226,10 @@ __global__ void __launch_bounds__(kThreads, 2) norm_backward_kernel(
   const ParamSlice<TP> w_slice{{shared}};
   const UnitSums dw_sum{{reinterpret_cast<float4*>(shared + (has_weight ? param_words : 0))}};
   const UnitSums db_sum{{dw_sum.words.base + (has_weight ? V * 2 * blockDim.x : 0)}};
-  const ThisCluster cluster;
+  const ClusterOf<kClusters> cluster;
   const int64_t clusters = gridDim.x / cluster.num_blocks();
   const int64_t me = blockIdx.x / cluster.num_blocks();
-  const RowSlice slice = RowSlice::mine(V, n);
+  const RowSlice slice = RowSlice::mine<kClusters>(V, n);
   const float inv_n = 1.f / n;
   int parity = 0;
 
@@ -252,7 +254,8 @@ __global__ void __launch_bounds__(kThreads, 2) norm_backward_kernel(
       load_row(dy + group_offset + (r + clusters) * n, slice, more, next_dys);
       const float mean = kLayer ? mean_in[row] : 0.f, rstd = rstd_in[row];
       const float2 partial = thread_row_sums<kLayer>(xs, dys, slice, weight_of, mean, rstd);
-      const float2 total = cluster_reduce(partial, make_float2(0.f, 0.f), Sum{}, scratch, parity);
+      const float2 total =
+          cluster_reduce<kClusters>(partial, make_float2(0.f, 0.f), Sum{}, scratch, parity);
       parity ^= 1;
       const float c1 = kLayer ? total.x * inv_n : 0.f, c2 = total.y * inv_n;
 #pragma unroll
@@ -567,11 +570,11 @@ constexpr int kShortForwardVectors = 4, kShortBackwardVectors = 2;
 
 // Calls f(kernel, dynamic shared memory bytes, short_rows) with the forward built for these
 // types and `units`: the short-row kernel when lanes > 0 (short_rows a std::true_type), else a
-// cluster kernel fed through registers (stages 0) or `stages` shared-memory stages; false when
-// none is built.
+// cluster kernel (of several CTAs or one) fed through registers (stages 0) or `stages`
+// shared-memory stages; false when none is built.
 template <typename TX, typename TY, typename TP, typename F>
-bool dispatch_forward(bool layer, int64_t units, int64_t stages, int threads, int lanes,
-                      bool has_weight, bool has_bias, F&& f) {
+bool dispatch_forward(bool layer, int64_t cluster, int64_t units, int64_t stages, int threads,
+                      int lanes, bool has_weight, bool has_bias, F&& f) {
   constexpr int kVectors = Unit<TX>::kVectors;
   bool known = stages >= 0;
   const size_t params = forward_smem(threads, units, sizeof(TP), has_weight, has_bias);
@@ -579,8 +582,14 @@ bool dispatch_forward(bool layer, int64_t units, int64_t stages, int threads, in
     constexpr int V = decltype(v)::value;
     auto with = [&](auto staged, size_t bytes) {
       constexpr bool kStaged = decltype(staged)::value;
-      if (layer) f(norm_forward_kernel<TX, TY, TP, true, V, kStaged>, params + bytes, std::false_type{});
-      else f(norm_forward_kernel<TX, TY, TP, false, V, kStaged>, params + bytes, std::false_type{});
+      with_clusters(cluster > 1, [&](auto clusters) {
+        constexpr bool kClusters = decltype(clusters)::value;
+        const std::false_type short_rows;
+        if (layer) f(norm_forward_kernel<TX, TY, TP, true, V, kStaged, kClusters>, params + bytes,
+                     short_rows);
+        else f(norm_forward_kernel<TX, TY, TP, false, V, kStaged, kClusters>, params + bytes,
+               short_rows);
+      });
     };
     if (lanes > 0) {
       if (stages != 0 || threads > kShortThreads) known = false;
@@ -604,7 +613,8 @@ bool dispatch_forward(bool layer, int64_t units, int64_t stages, int threads, in
 // Calls f(kernel, short_rows) with the backward built for these types and `units`, for short
 // rows (a std::true_type) when lanes > 0; false when none is built.
 template <typename TX, typename TDY, typename TP, typename F>
-bool dispatch_backward(bool layer, int64_t units, int threads, int lanes, F&& f) {
+bool dispatch_backward(bool layer, int64_t cluster, int64_t units, int threads, int lanes,
+                       F&& f) {
   constexpr int kVectors = Unit<TX>::kVectors;
   bool known = true;
   const bool dispatched = dispatch_units<kBackwardUnits>(units, [&](auto v) {
@@ -616,8 +626,11 @@ bool dispatch_backward(bool layer, int64_t units, int threads, int lanes, F&& f)
         else f(norm_backward_short_kernel<TX, TDY, TP, false, V>, std::true_type{});
       } else known = false;
     } else {
-      if (layer) f(norm_backward_kernel<TX, TDY, TP, true, V>, std::false_type{});
-      else f(norm_backward_kernel<TX, TDY, TP, false, V>, std::false_type{});
+      with_clusters(cluster > 1, [&](auto clusters) {
+        constexpr bool kClusters = decltype(clusters)::value;
+        if (layer) f(norm_backward_kernel<TX, TDY, TP, true, V, kClusters>, std::false_type{});
+        else f(norm_backward_kernel<TX, TDY, TP, false, V, kClusters>, std::false_type{});
+      });
     }
   });
   return known && dispatched;
@@ -715,7 +728,7 @@ ffi::Error NormForwardImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer
         using TY = decltype(ty);
         using TP = decltype(tp);
         known &= dispatch_forward<TX, TY, TP>(
-            layer, units, stages, static_cast<int>(threads), static_cast<int>(lanes),
+            layer, cluster, units, stages, static_cast<int>(threads), static_cast<int>(lanes),
             has_weight, has_bias, [&](auto kernel, size_t smem, auto short_rows) {
               // The last argument: a short-row kernel's lanes, a cluster kernel's stages.
               err = launch_clustered(
@@ -799,7 +812,7 @@ ffi::Error NormBackwardImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuff
         using TDY = decltype(tdy);
         using TP = decltype(tp);
         known &= dispatch_backward<TX, TDY, TP>(
-            layer, units, static_cast<int>(threads), static_cast<int>(lanes),
+            layer, cluster, units, static_cast<int>(threads), static_cast<int>(lanes),
             [&](auto kernel, auto short_rows) {
               // A short-row kernel takes its lanes last.
               auto launch = [&](auto... last) {
@@ -913,12 +926,13 @@ extern "C" int jaxfuse_norm_clusters(int backward, int x_itemsize, int other_ite
         if (backward) {
           const size_t smem =
               backward_smem(threads, units, sizeof(TP), has_weight, has_bias, lanes);
-          dispatch_backward<TX, TO, TP>(layer, units, threads, lanes, [&](auto kernel, auto) {
+          dispatch_backward<TX, TO, TP>(layer, cluster, units, threads, lanes,
+                                        [&](auto kernel, auto) {
             clusters = max_active_clusters(kernel, threads, cluster, smem);
           });
         } else {
-          dispatch_forward<TX, TO, TP>(layer, units, stages, threads, lanes, has_weight,
-                                       has_bias, [&](auto kernel, size_t smem, auto) {
+          dispatch_forward<TX, TO, TP>(layer, cluster, units, stages, threads, lanes,
+                                       has_weight, has_bias, [&](auto kernel, size_t smem, auto) {
             clusters = max_active_clusters(kernel, threads, cluster, smem);
           });
         }

@@ -36,11 +36,11 @@ __device__ __forceinline__ float rescaled(float sum, float max, float to) {
 // cluster's CTAs) the maximum is reduced first and then the sums, each rescaled to it once:
 // every merge is a plain max or add, none waits on another's exponential. The butterflies give
 // every lane the same bits, and every CTA folds the cluster's parts in the same order.
-template <bool kTotal>
+template <bool kClusters, bool kTotal>
 __device__ __forceinline__ float3 cluster_max_sum(float3 part, ClusterScratch<float3>& scratch,
                                                   int parity) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
-  const ThisCluster cluster;
+  const ClusterOf<kClusters> cluster;
   const int ranks = static_cast<int>(cluster.num_blocks());
   auto merge_warp = [](float3 p) {
     float m = p.x;
@@ -106,14 +106,14 @@ __device__ __forceinline__ float3 thread_max_sum(UnitValues unit, const RowSlice
   return make_float3(m, sum, total);
 }
 
-template <typename T, bool kLog, int V, bool kStaged>
+template <typename T, bool kLog, int V, bool kStaged, bool kClusters>
 __global__ void __launch_bounds__(kThreads, 2)
     softmax_forward_kernel(const T* __restrict__ x, T* __restrict__ y, int64_t rows, int n,
                            float scale2, int stages) {
   __shared__ ClusterScratch<float3> scratch;
   extern __shared__ uint4 staging[];
-  const RowSlice slice = RowSlice::mine(V, n);
-  const RowWalk walk = RowWalk::of_cluster();
+  const RowSlice slice = RowSlice::mine<kClusters>(V, n);
+  const RowWalk walk = RowWalk::of_cluster<kClusters>();
   auto xs = feed_of<RowFeed<T, V, kStaged, 1>>(x, rows, n, walk, slice, staging, stages);
   int parity = 0;
   xs.start();
@@ -123,7 +123,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     const float3 part = thread_max_sum<V>(
         [&](int k, float (&v)[kUnit]) { xs.now[k].unpack(v); }, slice, scale2, false, n);
     xs.refill(i);
-    const float3 row = cluster_max_sum<false>(part, scratch, parity);
+    const float3 row = cluster_max_sum<kClusters, false>(part, scratch, parity);
     parity ^= 1;
     const float shift = safe_shift(row.x);
     // log: (z - shift) ln 2 - ln(sum); softmax: exp2(z - shift) / sum, 0 when every z is -inf.
@@ -147,13 +147,13 @@ __global__ void __launch_bounds__(kThreads, 2)
 
 // softmax: dx = scale * y * (dy - sum(dy * y)); log-softmax: dx = scale * (dy - exp(y) sum(dy))
 // with masked entries (y = -inf) taking no part and getting zero.
-template <typename T, bool kLog, int V>
+template <typename T, bool kLog, int V, bool kClusters>
 __global__ void __launch_bounds__(kThreads, 2)
     softmax_backward_kernel(const T* __restrict__ y, const T* __restrict__ dy,
                             T* __restrict__ dx, int64_t rows, int n, float scale) {
   __shared__ ClusterScratch<float> scratch;
-  const RowSlice slice = RowSlice::mine(V, n);
-  const RowWalk walk = RowWalk::of_cluster();
+  const RowSlice slice = RowSlice::mine<kClusters>(V, n);
+  const RowWalk walk = RowWalk::of_cluster<kClusters>();
   // Two streams through registers: staged feeds would each count their own copy groups.
   auto ys = feed_of<RowFeed<T, V, false, 2>>(y, rows, n, walk, slice, nullptr, 0);
   auto dys = feed_of<RowFeed<T, V, false, 2>>(dy, rows, n, walk, slice, nullptr, 0);
@@ -176,7 +176,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     }
     ys.refill(i);
     dys.refill(i);
-    const float c = cluster_reduce(mine, 0.f, Sum{}, scratch, parity);
+    const float c = cluster_reduce<kClusters>(mine, 0.f, Sum{}, scratch, parity);
     parity ^= 1;
 #pragma unroll
     for (int k = 0; k < V; ++k) {
@@ -219,15 +219,15 @@ struct CrossEntropyArgs {
 // with target = (1 - s) onehot(label) + s / V, written from the registers that hold the row,
 // as G (the float32 logits of a fused linear layer give their gradient in its operands' dtype).
 // Rows whose label is ignored, or outside [0, V), get a zero loss and gradient.
-template <typename T, bool kGrad, int V, bool kStaged, typename G = T>
+template <typename T, bool kGrad, int V, bool kStaged, bool kClusters, typename G = T>
 __global__ void __launch_bounds__(kThreads, 2)
     cross_entropy_kernel(const T* __restrict__ logits, G* __restrict__ grad, int64_t rows,
                          int n, CrossEntropyArgs args, int stages) {
   __shared__ ClusterScratch<float3> scratch;
   extern __shared__ uint4 staging[];
-  const RowSlice slice = RowSlice::mine(V, n);
-  const RowWalk walk = RowWalk::of_cluster();
-  const bool leader = ThisCluster().block_rank() == 0 && threadIdx.x == 0;
+  const RowSlice slice = RowSlice::mine<kClusters>(V, n);
+  const RowWalk walk = RowWalk::of_cluster<kClusters>();
+  const bool leader = ClusterOf<kClusters>().block_rank() == 0 && threadIdx.x == 0;
   const int classes = args.counted;
   auto xs = feed_of<RowFeed<T, V, kStaged, 1>>(logits, rows, n, walk, slice, staging, stages);
   auto unit = [&](int k, float (&v)[kUnit]) {
@@ -268,8 +268,9 @@ __global__ void __launch_bounds__(kThreads, 2)
       owner = true;
     }
     xs.refill(i);
-    const float3 row = args.smoothing != 0.f ? cluster_max_sum<true>(mine, scratch, parity)
-                                             : cluster_max_sum<false>(mine, scratch, parity);
+    const float3 row = args.smoothing != 0.f
+                           ? cluster_max_sum<kClusters, true>(mine, scratch, parity)
+                           : cluster_max_sum<kClusters, false>(mine, scratch, parity);
     parity ^= 1;
     const float lse2 = safe_shift(row.x) + log2f(row.y), lse = lse2 * kLn2;
     if (owner) {
@@ -311,7 +312,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 // Calls f(kernel, dynamic shared bytes) with the instantiation for (element type, flag,
 // tiling); false when there is none. Kernels reading kStreams arrays are built for the units
 // that keep a thread's slices within kMaxVectors vectors, and staged only when kMayStage.
-template <template <typename, bool, int, bool> class Kernel, int kStreams, bool kMayStage,
+template <template <typename, bool, int, bool, bool> class Kernel, int kStreams, bool kMayStage,
           typename F>
 bool dispatch_kernel(ffi::DataType dtype, bool flag, const Tiling& t, F&& f) {
   if (t.stages < 0 || (t.stages > 0 && !kMayStage)) return false;
@@ -327,8 +328,11 @@ bool dispatch_kernel(ffi::DataType dtype, bool flag, const Tiling& t, F&& f) {
             kStaged ? StagedFeed<T, V>::bytes(static_cast<int>(t.stages),
                                               static_cast<int>(t.threads))
                     : 0;
-        if (flag) f(Kernel<T, true, V, kStaged>::get(), bytes);
-        else f(Kernel<T, false, V, kStaged>::get(), bytes);
+        with_clusters(t.cluster > 1, [&](auto clusters) {
+          constexpr bool kClusters = decltype(clusters)::value;
+          if (flag) f(Kernel<T, true, V, kStaged, kClusters>::get(), bytes);
+          else f(Kernel<T, false, V, kStaged, kClusters>::get(), bytes);
+        });
       };
       if constexpr (kMayStage) {
         if (t.stages > 0) launch(std::true_type{});
@@ -341,22 +345,22 @@ bool dispatch_kernel(ffi::DataType dtype, bool flag, const Tiling& t, F&& f) {
   return known;
 }
 
-template <typename T, bool kFlag, int V, bool kStaged> struct Forward {
-  static auto get() { return softmax_forward_kernel<T, kFlag, V, kStaged>; }
+template <typename T, bool kFlag, int V, bool kStaged, bool kClusters> struct Forward {
+  static auto get() { return softmax_forward_kernel<T, kFlag, V, kStaged, kClusters>; }
 };
-template <typename T, bool kFlag, int V, bool kStaged> struct Backward {
-  static auto get() { return softmax_backward_kernel<T, kFlag, V>; }
+template <typename T, bool kFlag, int V, bool kStaged, bool kClusters> struct Backward {
+  static auto get() { return softmax_backward_kernel<T, kFlag, V, kClusters>; }
 };
-template <typename T, bool kFlag, int V, bool kStaged> struct CrossEntropy {
-  static auto get() { return cross_entropy_kernel<T, kFlag, V, kStaged>; }
+template <typename T, bool kFlag, int V, bool kStaged, bool kClusters> struct CrossEntropy {
+  static auto get() { return cross_entropy_kernel<T, kFlag, V, kStaged, kClusters>; }
 };
 // The gradient of float32 logits in G, a fused linear layer's operand dtype. Other logits, and
 // the loss without a gradient, take the instantiations above.
 template <typename G> struct CrossEntropyInto {
-  template <typename T, bool kFlag, int V, bool kStaged> struct Kernel {
+  template <typename T, bool kFlag, int V, bool kStaged, bool kClusters> struct Kernel {
     static auto get() {
       using Out = std::conditional_t<std::is_same_v<T, float> && kFlag, G, T>;
-      return cross_entropy_kernel<T, kFlag, V, kStaged, Out>;
+      return cross_entropy_kernel<T, kFlag, V, kStaged, kClusters, Out>;
     }
   };
 };
