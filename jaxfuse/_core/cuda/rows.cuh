@@ -32,9 +32,11 @@ namespace cg = cooperative_groups;
 namespace ffi = xla::ffi;
 
 // Whether this library is built for thread-block clusters (sm_90 and newer). nvcc's list of
-// the architectures it builds is seen by the host pass too, so a build for an older GPU
-// instantiates only the kernels of a CTA alone.
-#if defined(__CUDA_ARCH_LIST__) && __CUDA_ARCH_LIST__ >= 900
+// the architectures it builds (one here) is seen by the host pass too, so a build for an older
+// GPU instantiates only the kernels of a CTA alone.
+#if !defined(__CUDA_ARCH_LIST__)
+#error "jaxfuse's CUDA kernels need nvcc 11.5 or newer, which defines __CUDA_ARCH_LIST__"
+#elif __CUDA_ARCH_LIST__ >= 900
 constexpr bool kBuiltForClusters = true;
 #else
 constexpr bool kBuiltForClusters = false;
