@@ -418,6 +418,26 @@ def _softmax_cuda(sweep):
     sweep.problem("softmax_cuda", label, lambda t, x, l: cuda.cross_entropy(
         x, l, label_smoothing=0.0, z_loss=0.0, row_scale=scale, mode="fused", tiling=t),
         variants, _sets(make, 2 * rows * vocab * 2), 2 * rows * vocab * 2)
+  # linear_cross_entropy's row pass: a chunk of float32 logits (GPT-2's vocabulary padded to
+  # whole units) whose gradient goes out in bfloat16. Through registers a thread of four float32
+  # units keeps no next row in flight; one stage does.
+  rows, vocab, classes = 2560, 50304, 50257
+  label = f"cuda cross_entropy {rows}x{vocab} float32 fused"
+  if sweep.wanted(label):
+    def make_logits(key):
+      kx, kl = jax.random.split(key)
+      return (jax.random.normal(kx, (rows, vocab), jnp.float32),
+              jax.random.randint(kl, (rows,), 0, classes, jnp.int32))
+
+    scale = jnp.full((rows,), 1.0 / rows, jnp.float32)
+    default = cuda.cross_entropy_tiling(vocab, jnp.float32)
+    staged = [dataclasses.replace(default, stages=s) for s in (1, 2)]
+    variants = list(dict.fromkeys([default] + staged + _cluster_shapes(vocab, (4, 2), stages=(0, 1),
+                                                                       min_threads=128)))
+    sweep.problem("softmax_cuda", label, lambda t, x, l: cuda.cross_entropy(
+        x, l, label_smoothing=0.0, z_loss=0.0, row_scale=scale, mode="fused", tiling=t,
+        classes=classes, grad_dtype=jnp.bfloat16),
+        variants, _sets(make_logits, rows * vocab * 6), rows * vocab * 6)
 
 
 # --------------------------------------------------------------------------- attention
