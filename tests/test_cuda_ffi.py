@@ -252,7 +252,8 @@ BAD_CALLS = {
         ("ignore_index beyond int32", [attrs(ignore_index=2**40)], "ignore_index="),
         ("flag", [attrs(has_ignore=2)], "has_ignore=2"),
         ("classes beyond the row", [attrs(counted=N + 1)], "counted=4097"),
-        ("rows not a multiple of 8", shorter_rows("logits", outs=("grad",)),
+        ("rows not a multiple of 8",
+         shorter_rows("logits", outs=("grad",)) + [attrs(counted=N - 4)],
          "rows of 4092 elements"),
     ],
 }
