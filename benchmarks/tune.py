@@ -188,6 +188,16 @@ def _norm(sweep):
                     passes * pass_bytes)
 
 
+# A forward variant is a tiling on the kernel's default waves of persistent clusters, or
+# (tiling, waves).
+def _waves(variant):
+  return variant if isinstance(variant, tuple) else (variant, None)
+
+
+def _other_waves(tiling, default):
+  return [(tiling, waves) for waves in (1, 2, 4, 8) if waves != default]
+
+
 def _norm_cuda(sweep):
   """Cluster shapes of the 'cuda' kernels: (CTAs per row, threads per CTA, units per thread),
   and for short rows the lanes that hold a row."""
@@ -196,9 +206,10 @@ def _norm_cuda(sweep):
   sms = registry.num_multiprocessors()
 
   # Float32 parameters beside bfloat16 x make float32 outputs (jnp's promotion), so dy too.
-  def fwd(kind, tiling, x, dy, w):
+  def fwd(kind, variant, x, dy, w):
+    tiling, waves = _waves(variant)
     return cuda.forward(x, w, w if kind == "layer" else None, kind=kind, eps=1e-5,
-                        out_dtype=dy.dtype, tiling=tiling)[0]
+                        out_dtype=dy.dtype, tiling=tiling, waves=waves)[0]
 
   # A backward variant is a tiling, or (tiling, clusters) for a persistent grid capped below the
   # resident clusters: fewer float32 partial rows of the parameter gradients to write and read.
@@ -255,7 +266,9 @@ def _norm_cuda(sweep):
           sets = [as_float32_params(*s) for s in sets] if params else sets
         if direction == "fwd":
           fn, data = functools.partial(fwd, kind), sets
-          variants = [cuda.forward_tiling(n, jnp.bfloat16, sets[0][2].dtype)] + forward_variants
+          default = cuda.forward_tiling(n, jnp.bfloat16, sets[0][2].dtype)
+          variants = [default] + forward_variants + (
+              [] if default.lanes else _other_waves(default, cuda.FORWARD_WAVES[kind]))
         else:
           data = []
           for x, dy, w in sets:
@@ -375,7 +388,8 @@ def _backward_candidates(n):
 
 
 def _softmax_cuda(sweep):
-  """Cluster shapes of the softmax and cross-entropy 'cuda' kernels."""
+  """Cluster shapes of the softmax and cross-entropy 'cuda' kernels, and their grids' waves."""
+  from jaxfuse._core import cuda as core
   from jaxfuse.ops.softmax import cuda
   for rows, n in ((16384, 1024), (16384, 4096), (16384, 16384), (16384, 32768), (4096, 131072),
                   (4096, 262144)):
@@ -392,10 +406,13 @@ def _softmax_cuda(sweep):
         ("fwd", cuda.forward_tiling, _forward_candidates, 2),
         ("bwd", cuda.backward_tiling, _backward_candidates, 3)):
       if direction == "fwd":
-        fn = lambda t, x, dy: cuda.softmax_forward(x, scale=1.0, log=False, tiling=t)
+        fn = lambda v, x, dy: cuda.softmax_forward(x, scale=1.0, log=False, tiling=_waves(v)[0],
+                                                   waves=_waves(v)[1])
       else:
-        fn = lambda t, y, dy: cuda.softmax_backward(y, dy, scale=1.0, log=False, tiling=t)
-      variants = list(dict.fromkeys([default(n, jnp.bfloat16)] + candidates(n)))
+        fn = lambda v, y, dy: cuda.softmax_backward(y, dy, scale=1.0, log=False,
+                                                    tiling=_waves(v)[0], waves=_waves(v)[1])
+      variants = list(dict.fromkeys([default(n, jnp.bfloat16)] + candidates(n)
+                                    + _other_waves(default(n, jnp.bfloat16), core.GRID_WAVES)))
       sweep.problem("softmax_cuda", f"cuda softmax {rows}x{n} {direction}", fn, variants, sets,
                     passes * pass_bytes)
   for rows, vocab in ((8192, 131072), (16384, 32768)):
@@ -413,10 +430,12 @@ def _softmax_cuda(sweep):
     # four units staged, two through registers) at the cost of more CTAs a row.
     spill_free = (_cluster_shapes(vocab, (4,), stages=(1,), min_threads=128)
                   + _cluster_shapes(vocab, (2,), min_threads=256))
-    variants = list(dict.fromkeys([cuda.cross_entropy_tiling(vocab, jnp.bfloat16)]
+    default = cuda.cross_entropy_tiling(vocab, jnp.bfloat16)
+    variants = list(dict.fromkeys([default] + _other_waves(default, core.GRID_WAVES)
                                   + _forward_candidates(vocab) + spill_free))
-    sweep.problem("softmax_cuda", label, lambda t, x, l: cuda.cross_entropy(
-        x, l, label_smoothing=0.0, z_loss=0.0, row_scale=scale, mode="fused", tiling=t),
+    sweep.problem("softmax_cuda", label, lambda v, x, l: cuda.cross_entropy(
+        x, l, label_smoothing=0.0, z_loss=0.0, row_scale=scale, mode="fused",
+        tiling=_waves(v)[0], waves=_waves(v)[1]),
         variants, _sets(make, 2 * rows * vocab * 2), 2 * rows * vocab * 2)
   # linear_cross_entropy's row pass: a chunk of float32 logits (GPT-2's vocabulary padded to
   # whole units) whose gradient goes out in bfloat16. Through registers a thread of four float32

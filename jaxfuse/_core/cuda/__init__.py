@@ -10,11 +10,21 @@ import math
 
 from jaxfuse._core.cuda.build import MAX_CLUSTER, Library, cluster_limit, unavailable
 
-__all__ = ["Library", "Tiling", "cluster_limit", "holder", "longest_row", "short_tiling",
-           "tiling", "unavailable"]
+__all__ = ["GRID_WAVES", "Library", "Tiling", "cluster_limit", "holder", "longest_row",
+           "persistent_clusters", "short_tiling", "tiling", "unavailable"]
 
 UNIT = 8  # elements per 16-byte (or, for float32, 32-byte) vector
 MAX_THREADS = 512
+# Persistent row kernels launch several waves of the clusters resident at once, not exactly
+# one: the block scheduler then hands the last rows to whichever SMs free up first, where one
+# wave fixes every SM's share of the rows at launch (benchmarks/tune.py times the waves).
+GRID_WAVES = 4
+
+
+def persistent_clusters(resident: int, n_rows: int, waves: int = GRID_WAVES) -> int:
+  """Clusters a persistent row kernel launches: ``waves`` times the ``resident`` ones, and
+  none without a row."""
+  return max(1, min(n_rows, resident * waves))
 
 
 @dataclasses.dataclass(frozen=True)

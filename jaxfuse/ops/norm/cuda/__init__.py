@@ -149,19 +149,28 @@ def resident_clusters(direction: str, kind: str, x_dtype, other_dtype, param_dty
 MAX_GROUP_BLOCKS = 65535  # CUDA's limit on a grid's y dimension (norm.cu grid())
 
 
-def _grid(n_groups: int, n_rows: int, t: Tiling, resident: int) -> int:
-  """Clusters to launch along x: as many as are resident, none without a row. Short rows take
-  one row of CTAs per parameter group along y (norm.cu grid()), so the resident CTAs are
-  shared out over the groups: a vmapped step of few rows a group still fills the GPU."""
+def _grid(n_groups: int, n_rows: int, t: Tiling, resident: int, waves: int = 1) -> int:
+  """Clusters to launch along x: ``waves`` times those resident, none without a row. Short
+  rows take one row of CTAs per parameter group along y (norm.cu grid()), so the resident CTAs
+  are shared out over the groups: a vmapped step of few rows a group still fills the GPU."""
   if not t.lanes:
-    return max(1, min(resident, n_rows))
+    return cuda.persistent_clusters(resident, n_rows, waves)
   rows_at_once = t.threads // t.lanes
   per_group = -(-resident // min(n_groups, MAX_GROUP_BLOCKS))
   return max(1, min(per_group, -(-n_rows // rows_at_once)))
 
 
-def forward(x, weight, bias, *, kind, eps, out_dtype, tiling: Tiling | None = None):
-  """``x (G, R, N)``, ``weight``/``bias`` ``(G, N)`` or None -> ``(y, mean | None, rstd)``."""
+# The forward's persistent grid in waves of resident clusters (benchmarks/tune.py norm_cuda
+# times them): LayerNorm, with twice RMSNorm's arithmetic a row, was faster at fewer.
+FORWARD_WAVES = {"rms": cuda.GRID_WAVES, "layer": 2}
+
+
+def forward(x, weight, bias, *, kind, eps, out_dtype, tiling: Tiling | None = None,
+            waves: int | None = None):
+  """``x (G, R, N)``, ``weight``/``bias`` ``(G, N)`` or None -> ``(y, mean | None, rstd)``.
+  A row tiling's persistent grid is ``waves`` (default ``FORWARD_WAVES[kind]``) times the
+  clusters resident at once; the backward keeps one wave, as each of its clusters writes
+  partial parameter gradients."""
   n_groups, n_rows, n_cols = x.shape
   has_weight, has_bias = weight is not None, bias is not None
   weight, bias = _params(x, weight, bias)
@@ -169,7 +178,7 @@ def forward(x, weight, bias, *, kind, eps, out_dtype, tiling: Tiling | None = No
   t.check(n_cols)
   clusters = _grid(n_groups, n_rows, t,
                    resident_clusters("forward", kind, x.dtype, out_dtype, weight.dtype, t,
-                                     has_weight, has_bias))
+                                     has_weight, has_bias), waves or FORWARD_WAVES[kind])
   stat = jax.ShapeDtypeStruct((n_groups, n_rows), jnp.float32)
   y, mean, rstd = jax.ffi.ffi_call(
       "jaxfuse_norm_forward", (jax.ShapeDtypeStruct(x.shape, out_dtype), stat, stat))(

@@ -126,8 +126,9 @@ def resident_clusters(kernel: str, dtype, flag: bool, t: Tiling) -> int:
   return count
 
 
-def _grid(kernel, dtype, flag, t: Tiling, n_rows: int) -> dict:
-  clusters = max(1, min(n_rows, resident_clusters(kernel, dtype, flag, t)))
+def _grid(kernel, dtype, flag, t: Tiling, n_rows: int, waves: int | None) -> dict:
+  clusters = cuda.persistent_clusters(resident_clusters(kernel, dtype, flag, t), n_rows,
+                                      waves or cuda.GRID_WAVES)
   return dict(cluster=np.int64(t.cluster), threads=np.int64(t.threads),
               units=np.int64(t.units), stages=np.int64(t.stages), clusters=np.int64(clusters))
 
@@ -136,38 +137,42 @@ def _rows(x):
   return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
 
 
-def softmax_forward(x, *, scale: float, log: bool, tiling: Tiling | None = None):
-  """Softmax (or log-softmax) of ``scale * x`` over the last axis of ``x``."""
+def softmax_forward(x, *, scale: float, log: bool, tiling: Tiling | None = None,
+                    waves: int | None = None):
+  """Softmax (or log-softmax) of ``scale * x`` over the last axis of ``x``, on a persistent
+  grid of ``waves`` (default ``GRID_WAVES``) times the clusters resident at once."""
   x2 = _rows(x)
   t = tiling or forward_tiling(x2.shape[1], x.dtype)
   t.check(x2.shape[1])
   y = jax.ffi.ffi_call("jaxfuse_softmax_forward", jax.ShapeDtypeStruct(x2.shape, x.dtype))(
       x2, scale=np.float32(scale), log=np.int64(log),
-      **_grid("forward", x.dtype, log, t, x2.shape[0]))
+      **_grid("forward", x.dtype, log, t, x2.shape[0], waves))
   return y.reshape(x.shape)
 
 
-def softmax_backward(y, dy, *, scale: float, log: bool, tiling: Tiling | None = None):
-  """Gradient of ``scale * x`` from the output ``y`` and its cotangent ``dy``."""
+def softmax_backward(y, dy, *, scale: float, log: bool, tiling: Tiling | None = None,
+                     waves: int | None = None):
+  """Gradient of ``scale * x`` from the output ``y`` and its cotangent ``dy``, on ``waves``
+  waves of clusters as the forward."""
   y2 = _rows(y)
   t = tiling or backward_tiling(y2.shape[1], y.dtype)
   t.check(y2.shape[1])
   dx = jax.ffi.ffi_call("jaxfuse_softmax_backward", jax.ShapeDtypeStruct(y2.shape, y.dtype))(
       y2, _rows(dy).astype(y.dtype), scale=np.float32(scale), log=np.int64(log),
-      **_grid("backward", y.dtype, log, t, y2.shape[0]))
+      **_grid("backward", y.dtype, log, t, y2.shape[0], waves))
   return dx.reshape(y.shape)
 
 
 def cross_entropy(logits, labels, *, label_smoothing, z_loss, ignore_index=None,
                   row_scale=None, lse=None, mode, tiling: Tiling | None = None, bias=None,
-                  classes: int | None = None, grad_dtype=None):
+                  classes: int | None = None, grad_dtype=None, waves: int | None = None):
   """Same contract as ``triton.cross_entropy``: ``logits (R, V)``, int32 ``labels (R,)``;
   ``mode`` 'loss' -> ``(loss, lse)``, 'fused' -> ``(loss, grad)``, 'grad' -> ``grad``.
 
   For the logits of a fused linear layer: ``bias`` (float32 ``(V,)``) is added to every row,
   only the first ``classes`` columns are classes (the rest pad the row to whole tiles and get a
   zero gradient), and float32 logits may give their gradient in ``grad_dtype`` (bfloat16 or
-  float16), in the same pass."""
+  float16), in the same pass. ``waves``: as :func:`softmax_forward`'s."""
   n_rows, vocab = logits.shape
   classes = vocab if classes is None else classes
   if mode == "grad":
@@ -192,4 +197,5 @@ def cross_entropy(logits, labels, *, label_smoothing, z_loss, ignore_index=None,
       smoothing=np.float32(label_smoothing), z_loss=np.float32(z_loss),
       ignore_index=np.int64(0 if ignore_index is None else ignore_index),
       has_ignore=np.int64(ignore_index is not None), with_grad=np.int64(with_grad),
-      counted=np.int64(classes), **_grid("cross_entropy", logits.dtype, with_grad, t, n_rows))
+      counted=np.int64(classes),
+      **_grid("cross_entropy", logits.dtype, with_grad, t, n_rows, waves))
