@@ -608,6 +608,50 @@ def test_gpu_cuda_every_built_tiling(rng, kind, dtype, n):
       assert_close(g.reshape(r.shape), r, dtype, factor=4, name=str(t))
 
 
+def test_persistent_grids_come_in_waves_of_resident_clusters():
+  """Host-side rules, no GPU needed: a row tiling's forward launches ``waves`` times the
+  resident clusters and never more than the rows; the backward (partial parameter gradients
+  per cluster) and short rows (CTAs shared out over the groups) keep one wave."""
+  from jaxfuse._core import cuda
+  from jaxfuse.ops.norm import cuda as cuda_kernels
+  assert cuda.persistent_clusters(100, 10_000, waves=4) == 400
+  assert cuda.persistent_clusters(100, 250, waves=4) == 250
+  assert cuda.persistent_clusters(100, 0) == 1
+  rows = cuda.Tiling(1, 128, 4)
+  assert cuda_kernels._grid(1, 10_000, rows, 100, waves=2) == 200
+  assert cuda_kernels._grid(3, 10_000, rows, 100) == 100
+  short = cuda.Tiling(1, 256, 4, 0, 8)
+  assert cuda_kernels._grid(1, 10_000, short, 100, waves=4) == 100
+  assert set(cuda_kernels.FORWARD_WAVES) == set(KINDS)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n", [4008, 20008])
+def test_gpu_cuda_forward_bits_do_not_depend_on_the_grid(rng, monkeypatch, kind, n):
+  """One wave of clusters, the default, eight, and three clusters walking every row: the same
+  bits, as each row is reduced by the same threads in the same order whichever cluster holds
+  it (rows past the resident clusters, prefetched rows, two parameter groups)."""
+  from jaxfuse._core import cuda
+  from jaxfuse.ops.norm import cuda as cuda_kernels
+  if n > 4008 and cuda.cluster_limit() == 1:
+    pytest.skip("rows one CTA holds only: no thread-block clusters before sm_90")
+  x = random(rng, (2, 997, n), jnp.bfloat16, offset=1.5 if kind == "layer" else 0.0)
+  w, b = params(rng, kind, (2, n), jnp.bfloat16)
+  run = lambda **kw: cuda_kernels.forward(x, w, b, kind=kind, eps=EPS[kind],
+                                          out_dtype=jnp.bfloat16, **kw)
+  expected = run()
+  y_ref, _ = reference(kind, x[1], w[1], None if b is None else b[1], nd=1)
+  assert_close(expected[0][1], y_ref, jnp.bfloat16)
+  outputs = [run(waves=waves) for waves in (1, 8)]
+  monkeypatch.setattr(cuda_kernels, "resident_clusters", lambda *args: 3)
+  outputs.append(run(waves=1))
+  for got in outputs:
+    for a, e in zip(got, expected):
+      if e is not None:
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
+
+
 @pytest.mark.parametrize("n", [1, 8, 9, 64, 200, 256, 257, 1000, 1024, 1032, 4096])
 def test_short_tilings_cover_their_rows(n):
   """Host-side rules, no GPU needed: a short-row tiling holds the row on a power of two of at

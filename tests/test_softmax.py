@@ -561,6 +561,37 @@ def test_gpu_cuda_every_built_tiling(rng, stages, dtype, n):
       assert_close(grad, grad_ref, dtype, factor=4)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [4008, 20008])
+def test_gpu_cuda_bits_do_not_depend_on_the_grid(rng, monkeypatch, n):
+  """The softmax forward and backward and the cross-entropy on one wave of clusters, the
+  default, eight, and three clusters walking every row: the same bits."""
+  from jaxfuse._core import cuda
+  from jaxfuse.ops.softmax import cuda as cuda_kernels
+  if n > 4008 and cuda.cluster_limit() == 1:
+    pytest.skip("rows one CTA holds only: no thread-block clusters before sm_90")
+  rows = 997
+  x = random(rng, (rows, n), jnp.bfloat16, scale=3.0)
+  dy = random(rng, (rows, n), jnp.bfloat16)
+  labels = jnp.asarray(rng.integers(0, n, (rows,)), jnp.int32)
+  row_scale = jnp.full((1,), 1.0 / rows, jnp.float32)
+
+  def run(**kw):
+    y = cuda_kernels.softmax_forward(x, scale=1.0, log=False, **kw)
+    return (y, cuda_kernels.softmax_backward(y, dy, scale=1.0, log=False, **kw),
+            *cuda_kernels.cross_entropy(x, labels, label_smoothing=0.1, z_loss=0.0,
+                                        row_scale=row_scale, mode="fused", **kw))
+
+  expected = run()
+  check(expected[0], reference("softmax", x)[0], jnp.bfloat16)
+  outputs = [run(waves=waves) for waves in (1, 8)]
+  monkeypatch.setattr(cuda_kernels, "resident_clusters", lambda *args: 3)
+  outputs.append(run(waves=1))
+  for got in outputs:
+    for a, e in zip(got, expected):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
+
+
 def _long_cuda_row() -> int:
   """A float32 row that takes a cluster of several CTAs, or where the kernels have no clusters
   (built for sm_80), most of one CTA."""
