@@ -188,9 +188,10 @@ def _norm(sweep):
                     passes * pass_bytes)
 
 
-# A forward variant is a tiling on the kernel's default waves of persistent clusters, or
-# (tiling, waves).
-def _waves(variant):
+# A variant is a tiling, or (tiling, knob) for the one other setting its problem times (a
+# forward's waves of persistent clusters, the norm backward's cap on them); a tiling alone
+# leaves that setting at its default (None).
+def _knob(variant):
   return variant if isinstance(variant, tuple) else (variant, None)
 
 
@@ -207,14 +208,14 @@ def _norm_cuda(sweep):
 
   # Float32 parameters beside bfloat16 x make float32 outputs (jnp's promotion), so dy too.
   def fwd(kind, variant, x, dy, w):
-    tiling, waves = _waves(variant)
+    tiling, waves = _knob(variant)
     return cuda.forward(x, w, w if kind == "layer" else None, kind=kind, eps=1e-5,
                         out_dtype=dy.dtype, tiling=tiling, waves=waves)[0]
 
-  # A backward variant is a tiling, or (tiling, clusters) for a persistent grid capped below the
-  # resident clusters: fewer float32 partial rows of the parameter gradients to write and read.
+  # The backward's knob caps the persistent grid below the resident clusters: fewer float32
+  # partial rows of the parameter gradients to write and read.
   def bwd(kind, variant, x, dy, w, mean, rstd):
-    tiling, max_clusters = variant if isinstance(variant, tuple) else (variant, None)
+    tiling, max_clusters = _knob(variant)
     return cuda.backward(dy, x, w, mean, rstd, kind=kind, has_bias=kind == "layer",
                          bias_dtype=w.dtype, tiling=tiling, max_clusters=max_clusters)
 
@@ -406,11 +407,13 @@ def _softmax_cuda(sweep):
         ("fwd", cuda.forward_tiling, _forward_candidates, 2),
         ("bwd", cuda.backward_tiling, _backward_candidates, 3)):
       if direction == "fwd":
-        fn = lambda v, x, dy: cuda.softmax_forward(x, scale=1.0, log=False, tiling=_waves(v)[0],
-                                                   waves=_waves(v)[1])
+        def fn(variant, x, dy):
+          tiling, waves = _knob(variant)
+          return cuda.softmax_forward(x, scale=1.0, log=False, tiling=tiling, waves=waves)
       else:
-        fn = lambda v, y, dy: cuda.softmax_backward(y, dy, scale=1.0, log=False,
-                                                    tiling=_waves(v)[0], waves=_waves(v)[1])
+        def fn(variant, y, dy):
+          tiling, waves = _knob(variant)
+          return cuda.softmax_backward(y, dy, scale=1.0, log=False, tiling=tiling, waves=waves)
       variants = list(dict.fromkeys([default(n, jnp.bfloat16)] + candidates(n)
                                     + _other_waves(default(n, jnp.bfloat16), core.GRID_WAVES)))
       sweep.problem("softmax_cuda", f"cuda softmax {rows}x{n} {direction}", fn, variants, sets,
@@ -434,10 +437,13 @@ def _softmax_cuda(sweep):
     default = cuda.cross_entropy_tiling(vocab, jnp.bfloat16)
     variants = list(dict.fromkeys([default] + spill_free + _other_waves(default, core.GRID_WAVES)
                                   + _forward_candidates(vocab)))
-    sweep.problem("softmax_cuda", label, lambda v, x, l: cuda.cross_entropy(
-        x, l, label_smoothing=0.0, z_loss=0.0, row_scale=scale, mode="fused",
-        tiling=_waves(v)[0], waves=_waves(v)[1]),
-        variants, _sets(make, 2 * rows * vocab * 2), 2 * rows * vocab * 2)
+    def fused(variant, x, labels, scale=scale):
+      tiling, waves = _knob(variant)
+      return cuda.cross_entropy(x, labels, label_smoothing=0.0, z_loss=0.0, row_scale=scale,
+                                mode="fused", tiling=tiling, waves=waves)
+
+    sweep.problem("softmax_cuda", label, fused, variants, _sets(make, 2 * rows * vocab * 2),
+                  2 * rows * vocab * 2)
   # linear_cross_entropy's row pass: a chunk of float32 logits (GPT-2's vocabulary padded to
   # whole units) whose gradient goes out in bfloat16. Through registers a thread of four float32
   # units keeps no next row in flight; one stage does.
