@@ -120,9 +120,17 @@ def norm_backward_call(rng):
 def softmax_forward_call(rng):
   t = _softmax_cuda().forward_tiling(N, jnp.bfloat16)
   return Call("jaxfuse_softmax_forward",
-              dict(x=random(rng, (ROWS, N), jnp.bfloat16, scale=3.0)),
+              dict(x=random(rng, (ROWS, N), jnp.bfloat16, scale=3.0),
+                   mask=jnp.asarray(rng.random((ROWS * N,)) > 0.3)),
               dict(y=jax.ShapeDtypeStruct((ROWS, N), jnp.bfloat16)),
-              _attrs(scale=0.7, log=0, clusters=CLUSTERS) | _tiling_attrs(t))
+              _attrs(scale=0.7, log=0, causal_rows=0, causal_offset=0, has_mask=1,
+                     mask_column_stride=1, clusters=CLUSTERS) | _tiling_attrs(t)
+              | mask_reading([ROWS], [N]))
+
+
+def mask_reading(sizes, strides):
+  """The softmax forward's (size, stride) groups of its mask's rows, as int64 array attributes."""
+  return dict(mask_sizes=np.array(sizes, np.int64), mask_strides=np.array(strides, np.int64))
 
 
 def softmax_backward_call(rng):
@@ -223,6 +231,21 @@ BAD_CALLS = {
         ("scale", [attrs(scale=float("inf"))], "scale="),
         ("flag", [attrs(log=2)], "log=2"),
         ("rows not a multiple of 8", shorter_rows("x", outs=("y",)), "rows of 4092 elements"),
+        ("causal rows that do not divide the rows", [attrs(causal_rows=5)],
+         "causal_rows=5 does not divide the 37 rows"),
+        ("causal offset", [attrs(causal_rows=ROWS, causal_offset=-ROWS - 1)], "causal_offset="),
+        ("mask dtype", [arg("mask", lambda m: m.astype(jnp.int8))], "mask is int8, not bool"),
+        ("mask groups of two lengths",
+         [lambda call: call.attrs.update(mask_reading([ROWS], [N, 0]))], "mask_strides have"),
+        ("mask groups for other rows",
+         [lambda call: call.attrs.update(mask_reading([ROWS - 1], [N]))],
+         "mask_sizes multiply to 36"),
+        ("mask read past its end",
+         [lambda call: call.attrs.update(mask_reading([ROWS], [N + 8]))],
+         "mask_strides reach element"),
+        ("mask rows off the 8-element grid",
+         [lambda call: call.attrs.update(mask_reading([ROWS], [4]))], "multiples of 8"),
+        ("mask column stride", [attrs(mask_column_stride=2)], "mask_column_stride=2"),
     ],
     "softmax_backward": TILING_CASES + [
         ("y rank", [arg("y", lambda y: y[0])], r"y must be \(R, N\)"),
@@ -316,7 +339,8 @@ def test_gpu_well_formed_norm_calls(rng):
 def test_gpu_well_formed_softmax_calls(rng):
   forward = softmax_forward_call(rng)
   (y,) = forward.run()
-  z = 0.7 * np.asarray(forward.args["x"], np.float64)
+  keep = np.asarray(forward.args["mask"]).reshape(ROWS, N)
+  z = np.where(keep, 0.7 * np.asarray(forward.args["x"], np.float64), -np.inf)
   p = np.exp(z - z.max(-1, keepdims=True))
   p /= p.sum(-1, keepdims=True)
   assert_close(y, p, name="softmax")

@@ -621,15 +621,99 @@ def test_gpu_cuda_softmax_edge_values_and_repeatability(rng, name):
   np.testing.assert_array_equal(np.asarray(dx), np.asarray(dx2))
 
 
+# Masks of x (2, 3, 8, S): every broadcast pattern, one beyond the kernel's four row groups (read
+# materialized), and one value a row.
+CUDA_MASKS = [(2, 3, 8, "S"), ("S",), (8, 1), (2, 1, 1, "S"), (3, 8, "S"), (1, 1),
+              (2, 1, 8, "S"), (1, 3, 1, "S")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", FNS)
+@pytest.mark.parametrize("mask_shape", CUDA_MASKS, ids=str)
+@pytest.mark.parametrize("s", [40, "long"])
+def test_gpu_cuda_masks(rng, name, mask_shape, s):
+  """Boolean masks on the CUDA kernels read in place through their broadcast strides, with a
+  causal mask on top for the rows of the last case, against float64: masked keys 0 (-inf for
+  log_softmax) with zero gradient, fully masked rows included."""
+  s = _long_cuda_row() if s == "long" else s
+  mask_shape = tuple(s if d == "S" else d for d in mask_shape)
+  x = random(rng, (2, 3, 8, s), jnp.float32)
+  mask = rng.random(mask_shape) > 0.4
+  dy = random(rng, x.shape, jnp.float32)
+  causal = mask_shape == (1, 3, 1, s)
+  y, (dx,) = value_and_vjp(
+      lambda x: FNS[name](x, mask=jnp.asarray(mask), is_causal=causal,
+                          causal_offset=-2 if causal else 0, implementation="cuda"), (x,), dy)
+  keep = np.broadcast_to(mask, x.shape)
+  if causal:
+    keep = keep & causal_keep(8, s, -2)
+  full = keep.any(axis=-1, keepdims=True)
+  expected, grad = reference(name, x, keep=keep | ~full, dy=dy)
+  fill = -np.inf if name == "log_softmax" else 0.0
+  expected = np.where(keep & full, expected, fill)
+  check(y, expected)
+  assert np.all(np.asarray(dx)[~(keep & full)] == 0)
+  check(dx, np.where(keep & full, grad, 0.0), factor=10,
+        floor=gradient_floor(name, expected, np.where(keep & full, dy, 0.0)))
+
+
+def test_cuda_mask_groups_read_every_row_once():
+  """Host-side rule, no GPU needed: the (size, stride) groups give each row of x the offset of
+  its row in the dense mask, in the fewest groups."""
+  from jaxfuse.ops.softmax import cuda as cuda_kernels
+  x_shape = (2, 3, 8, 40)
+  for mask_shape in [(2, 3, 8, 40), (1, 1, 1, 40), (2, 1, 1, 40), (1, 3, 8, 40), (2, 1, 8, 1),
+                     (1, 3, 1, 40), (2, 3, 1, 1)]:
+    groups = cuda_kernels._mask_groups(x_shape, mask_shape)
+    assert np.prod([g[0] for g in groups]) == np.prod(x_shape[:-1])
+    dense = np.arange(np.prod(mask_shape)).reshape(mask_shape)
+    expected = np.broadcast_to(dense, x_shape[:-1] + mask_shape[-1:])[..., 0].reshape(-1)
+    offsets = []
+    for r in range(np.prod(x_shape[:-1])):
+      offset, rest = 0, r
+      for size, stride in reversed(groups):
+        offset, rest = offset + rest % size * stride, rest // size
+      offsets.append(offset)
+    np.testing.assert_array_equal(offsets, expected, err_msg=str(mask_shape))
+  assert cuda_kernels._mask_groups(x_shape, (1, 1, 1, 40)) == [(48, 0)]
+  assert cuda_kernels._mask_groups(x_shape, (2, 3, 8, 40)) == [(48, 40)]
+  assert len(cuda_kernels._mask_groups((2, 2, 2, 2, 2, 8), (2, 1, 2, 1, 2, 8))) == 5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", FNS)
+@pytest.mark.parametrize("t,s,offset", [(8, 8, 0), (16, 40, 24), (16, 40, 0), (24, 16, -8),
+                                        (8, 8, 3), (5, "long", 0), (5, "long", "bottom")])
+def test_gpu_cuda_causal(rng, name, t, s, offset):
+  """Causal rows on the CUDA kernels, against float64: keys past each query (plus the offset)
+  are 0 (-inf for log_softmax) with zero gradient, fully masked rows included, under a negative
+  scale (the mask applies to the scaled logits), and over a cluster's long rows."""
+  s = _long_cuda_row() if s == "long" else s
+  offset = s - t if offset == "bottom" else offset
+  x = random(rng, (3, t, s), jnp.float32)
+  dy = random(rng, x.shape, jnp.float32)
+  y, (dx,) = value_and_vjp(
+      lambda x: FNS[name](x, scale=-0.7, is_causal=True, causal_offset=offset,
+                          implementation="cuda"), (x,), dy)
+  keep = np.broadcast_to(causal_keep(t, s, offset), x.shape)
+  full = keep.any(axis=-1, keepdims=True)
+  expected, grad = reference(name, x, scale=-0.7, keep=keep | ~full, dy=dy)
+  fill = -np.inf if name == "log_softmax" else 0.0
+  expected = np.where(keep & full, expected, fill)
+  check(y, expected)
+  assert np.all(np.asarray(dx)[~(keep & full)] == 0)
+  check(dx, np.where(keep & full, grad, 0.0), factor=10,
+        floor=gradient_floor(name, expected, np.where(keep & full, dy, 0.0), scale=-0.7))
+
+
 @pytest.mark.gpu
 def test_gpu_cuda_softmax_vmap_and_refusals(rng):
   n = _long_cuda_row()
   x = random(rng, (3, 4, n), jnp.bfloat16)
   out = jax.vmap(lambda x: jaxfuse.log_softmax(x, implementation="cuda"))(x)
   check(out, reference("log_softmax", x)[0], jnp.bfloat16)
-  for kwargs in (dict(axis=0), dict(mask=jnp.ones((n,), bool)), dict(is_causal=True)):
-    with pytest.raises(NotImplementedError, match="implementation='cuda'"):
-      jaxfuse.softmax(x, implementation="cuda", **kwargs)
+  with pytest.raises(NotImplementedError, match="implementation='cuda'"):
+    jaxfuse.softmax(x, implementation="cuda", axis=0)
   with pytest.raises(NotImplementedError, match="multiple of 8"):
     jaxfuse.softmax(x[..., :-1], implementation="cuda")
 

@@ -634,6 +634,9 @@ inline std::string dtype_name(ffi::DataType dtype) {
     case ffi::DataType::BF16: return "bfloat16";
     case ffi::DataType::F16: return "float16";
     case ffi::DataType::S32: return "int32";
+    case ffi::DataType::S8: return "int8";
+    case ffi::DataType::U8: return "uint8";
+    case ffi::DataType::PRED: return "bool";
     default: return "XLA dtype " + std::to_string(static_cast<int>(dtype));
   }
 }

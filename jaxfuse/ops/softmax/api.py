@@ -57,7 +57,7 @@ def _fastest(op: str, use: str, row: str, n: int, x, cuda_refusal, extents,
   table = tuned.rows("softmax", _untuned)
   facts = dict(op=op, use=use, direction="backward" if use == "backward" else "forward",
                length=n, elements=x.size, plain=plain, itemsize=jnp.dtype(x.dtype).itemsize,
-               cuda_takes=cuda_takes)
+               cuda_takes=cuda_takes, triton=triton_runs)
   runs = {"cuda": cuda_runs, "triton": lambda: triton_runs, "xla": lambda: True}
   if chosen := tuned.ruled(table["rules"], facts, lambda name: runs[name]()):
     return chosen
@@ -81,8 +81,8 @@ def softmax(x, axis: int = -1, *, scale: float = 1.0, mask=None, is_causal: bool
       queries with the last T of S keys (decoding with a cache).
     causal_offset: see ``is_causal``.
     implementation: ``'xla'``, ``'triton'``, ``'cuda'`` (CUDA kernels built with nvcc on first
-      use, for Hopper GPUs: the last axis, no mask, {cuda_limits}) or ``None`` (fastest
-      available here).
+      use, for Hopper GPUs: the last axis, {cuda_limits}) or ``None`` (fastest available
+      here).
 
   Returns:
     An array like ``x``. A fully masked row is all zeros and has zero gradient. Accumulation
@@ -149,8 +149,8 @@ def _softmax_entry(op, log, x, axis, scale, mask, is_causal, causal_offset, impl
     strides = tuple(int(s) if m > 1 else 0 for s, m in zip(dense, mask.shape))
   layout = triton.Layout(tuple(x.shape), axis, strides, bool(is_causal), causal_offset)
   def cuda_refusal(directions=("forward", "backward")):
-    if axis != x.ndim - 1 or mask is not None or is_causal:
-      return "the 'cuda' kernels take the softmax over the last axis, without a mask"
+    if axis != x.ndim - 1:
+      return "the 'cuda' kernels take the softmax over the last axis"
     return cuda_kernels.unsupported(x.shape[-1], x.dtype, directions=directions)
 
   def fastest(use):
@@ -163,7 +163,7 @@ def _softmax_entry(op, log, x, axis, scale, mask, is_causal, causal_offset, impl
   plan = resolve_plan(op, implementation, _BACKENDS, _preference(), fastest)
   if implementation == "cuda" and (reason := cuda_refusal()):
     raise NotImplementedError(f"{op}(implementation='cuda') cannot take x {describe(x)} over "
-                              f"axis {axis}{'' if mask is None else ' with a mask'}: {reason}")
+                              f"axis {axis}: {reason}")
   st = _SoftmaxStatic(op, log, layout, scale, plan)
   return _softmax_jit(x, mask, st)
 
@@ -225,7 +225,10 @@ class _SoftmaxKernels:
 
     def local(x, *mask):
       if self.impl == "cuda":
-        return (cuda_kernels.softmax_forward(x, scale=st.scale, log=st.log),)
+        offset = st.layout.causal_offset if st.layout.causal else None
+        return (cuda_kernels.softmax_forward(x, scale=st.scale, log=st.log,
+                                             causal_offset=offset,
+                                             mask=mask[0] if mask else None),)
       layout = dataclasses.replace(st.layout, shape=tuple(x.shape))
       flat = None
       if mask:

@@ -25,19 +25,29 @@ GPU_SOFTMAX = [(16384, n) for n in (1024, 4096, 8192, 16384, 32768)] + [(4096, 1
 GPU_CROSS_ENTROPY = [(8192, 131072), (16384, 32768)]
 
 
-def _softmax_fn(impl):
+def _softmax_fn(impl, queries=None):
+  """The softmax of rows (R, N); with ``queries``, of causal scores viewed as (R / T, T, N)."""
   if impl == "jax.nn":
-    return jax.nn.softmax
-  return functools.partial(softmax, implementation=implementation_arg(impl))
+    plain = jax.nn.softmax
+    if queries:
+      def plain(x):
+        keep = jnp.tril(jnp.ones(x.shape[-2:], bool))
+        return jax.nn.softmax(x, where=keep) * keep
+  else:
+    plain = functools.partial(softmax, implementation=implementation_arg(impl),
+                              is_causal=bool(queries))
+  if not queries:
+    return plain
+  return lambda x: plain(x.reshape(-1, queries, x.shape[-1])).reshape(x.shape)
 
 
-def _softmax_forward(impl):
-  f = _softmax_fn(impl)
+def _softmax_forward(impl, queries=None):
+  f = _softmax_fn(impl, queries)
   return lambda x, dy: f(x)
 
 
-def _softmax_train(impl):
-  f = _softmax_fn(impl)
+def _softmax_train(impl, queries=None):
+  f = _softmax_fn(impl, queries)
 
   def step(x, dy):
     y, vjp = jax.vjp(f, x)
@@ -79,12 +89,15 @@ def _softmax_train_floors(x, dy):
   return 0.0, jnp.linalg.norm(y * dy, axis=-1, keepdims=True)
 
 
-def _softmax_case(rows, n, dtype, impls, check_only=()):
+def _softmax_case(rows, n, dtype, impls, check_only=(), queries=None):
+  """Rows (rows, n); with ``queries``, causal scores of that many queries a block of rows."""
   pass_bytes = rows * n * jnp.dtype(dtype).itemsize
   return Case(
-      op="softmax", label=f"{rows}x{n} {jnp.dtype(dtype).name}", size=n,
+      op="softmax",
+      label=f"{rows}x{n} {jnp.dtype(dtype).name}" + (" causal" if queries else ""), size=n,
       make_inputs=functools.partial(_softmax_inputs, rows=rows, n=n, dtype=dtype),
-      forward=_softmax_forward, train=_softmax_train,
+      forward=functools.partial(_softmax_forward, queries=queries),
+      train=functools.partial(_softmax_train, queries=queries),
       forward_work=2 * pass_bytes, train_work=5 * pass_bytes, reduction_length=n,
       # exp's own rounding and the division by the row's sum, beside the output's
       roundings=4, train_floors=_softmax_train_floors,
@@ -139,7 +152,11 @@ def regret_cases() -> list[Case]:
     return [_softmax_case(64, 1000, jnp.bfloat16, ("xla", DEFAULT)),
             _ce_case(64, 5000, jnp.bfloat16, ("xla", DEFAULT))]
   impls = ("xla", "triton", "cuda", DEFAULT)
+  # Attention scores: 64 heads of 2048 causal queries over 2048 keys, and 2 of 16384 (rows the
+  # CUDA kernels take).
   return ([_softmax_case(rows, n, dtype, impls) for rows, n, dtype in REGRET_SOFTMAX]
+          + [_softmax_case(heads * n, n, jnp.bfloat16, impls, queries=n)
+             for heads, n in ((64, 2048), (2, 16384))]
           + [_ce_case(rows, vocab, dtype, impls) for rows, vocab, dtype in REGRET_CROSS_ENTROPY])
 
 

@@ -137,16 +137,62 @@ def _rows(x):
   return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
 
 
-def softmax_forward(x, *, scale: float, log: bool, tiling: Tiling | None = None,
-                    waves: int | None = None):
+MAX_MASK_GROUPS = 4  # softmax.cu kMaxMaskGroups
+
+
+def _mask_groups(x_shape, mask_shape) -> list[tuple[int, int]]:
+  """x's leading dimensions as the fewest (size, stride) groups, innermost last, through which
+  row r's offset in a dense mask of ``mask_shape`` (x's rank, broadcasting to it) is read:
+  neighbours merge where the outer stride is the inner one times its size (broadcast runs
+  included, at stride 0)."""
+  dense = np.cumprod((1,) + tuple(mask_shape[:0:-1]))[::-1]
+  groups = []
+  for size, extent, stride in zip(x_shape[:-1], mask_shape[:-1], dense[:-1]):
+    stride = int(stride) if extent > 1 else 0
+    if size == 1:
+      continue
+    if groups and groups[-1][1] == size * stride:
+      groups[-1] = (groups[-1][0] * size, stride)
+    else:
+      groups.append((size, stride))
+  return groups or [(1, 0)]
+
+
+def _mask_operand(x, mask):
+  """The forward's mask operand and attributes: a boolean mask broadcasting to x read in
+  place, or materialized at x's shape where its pattern takes more than MAX_MASK_GROUPS groups
+  of rows; a stand-in without one."""
+  if mask is None:
+    return jnp.zeros((1,), jnp.bool_), dict(
+        has_mask=np.int64(0), mask_sizes=np.ones(1, np.int64),
+        mask_strides=np.zeros(1, np.int64), mask_column_stride=np.int64(0))
+  mask = mask.reshape((1,) * (x.ndim - mask.ndim) + mask.shape)
+  groups = _mask_groups(x.shape, mask.shape)
+  if len(groups) > MAX_MASK_GROUPS:
+    mask = jnp.broadcast_to(mask, x.shape)
+    groups = _mask_groups(x.shape, mask.shape)
+  return mask.reshape(-1), dict(
+      has_mask=np.int64(1), mask_sizes=np.array([g[0] for g in groups], np.int64),
+      mask_strides=np.array([g[1] for g in groups], np.int64),
+      mask_column_stride=np.int64(mask.shape[-1] > 1))
+
+
+def softmax_forward(x, *, scale: float, log: bool, causal_offset: int | None = None,
+                    mask=None, tiling: Tiling | None = None, waves: int | None = None):
   """Softmax (or log-softmax) of ``scale * x`` over the last axis of ``x``, on a persistent
-  grid of ``waves`` (default ``GRID_WAVES``) times the clusters resident at once."""
+  grid of ``waves`` (default ``GRID_WAVES``) times the clusters resident at once. With
+  ``causal_offset`` (in ``[-T, S]`` for ``x (..., T, S)``), key ``j`` of query ``i`` takes part
+  only where ``j <= i + causal_offset``; with ``mask`` (boolean, broadcasting to ``x``), only
+  where it is True."""
   x2 = _rows(x)
   t = tiling or forward_tiling(x2.shape[1], x.dtype)
   t.check(x2.shape[1])
+  causal_rows = 0 if causal_offset is None else x.shape[-2]
+  mask_operand, mask_attrs = _mask_operand(x, mask)
   y = jax.ffi.ffi_call("jaxfuse_softmax_forward", jax.ShapeDtypeStruct(x2.shape, x.dtype))(
-      x2, scale=np.float32(scale), log=np.int64(log),
-      **_grid("forward", x.dtype, log, t, x2.shape[0], waves))
+      x2, mask_operand, scale=np.float32(scale), log=np.int64(log),
+      causal_rows=np.int64(causal_rows), causal_offset=np.int64(causal_offset or 0),
+      **mask_attrs, **_grid("forward", x.dtype, log, t, x2.shape[0], waves))
   return y.reshape(x.shape)
 
 

@@ -77,19 +77,31 @@ __device__ __forceinline__ float3 cluster_max_sum(float3 part, ClusterScratch<fl
 // only -inf (or NaN) in it, and shifting by 0 keeps -inf - shift from turning into NaN.
 __device__ __forceinline__ float safe_shift(float max) { return max == -INFINITY ? 0.f : max; }
 
+constexpr uint32_t kAllKept = (1u << kUnit) - 1u;
+
 // This thread's (max, sum) of z = x * scale2 over the units it holds, and the sum of z over
-// the columns before `counted`. unit(k, v) writes unit k's values to v.
-template <int V, typename UnitValues>
+// the columns before `counted`. unit(k, v) writes unit k's values to v. With kMasked,
+// kept(column) gives the bits of the unit at `column` whose keys take part (a unit wholly
+// kept, the common case, costs one comparison); without, the masking code is not there to hold
+// registers.
+template <int V, bool kMasked, typename UnitValues, typename KeptBits>
 __device__ __forceinline__ float3 thread_max_sum(UnitValues unit, const RowSlice& slice,
-                                                 float scale2, bool with_total, int counted) {
+                                                 float scale2, bool with_total, int counted,
+                                                 KeptBits kept) {
   float m = -INFINITY;
 #pragma unroll
   for (int k = 0; k < V; ++k) {
     if (!slice.holds(k)) continue;
     float v[kUnit];
     unit(k, v);
+    const uint32_t bits = kMasked ? kept(slice.column(k)) : kAllKept;
+    if (bits == kAllKept) {
 #pragma unroll
-    for (int e = 0; e < kUnit; ++e) m = fmaxf(m, v[e] * scale2);
+      for (int e = 0; e < kUnit; ++e) m = fmaxf(m, v[e] * scale2);
+    } else {
+#pragma unroll
+      for (int e = 0; e < kUnit; ++e) m = fmaxf(m, bits >> e & 1u ? v[e] * scale2 : -INFINITY);
+    }
   }
   const float shift = safe_shift(m);
   float sum = 0.f, total = 0.f;
@@ -98,18 +110,85 @@ __device__ __forceinline__ float3 thread_max_sum(UnitValues unit, const RowSlice
     if (!slice.holds(k)) continue;
     float v[kUnit];
     unit(k, v);
-    sum += unit_sum([&](int e) { return exp2f(fmaf(v[e], scale2, -shift)); });
     const int column = slice.column(k);
+    const uint32_t bits = kMasked ? kept(column) : kAllKept;
+    if (bits == kAllKept) {
+      sum += unit_sum([&](int e) { return exp2f(fmaf(v[e], scale2, -shift)); });
+    } else {
+      sum += unit_sum(
+          [&](int e) { return bits >> e & 1u ? exp2f(fmaf(v[e], scale2, -shift)) : 0.f; });
+    }
     if (with_total)
       total += unit_sum([&](int e) { return column + e < counted ? v[e] * scale2 : 0.f; });
   }
   return make_float3(m, sum, total);
 }
 
-template <typename T, bool kLog, int V, bool kStaged, bool kClusters>
+// The maximum of (size, stride) groups a boolean mask's row offsets are read through.
+constexpr int kMaxMaskGroups = 4;
+
+// Which keys of the softmax forward's rows take part. Causal (causal_rows > 0): row r holds the
+// keys of query r % causal_rows, and keys past that query plus causal_offset are masked. A
+// boolean mask (1 keeps) is read in place: row r's multi-index over `groups` (size, stride)
+// pairs of x's leading dimensions, innermost last, gives its offset in the mask, and its keys
+// are `column_stride` (1, or 0 for one value a row) apart. Masked keys give 0 in the softmax,
+// -inf in the log-softmax.
+struct RowKeys {
+  int64_t causal_rows;
+  int causal_offset;
+  const uint8_t* mask;  // nullptr: no boolean mask
+  int groups;
+  int64_t sizes[kMaxMaskGroups], strides[kMaxMaskGroups];
+  int64_t column_stride;
+
+  // The first masked column of the row of causal query `query` (n without a causal mask).
+  __device__ __forceinline__ int limit(int64_t query, int n) const {
+    if (causal_rows == 0) return n;
+    return static_cast<int>(
+        min(max(query + causal_offset + 1, int64_t{0}), static_cast<int64_t>(n)));
+  }
+  __device__ __forceinline__ const uint8_t* mask_row(int64_t r) const {
+    if (mask == nullptr) return nullptr;
+    int64_t offset = 0;
+    for (int g = groups - 1; g >= 0; --g) {
+      offset += r % sizes[g] * strides[g];
+      r /= sizes[g];
+    }
+    return mask + offset;
+  }
+};
+
+// The kept bits of the unit at `column` of a row: before `limit`, and where `mask_row` (or
+// nullptr) keeps them.
+__device__ __forceinline__ uint32_t kept_bits(int column, int limit, const uint8_t* mask_row,
+                                              int64_t column_stride) {
+  const int before = limit - column;
+  uint32_t bits = before >= kUnit ? kAllKept : before <= 0 ? 0u : (1u << before) - 1u;
+  if (mask_row != nullptr) {
+    if (column_stride == 0) {
+      bits = *mask_row ? bits : 0u;
+    } else {
+      // Eight keys' bytes in one load: a row's offset and every unit's column are multiples of
+      // 8 (the mask's dense strides, and rows of whole units).
+      const uint2 w = __ldg(reinterpret_cast<const uint2*>(mask_row + column));
+      uint32_t keep = 0;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        keep |= (w.x >> 8 * e & 0xffu) ? 1u << e : 0u;
+        keep |= (w.y >> 8 * e & 0xffu) ? 1u << (e + 4) : 0u;
+      }
+      bits &= keep;
+    }
+  }
+  return bits;
+}
+
+// Built apart with kMasked (causal or boolean masks, RowKeys) and without, so that rows with
+// every key kept carry none of the masks' registers.
+template <typename T, bool kLog, int V, bool kStaged, bool kClusters, bool kMasked>
 __global__ void __launch_bounds__(kThreads, 2)
     softmax_forward_kernel(const T* __restrict__ x, T* __restrict__ y, int64_t rows, int n,
-                           float scale2, int stages) {
+                           float scale2, int stages, RowKeys keys) {
   __shared__ ClusterScratch<float3> scratch;
   extern __shared__ uint4 staging[];
   const RowSlice slice = RowSlice::mine<kClusters>(V, n);
@@ -117,11 +196,23 @@ __global__ void __launch_bounds__(kThreads, 2)
   auto xs = feed_of<RowFeed<T, V, kStaged, 1>>(x, rows, n, walk, slice, staging, stages);
   int parity = 0;
   xs.start();
+  // A causal row's query, r % causal_rows, walked a step at a time beside r: one division
+  // before the walk rather than one a row.
+  const int64_t queries = kMasked && keys.causal_rows > 0 ? keys.causal_rows : 1;
+  const int64_t query_step = walk.step % queries;
+  int64_t query = walk.first % queries;
   int64_t i = 0;
   for (int64_t r = walk.first; r < rows; r += walk.step, ++i) {
     xs.load(i);
-    const float3 part = thread_max_sum<V>(
-        [&](int k, float (&v)[kUnit]) { xs.now[k].unpack(v); }, slice, scale2, false, n);
+    const int limit = kMasked ? keys.limit(query, n) : n;
+    query += query_step;
+    query -= query >= queries ? queries : 0;
+    const uint8_t* mask_row = kMasked ? keys.mask_row(r) : nullptr;
+    auto kept = [&](int column) {
+      return kMasked ? kept_bits(column, limit, mask_row, keys.column_stride) : kAllKept;
+    };
+    const float3 part = thread_max_sum<V, kMasked>(
+        [&](int k, float (&v)[kUnit]) { xs.now[k].unpack(v); }, slice, scale2, false, n, kept);
     xs.refill(i);
     const float3 row = cluster_max_sum<kClusters, false>(part, scratch, parity);
     parity ^= 1;
@@ -137,6 +228,11 @@ __global__ void __launch_bounds__(kThreads, 2)
       for (int e = 0; e < kUnit; ++e) {
         const float z = fmaf(v[e], scale2, -shift);
         v[e] = kLog ? z * kLn2 - log_sum : exp2f(z) * inverse;
+      }
+      const uint32_t bits = kept(slice.column(k));
+      if (kMasked && bits != kAllKept) {
+#pragma unroll
+        for (int e = 0; e < kUnit; ++e) v[e] = bits >> e & 1u ? v[e] : (kLog ? -INFINITY : 0.f);
       }
       Unit<T> out;
       out.pack(v);
@@ -253,7 +349,9 @@ __global__ void __launch_bounds__(kThreads, 2)
     const int label = __ldg(args.labels + r);
     const bool valid =
         label >= 0 && label < classes && !(args.has_ignore && label == args.ignore_index);
-    const float3 mine = thread_max_sum<V>(unit, slice, kLog2e, args.smoothing != 0.f, classes);
+    const float3 mine =
+        thread_max_sum<V, false>(unit, slice, kLog2e, args.smoothing != 0.f, classes,
+                                 [](int) { return kAllKept; });
     // The thread holding the label's logit picks it from its registers and writes the loss.
     bool owner = false;
     float picked = 0.f;
@@ -346,7 +444,10 @@ bool dispatch_kernel(ffi::DataType dtype, bool flag, const Tiling& t, F&& f) {
 }
 
 template <typename T, bool kFlag, int V, bool kStaged, bool kClusters> struct Forward {
-  static auto get() { return softmax_forward_kernel<T, kFlag, V, kStaged, kClusters>; }
+  static auto get() { return softmax_forward_kernel<T, kFlag, V, kStaged, kClusters, false>; }
+};
+template <typename T, bool kFlag, int V, bool kStaged, bool kClusters> struct MaskedForward {
+  static auto get() { return softmax_forward_kernel<T, kFlag, V, kStaged, kClusters, true>; }
 };
 template <typename T, bool kFlag, int V, bool kStaged, bool kClusters> struct Backward {
   static auto get() { return softmax_backward_kernel<T, kFlag, V, kClusters>; }
@@ -392,8 +493,52 @@ ffi::Error unbuilt(const char* op, const Tiling& t, const ffi::AnyBuffer& x) {
                         dtype_name(x.element_type()) + " rows");
 }
 
-ffi::Error SoftmaxForwardImpl(cudaStream_t stream, ffi::AnyBuffer x,
+// The boolean mask's reading pattern (RowKeys), checked against the rows and the mask's size,
+// or a stand-in operand with has_mask = 0.
+void check_mask(Checks& checks, const ffi::AnyBuffer& mask, int64_t has_mask, int64_t rows,
+                int64_t n, ffi::Span<const int64_t> sizes, ffi::Span<const int64_t> strides,
+                int64_t column_stride) {
+  if (!checks.flag("has_mask", has_mask) || !has_mask) return;
+  checks.require(mask.element_type() == DataType::PRED, [&] {
+    return std::string("mask is ") + dtype_name(mask.element_type()) + ", not bool";
+  });
+  const int64_t groups = static_cast<int64_t>(sizes.size());
+  checks.require(groups >= 1 && groups <= kMaxMaskGroups &&
+                     static_cast<int64_t>(strides.size()) == groups, [&] {
+    return "mask_sizes and mask_strides have " + std::to_string(groups) + " and " +
+           std::to_string(strides.size()) + " entries; both need the same 1 to " +
+           std::to_string(kMaxMaskGroups);
+  });
+  checks.range("mask_column_stride", column_stride, 0, 1);
+  if (!checks.ok()) return;
+  int64_t count = 1, last = (n - 1) * column_stride;
+  bool aligned = true;
+  for (int64_t g = 0; g < groups; ++g) {
+    checks.range("mask_sizes", sizes[g], 1, rows);
+    checks.range("mask_strides", strides[g], 0, mask.element_count());
+    count *= std::max<int64_t>(sizes[g], 1);
+    last += (sizes[g] - 1) * strides[g];
+    aligned &= strides[g] % kUnit == 0;
+  }
+  checks.require(count == rows, [&] {
+    return "mask_sizes multiply to " + std::to_string(count) + ", not the " +
+           std::to_string(rows) + " rows";
+  });
+  checks.require(last < mask.element_count(), [&] {
+    return "mask_strides reach element " + std::to_string(last) + " of a mask of " +
+           std::to_string(mask.element_count());
+  });
+  // A row's keys are read eight at a time from offsets that are multiples of 8.
+  checks.require(column_stride == 0 || aligned, [&] {
+    return std::string("mask_strides must be multiples of 8 where keys are read in rows");
+  });
+}
+
+ffi::Error SoftmaxForwardImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer mask,
                               ffi::Result<ffi::AnyBuffer> y, float scale, int64_t log,
+                              int64_t causal_rows, int64_t causal_offset, int64_t has_mask,
+                              ffi::Span<const int64_t> mask_sizes,
+                              ffi::Span<const int64_t> mask_strides, int64_t mask_column_stride,
                               int64_t cluster, int64_t threads, int64_t units, int64_t stages,
                               int64_t clusters) {
   Checks checks("softmax_forward");
@@ -404,16 +549,38 @@ ffi::Error SoftmaxForwardImpl(cudaStream_t stream, ffi::AnyBuffer x,
   checks.require(std::isfinite(scale), [&] { return "scale=" + std::to_string(scale) +
                                                     " must be finite"; });
   checks.flag("log", log);
+  // Causal rows come in whole blocks of queries, and the offset is clamped to [-T, N] (as the
+  // Python side does), which masks the same and keeps the limit in int.
+  checks.range("causal_rows", causal_rows, 0, dims[0]);
+  checks.require(causal_rows == 0 || dims[0] % causal_rows == 0, [&] {
+    return "causal_rows=" + std::to_string(causal_rows) + " does not divide the " +
+           std::to_string(dims[0]) + " rows";
+  });
+  checks.range("causal_offset", causal_offset, -causal_rows, dims[1]);
+  check_mask(checks, mask, has_mask, dims[0], dims[1], mask_sizes, mask_strides,
+             mask_column_stride);
   check_tiling(checks, dims[1], t, kThreads);
   if (!checks.ok()) return checks.error();
   if (dims[0] == 0) return ffi::Error::Success();
+  RowKeys keys{causal_rows, static_cast<int>(causal_offset), nullptr, 1, {1}, {0},
+               mask_column_stride};
+  if (has_mask) {
+    keys.mask = static_cast<const uint8_t*>(mask.untyped_data());
+    keys.groups = static_cast<int>(mask_sizes.size());
+    for (int g = 0; g < keys.groups; ++g) {
+      keys.sizes[g] = mask_sizes[g];
+      keys.strides[g] = mask_strides[g];
+    }
+  }
   cudaError_t err = cudaSuccess;
-  const bool known = dispatch_kernel<Forward, 1, true>(
-      x.element_type(), log, t, [&](auto kernel, size_t bytes) {
-        err = launch_clustered(kernel, grid_of(t), threads, cluster, bytes, stream,
-                               x.untyped_data(), y->untyped_data(), dims[0],
-                               static_cast<int>(dims[1]), scale * kLog2e, stages);
-      });
+  auto launch = [&](auto kernel, size_t bytes) {
+    err = launch_clustered(kernel, grid_of(t), threads, cluster, bytes, stream, x.untyped_data(),
+                           y->untyped_data(), dims[0], static_cast<int>(dims[1]),
+                           scale * kLog2e, stages, keys);
+  };
+  const bool known = causal_rows > 0 || has_mask
+                         ? dispatch_kernel<MaskedForward, 1, true>(x.element_type(), log, t, launch)
+                         : dispatch_kernel<Forward, 1, true>(x.element_type(), log, t, launch);
   if (!known) return unbuilt("softmax_forward", t, x);
   return launch_error("softmax_forward", err);
 }
@@ -532,9 +699,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseSoftmaxForward, jaxfuse::SoftmaxForwardImpl
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
                                   .Ret<xla::ffi::AnyBuffer>()
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("log")
+                                  .Attr<int64_t>("causal_rows")
+                                  .Attr<int64_t>("causal_offset")
+                                  .Attr<int64_t>("has_mask")
+                                  .Attr<xla::ffi::Span<const int64_t>>("mask_sizes")
+                                  .Attr<xla::ffi::Span<const int64_t>>("mask_strides")
+                                  .Attr<int64_t>("mask_column_stride")
                                   .Attr<int64_t>("cluster")
                                   .Attr<int64_t>("threads")
                                   .Attr<int64_t>("units")
