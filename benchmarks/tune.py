@@ -25,13 +25,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfuse._core import bench, registry
+from jaxfuse._core import bench, registry, timing
 from jaxfuse._core import ceilings as measured
 from jaxfuse._core.testing import relative_error
 
 
 def _time(fn, sets):
-  return bench.time_ms(fn, sets, min_seconds=0.15, groups=3)
+  return timing.time_ms(fn, sets, min_seconds=0.15, groups=3)
 
 
 def _sets(make, bytes_per_call):

@@ -11,6 +11,7 @@ import itertools
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 from jaxfuse._core import bench, registry, report, tune, tuned
@@ -28,6 +29,8 @@ FAMILIES = {
 }
 # The copy kernels the ceilings time, beside the families' own CUDA libraries.
 COPIES = "jaxfuse._core.cuda.copies"
+# Seconds of calls a --quick timing spans (timing.MIN_SECONDS otherwise).
+QUICK_SECONDS = 0.1
 
 
 def _cases(names, quick, mode):
@@ -190,9 +193,10 @@ def main(argv=None) -> int:
     if resumed is None:
       return 2
     earlier, ceilings, cases = resumed
-  if on_gpu:
-    left = {id(c) for c in cases}
-    _load_libraries({family for family, c in tagged if id(c) in left}, impls)
+  family_of = {id(c): family for family, c in tagged}
+  # A cold cache's builds go on beside the families that need none of them.
+  built = (_load_libraries({family_of[id(c)] for c in cases}, impls, wait=False) if on_gpu
+           else lambda family: True)
   print(f"jaxfuse bench on {env['device']} (jax {env['jax_version']}, {env['date']}); "
         f"timing: {env['timing']}")
   if not on_gpu:
@@ -219,12 +223,13 @@ def main(argv=None) -> int:
 
   # Each family's table is printed as soon as it is done.
   rows = earlier
-  family_of = {id(c): family for family, c in tagged}
-  for group in _consecutive(cases, lambda c: family_of[id(c)]):
+  for group in _ready_first(_consecutive(cases, lambda c: family_of[id(c)]),
+                            lambda group: built(family_of[id(group[0])])):
     done = len(rows)
     on_case = (lambda so_far, c: save(rows[:done] + so_far, c)) if args.json else None
     group_rows, ceilings = bench.run(group, implementations=impls, on_case=on_case,
-                                     ceilings=ceilings)
+                                     ceilings=ceilings,
+                                     min_seconds=QUICK_SECONDS if args.quick else None)
     rows += group_rows
     print(report.table(group_rows, ceilings), flush=True)
   found = regrets(rows)
@@ -356,6 +361,17 @@ def _beside_default(implementations):
 def _consecutive(items, key):
   """``items`` in runs of equal ``key``, in order."""
   return [list(run) for _, run in itertools.groupby(items, key)]
+
+
+def _ready_first(items, ready, poll_s: float = 0.2):
+  """``items`` in order, save that each time the first left is not ``ready`` the first that
+  is comes before it (once none is, the first to become so)."""
+  left = list(items)
+  while left:
+    while not (chosen := next((item for item in left if ready(item)), None)):
+      time.sleep(poll_s)
+    left.remove(chosen)
+    yield chosen
 
 
 def _version() -> str:
@@ -507,17 +523,23 @@ def cuda_libraries(families=tuple(FAMILIES)) -> list[str]:
   return sorted(modules)
 
 
-def _load_libraries(families, implementations=None) -> None:
+def _load_libraries(families, implementations=None, *, wait: bool = True):
   """Loads the CUDA libraries that ``families``' cases run (unless ``implementations`` names
   none that can run them) and the copy kernels the ceilings time, side by side: left to each
   op's first use, a cold cache waits for one nvcc after another. A library that fails keeps
-  its reason for the ops that need it."""
+  its reason for the ops that need it. With ``wait=False`` the builds go on in the background
+  (an op that needs one waits for it); the result says whether a family's libraries, and
+  the copies, are loaded."""
   running_cuda = {"cuda", "cudnn", bench.DEFAULT, bench.DEFAULT_WITHOUT_TRITON}
   if implementations is not None and not running_cuda & set(implementations):
     families = ()
-  libraries = [importlib.import_module(module).LIBRARY for module in cuda_libraries(families)]
-  with concurrent.futures.ThreadPoolExecutor(len(libraries)) as pool:
-    list(pool.map(lambda library: library.unavailable(), libraries))
+  modules = cuda_libraries(families)
+  pool = concurrent.futures.ThreadPoolExecutor(len(modules))
+  loads = {module: pool.submit(importlib.import_module(module).LIBRARY.unavailable)
+           for module in modules}
+  pool.shutdown(wait=wait)
+  return lambda family: all(loads[module].done() for module in cuda_libraries((family,))
+                            if module in loads)
 
 
 def _build(arch: str | None) -> int:

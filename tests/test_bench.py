@@ -16,7 +16,7 @@ import pytest
 from jax.experimental import io_callback
 
 from jaxfuse import cli
-from jaxfuse._core import bench, ceilings, registry, report
+from jaxfuse._core import bench, ceilings, registry, report, timing
 from jaxfuse.ops.rnn import bench as rnn_bench
 
 
@@ -58,9 +58,9 @@ def test_wrong_or_crashing_kernel_fails():
 
 
 def test_a_comparator_may_report_its_training_steps_temporary_memory():
-  timing = bench.Timing(1.0, 1.0, 1.0, 1)
+  t = timing.Timing(1.0, 1.0, 1.0, 1)
   case = dataclasses.replace(_case(_forward()), implementations=(), external={
-      "torch": lambda inputs: (timing, timing, 12.5), "other": lambda inputs: (timing, timing)})
+      "torch": lambda inputs: (t, t, 12.5), "other": lambda inputs: (t, t)})
   rows, _ = bench.run([case])
   assert {r.implementation: r.train_temp_mib for r in rows} == {"torch": 12.5, "other": None}
   assert all(r.time_s >= 0 for r in rows)  # a sweep's time spent on comparators shows
@@ -343,9 +343,9 @@ def test_regret_runs_the_families_regret_grids(monkeypatch, capsys, tmp_path):
 def test_calls_split_into_span_and_busy():
   # Three calls of two activities each, the second call with a gap inside it.
   intervals = [(0, 10), (10, 30), (40, 50), (70, 80), (90, 95), (95, 100)]
-  assert bench.split_calls(intervals, 3) == [(30, 30), (40, 20), (10, 10)]
+  assert timing.split_calls(intervals, 3) == [(30, 30), (40, 20), (10, 10)]
   # Activities of one call that overlap (two streams) count once in busy, fully in span.
-  assert bench.split_calls([(0, 10), (5, 20), (30, 40), (32, 38)], 2) == [(20, 20), (10, 10)]
+  assert timing.split_calls([(0, 10), (5, 20), (30, 40), (32, 38)], 2) == [(20, 20), (10, 10)]
 
 
 def test_two_streams_activities_at_the_same_times_count_apart(tmp_path, monkeypatch):
@@ -364,23 +364,23 @@ def test_two_streams_activities_at_the_same_times_count_apart(tmp_path, monkeypa
   (tmp_path / "host.xplane.pb").write_bytes(b"")
   monkeypatch.setattr(jax.profiler, "ProfileData", types.SimpleNamespace(
       from_file=lambda path: types.SimpleNamespace(planes=[plane])))
-  intervals = bench._jax_trace_intervals(str(tmp_path))
+  intervals = timing._jax_trace_intervals(str(tmp_path))
   assert sorted(intervals) == sorted(
       i for b in (0, 20, 40) for i in [(b, b + 10)] * 2 + [(b + 10, b + 10)] * 2)
-  assert bench.split_calls(intervals, 3) == [(10, 10)] * 3
+  assert timing.split_calls(intervals, 3) == [(10, 10)] * 3
 
 
 def test_calls_that_cannot_be_told_apart_are_an_error():
-  with pytest.raises(bench.TimingError, match="same number"):
-    bench.split_calls([(0, 1), (2, 3), (4, 5)], 2)
-  with pytest.raises(bench.TimingError, match="overlap"):
-    bench.split_calls([(0, 10), (1, 2), (5, 6), (20, 30)], 2)
+  with pytest.raises(timing.TimingError, match="same number"):
+    timing.split_calls([(0, 1), (2, 3), (4, 5)], 2)
+  with pytest.raises(timing.TimingError, match="overlap"):
+    timing.split_calls([(0, 10), (1, 2), (5, 6), (20, 30)], 2)
 
 
 def test_groups_with_different_activity_counts_are_an_error():
   groups = lambda calls, n: [([(1e-3, 1e-3)] * calls, count, calls * 2e-3) for count in (2, 3)]
-  with pytest.raises(bench.TimingError, match="per call"):
-    bench._timed(groups, 1.0, min_seconds=0.0, groups=2)
+  with pytest.raises(timing.TimingError, match="per call"):
+    timing._timed(groups, 1.0, min_seconds=0.0, groups=2)
 
 
 @pytest.mark.parametrize("activities, expected_calls", [(None, 200), (1, 200), (400, 10),
@@ -392,19 +392,19 @@ def test_a_trace_of_many_activities_gets_fewer_calls(activities, expected_calls)
     asked.append((calls, n))
     return [([(1e-6, 1e-6)] * calls, activities, calls * 1e-5)] * n
 
-  bench._timed(groups, 1e-3, min_seconds=1.0, groups=5)
+  timing._timed(groups, 1e-3, min_seconds=1.0, groups=5)
   assert asked[-1] == (expected_calls, 5)
   # Calls too quick to hold many activities are not probed: one trace, the calls as before.
   asked.clear()
-  bench._timed(groups, 1e-6, min_seconds=1.0, groups=5)
+  timing._timed(groups, 1e-6, min_seconds=1.0, groups=5)
   assert asked == [(200, 5)]
 
 
 @pytest.mark.parametrize("busy", [0.5, None])
 def test_a_span_past_the_wall_clock_is_an_error(busy):
   groups = lambda calls, n: [([(1.0, busy)] * calls, 2, calls * 1e-3)] * n
-  with pytest.raises(bench.TimingError, match="busy <= span <= wall"):
-    bench._timed(groups, 1.0, min_seconds=0.0, groups=1)
+  with pytest.raises(timing.TimingError, match="busy <= span <= wall"):
+    timing._timed(groups, 1.0, min_seconds=0.0, groups=1)
 
 
 def test_large_outputs_are_checked_over_the_whole_tensor():
@@ -486,14 +486,14 @@ def test_gpu_timer_reads_span_and_busy_of_a_call_with_a_host_wait():
     return jnp.cos(y) + token
 
   sets = [(jax.random.normal(jax.random.key(i), (n,), jnp.float32),) for i in range(2)]
-  alone, _ = bench.measure(jax.jit(lambda x: jnp.cos(kernels(x))), sets)
-  timing, _ = bench.measure(jax.jit(with_wait), sets, min_seconds=0.2, groups=3)
-  assert timing.kernels >= 2
-  assert timing.busy_ms <= timing.span_ms <= timing.wall_ms
-  assert timing.span_ms - timing.busy_ms >= 0.9 * sleep_s * 1e3
-  assert timing.span_ms < timing.busy_ms + sleep_s * 1e3 + 2.0
+  alone, _ = timing.measure(jax.jit(lambda x: jnp.cos(kernels(x))), sets)
+  waited, _ = timing.measure(jax.jit(with_wait), sets, min_seconds=0.2, groups=3)
+  assert waited.kernels >= 2
+  assert waited.busy_ms <= waited.span_ms <= waited.wall_ms
+  assert waited.span_ms - waited.busy_ms >= 0.9 * sleep_s * 1e3
+  assert waited.span_ms < waited.busy_ms + sleep_s * 1e3 + 2.0
   # The busy time is the two kernels' (the transfers of one element add next to nothing).
-  assert abs(timing.busy_ms - alone.busy_ms) < 0.1 * alone.busy_ms + 0.05
+  assert abs(waited.busy_ms - alone.busy_ms) < 0.1 * alone.busy_ms + 0.05
 
 
 @pytest.mark.gpu
@@ -513,18 +513,18 @@ def test_groups_are_read_from_one_trace(monkeypatch):
   ran, traces = [], []
   call = lambda i: ran.append(i) or jnp.zeros(())
   # Two groups of three calls; the second group's calls last longer.
-  monkeypatch.setattr(bench, "_jax_trace_intervals",
+  monkeypatch.setattr(timing, "_jax_trace_intervals",
                       lambda log_dir: traces.append(log_dir) or [
                           (10 * c + j, 10 * c + j + 2 + (c >= 3)) for c in range(6)
                           for j in (0, 4)])
-  out = bench._jax_groups(call, 3, 2)
+  out = timing._jax_groups(call, 3, 2)
   assert ran == [0, 1, 2] * 2 and len(traces) == 1
   assert [(activities, wall > 0) for _, activities, wall in out] == [(2, True)] * 2
   assert np.allclose(out[0][0], [(6e-9, 4e-9)] * 3, rtol=1e-12, atol=0)
   assert np.allclose(out[1][0], [(7e-9, 6e-9)] * 3, rtol=1e-12, atol=0)
-  monkeypatch.setattr(bench, "_jax_trace_intervals", lambda log_dir: [])
-  with pytest.raises(bench.TimingError, match="no GPU activity"):
-    bench._jax_groups(call, 3, 2)
+  monkeypatch.setattr(timing, "_jax_trace_intervals", lambda log_dir: [])
+  with pytest.raises(timing.TimingError, match="no GPU activity"):
+    timing._jax_groups(call, 3, 2)
 
 
 @pytest.mark.parametrize("args,says", [
@@ -588,3 +588,25 @@ def test_a_run_split_over_gpus_times_each_case_once_in_shares_of_like_cost(capsy
     split.main(["2", "x", "tune", "rnn", "--impl", "cuda"])
   with pytest.raises(SystemExit):
     split.main(["2", "x", "bench", "rnn"])
+
+
+def test_families_whose_kernels_are_built_run_first():
+  ready = {"norm": False, "softmax": True, "attention": True}
+  order = cli._ready_first(["norm", "softmax", "attention"], ready.get, poll_s=0.01)
+  assert next(order) == "softmax"
+  ready["norm"] = True
+  assert list(order) == ["norm", "attention"]
+
+
+def test_a_run_times_over_its_window_and_restores_the_default(monkeypatch):
+  windows, timed = [], timing._timed
+  monkeypatch.setattr(timing, "_timed", lambda *a, min_seconds, groups: windows.append(
+      min_seconds) or timed(*a, min_seconds=min_seconds, groups=groups))
+  default = timing.MIN_SECONDS.get()
+  case = bench.Case(op="neg", label="x", size=8,
+                    make_inputs=lambda key: (jax.random.normal(key, (8,)),),
+                    forward=lambda impl: lambda a: -a, train=None, forward_work=64,
+                    train_work=0, implementations=("xla",))
+  bench.run([case], min_seconds=0.01, ceilings={"copy GB/s": 1.0})
+  assert windows and set(windows) == {0.01}
+  assert timing.MIN_SECONDS.get() == default

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -306,6 +307,28 @@ def test_the_bench_loads_its_families_libraries_side_by_side(monkeypatch, implem
                         lambda module=module: load(module))
   cli._load_libraries({"rnn", "linear_cross_entropy", "attention"}, implementations)
   assert sorted(loaded) == wanted
+
+
+def test_the_bench_builds_in_the_background_and_says_which_families_are_ready(monkeypatch):
+  """A family waits for its own libraries and the ceilings' copies only: with the norm
+  library's build held back, attention and softmax are ready, the norms once it ends."""
+  release = threading.Event()
+  for module in cli.cuda_libraries():
+    held = module == "jaxfuse.ops.norm.cuda"
+    monkeypatch.setattr(importlib.import_module(module).LIBRARY, "unavailable",
+                        (lambda: release.wait(20) and None) if held else (lambda: None))
+  built = cli._load_libraries({"norm", "softmax", "attention"}, wait=False)
+  for _ in range(200):
+    if built("softmax"):
+      break
+    time.sleep(0.05)
+  assert built("softmax") and built("attention") and not built("norm")
+  release.set()
+  for _ in range(200):
+    if built("norm"):
+      break
+    time.sleep(0.05)
+  assert built("norm")
 
 
 def test_architectures_read_as_numbers():

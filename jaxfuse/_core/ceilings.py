@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxfuse._core import registry
-from jaxfuse._core.bench import measure, time_ms
 from jaxfuse._core.cuda import copies
+from jaxfuse._core.timing import measure, time_ms
 
 # Bytes a copy ceiling reads (and writes): far past any L2.
 _CEILING_BYTES = 1 << 29

@@ -21,7 +21,8 @@ from collections.abc import Callable, Sequence
 
 from jaxfuse._core import device
 from jaxfuse._core.bench import (DEFAULT, DEFAULT_WITHOUT_TRITON, L2_MULTIPLE, Row, environment,
-                                 is_comparator, timing_method)
+                                 is_comparator)
+from jaxfuse._core.timing import timing_method
 
 
 def _fmt(v, spec):

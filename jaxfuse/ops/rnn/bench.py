@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxfuse._core import registry, tune
-from jaxfuse._core.bench import (DEFAULT, TF32_TOLERANCE, Case, implementation_arg, measure,
-                                 time_torch)
+from jaxfuse._core.bench import DEFAULT, TF32_TOLERANCE, Case, implementation_arg
+from jaxfuse._core.timing import measure, time_torch
 from jaxfuse.ops.rnn import api
 from jaxfuse.ops.rnn.weights import GATES, weight_count
 
@@ -201,7 +201,7 @@ def cases(quick: bool = False) -> list[Case]:
   shapes = (GPU_CASES if on_gpu else CPU_CASES)[:1 if quick else None]
   out = []
   for cell, b, t, i, h, layers, bidirectional in shapes:
-    for dtype in (jnp.float32, jnp.bfloat16):
+    for dtype in (jnp.float32,) if quick else (jnp.float32, jnp.bfloat16):
       impls, external = ("xla",), {}
       if on_gpu:
         impls = _GPU_IMPLEMENTATIONS
