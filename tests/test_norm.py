@@ -15,6 +15,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxfuse
+from jaxfuse._core import registry
 from jaxfuse._core.testing import assert_close, random, value_and_vjp, x64
 
 IMPLS = ["xla", "triton"]
@@ -527,7 +528,8 @@ def test_gpu_cuda_refuses_rows_it_cannot_hold(rng, n):
 @pytest.mark.parametrize("n", [264, 488])
 def test_gpu_default_layer_norm_backward_takes_cuda_for_short_rows(rng, n):
   """LayerNorm's default backward is the CUDA short-row kernel (on every table and without
-  one); RMSNorm's stays with Triton. The step matches float64 on poisoned memory."""
+  one); RMSNorm's stays with Triton where it runs. The step matches float64 on poisoned
+  memory."""
   x = random(rng, (999, n), jnp.bfloat16)
   w, b = params(rng, "layer", (n,), jnp.bfloat16)
   dy = random(rng, x.shape, jnp.bfloat16)
@@ -539,7 +541,8 @@ def test_gpu_default_layer_norm_backward_takes_cuda_for_short_rows(rng, n):
 
   layer = lowered("layer")
   assert "jaxfuse_norm_backward" in layer
-  assert "jaxfuse_norm_backward" not in lowered("rms")
+  if registry.triton_unavailable() is None:
+    assert "jaxfuse_norm_backward" not in lowered("rms")
   _check_step_on_poisoned_memory("layer", None, x, w, b, dy)
 
 
