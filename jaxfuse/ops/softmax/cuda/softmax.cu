@@ -79,22 +79,27 @@ __device__ __forceinline__ float safe_shift(float max) { return max == -INFINITY
 
 constexpr uint32_t kAllKept = (1u << kUnit) - 1u;
 
+// Unit k's kept bits of a row's (see row_kept_bits), all of them without kMasked.
+template <bool kMasked>
+__device__ __forceinline__ uint32_t unit_kept(uint64_t kept, int k) {
+  return kMasked ? static_cast<uint32_t>(kept >> (kUnit * k)) & kAllKept : kAllKept;
+}
+
 // This thread's (max, sum) of z = x * scale2 over the units it holds, and the sum of z over
-// the columns before `counted`. unit(k, v) writes unit k's values to v. With kMasked,
-// kept(column) gives the bits of the unit at `column` whose keys take part (a unit wholly
-// kept, the common case, costs one comparison); without, the masking code is not there to hold
-// registers.
-template <int V, bool kMasked, typename UnitValues, typename KeptBits>
+// the columns before `counted`. unit(k, v) writes unit k's values to v. With kMasked, `kept`
+// holds the bits of the keys that take part (a unit wholly kept, the common case, costs one
+// comparison); without, the masking code is not there to hold registers.
+template <int V, bool kMasked, typename UnitValues>
 __device__ __forceinline__ float3 thread_max_sum(UnitValues unit, const RowSlice& slice,
                                                  float scale2, bool with_total, int counted,
-                                                 KeptBits kept) {
+                                                 uint64_t kept) {
   float m = -INFINITY;
 #pragma unroll
   for (int k = 0; k < V; ++k) {
     if (!slice.holds(k)) continue;
     float v[kUnit];
     unit(k, v);
-    const uint32_t bits = kMasked ? kept(slice.column(k)) : kAllKept;
+    const uint32_t bits = unit_kept<kMasked>(kept, k);
     if (bits == kAllKept) {
 #pragma unroll
       for (int e = 0; e < kUnit; ++e) m = fmaxf(m, v[e] * scale2);
@@ -111,7 +116,7 @@ __device__ __forceinline__ float3 thread_max_sum(UnitValues unit, const RowSlice
     float v[kUnit];
     unit(k, v);
     const int column = slice.column(k);
-    const uint32_t bits = kMasked ? kept(column) : kAllKept;
+    const uint32_t bits = unit_kept<kMasked>(kept, k);
     if (bits == kAllKept) {
       sum += unit_sum([&](int e) { return exp2f(fmaf(v[e], scale2, -shift)); });
     } else {
@@ -183,6 +188,22 @@ __device__ __forceinline__ uint32_t kept_bits(int column, int limit, const uint8
   return bits;
 }
 
+// The kept bits of this thread's units of a row, unit k's at bits [8k, 8k + 8): read once a
+// row, for the three passes over its units.
+template <int V>
+__device__ __forceinline__ uint64_t row_kept_bits(const RowSlice& slice, int limit,
+                                                  const uint8_t* mask_row,
+                                                  int64_t column_stride) {
+  static_assert(V * kUnit <= 64, "a thread's kept bits fill one 64-bit word");
+  uint64_t kept = 0;
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+    if (slice.holds(k))
+      kept |= uint64_t{kept_bits(slice.column(k), limit, mask_row, column_stride)} << (kUnit * k);
+  }
+  return kept;
+}
+
 // Built apart with kMasked (causal or boolean masks, RowKeys) and without, so that rows with
 // every key kept carry none of the masks' registers.
 template <typename T, bool kLog, int V, bool kStaged, bool kClusters, bool kMasked>
@@ -207,10 +228,8 @@ __global__ void __launch_bounds__(kThreads, 2)
     const int limit = kMasked ? keys.limit(query, n) : n;
     query += query_step;
     query -= query >= queries ? queries : 0;
-    const uint8_t* mask_row = kMasked ? keys.mask_row(r) : nullptr;
-    auto kept = [&](int column) {
-      return kMasked ? kept_bits(column, limit, mask_row, keys.column_stride) : kAllKept;
-    };
+    const uint64_t kept =
+        kMasked ? row_kept_bits<V>(slice, limit, keys.mask_row(r), keys.column_stride) : 0;
     const float3 part = thread_max_sum<V, kMasked>(
         [&](int k, float (&v)[kUnit]) { xs.now[k].unpack(v); }, slice, scale2, false, n, kept);
     xs.refill(i);
@@ -229,8 +248,8 @@ __global__ void __launch_bounds__(kThreads, 2)
         const float z = fmaf(v[e], scale2, -shift);
         v[e] = kLog ? z * kLn2 - log_sum : exp2f(z) * inverse;
       }
-      const uint32_t bits = kept(slice.column(k));
-      if (kMasked && bits != kAllKept) {
+      const uint32_t bits = unit_kept<kMasked>(kept, k);
+      if (bits != kAllKept) {
 #pragma unroll
         for (int e = 0; e < kUnit; ++e) v[e] = bits >> e & 1u ? v[e] : (kLog ? -INFINITY : 0.f);
       }
@@ -350,8 +369,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     const bool valid =
         label >= 0 && label < classes && !(args.has_ignore && label == args.ignore_index);
     const float3 mine =
-        thread_max_sum<V, false>(unit, slice, kLog2e, args.smoothing != 0.f, classes,
-                                 [](int) { return kAllKept; });
+        thread_max_sum<V, false>(unit, slice, kLog2e, args.smoothing != 0.f, classes, 0);
     // The thread holding the label's logit picks it from its registers and writes the loss.
     bool owner = false;
     float picked = 0.f;
