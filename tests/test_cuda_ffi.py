@@ -139,7 +139,8 @@ def softmax_backward_call(rng):
   return Call("jaxfuse_softmax_backward",
               dict(y=y, dy=random(rng, (ROWS, N), jnp.bfloat16)),
               dict(dx=jax.ShapeDtypeStruct((ROWS, N), jnp.bfloat16)),
-              _attrs(scale=0.7, log=0, clusters=CLUSTERS) | _tiling_attrs(t))
+              _attrs(scale=0.7, log=0, causal_rows=0, causal_offset=0, clusters=CLUSTERS)
+              | _tiling_attrs(t))
 
 
 def cross_entropy_call(rng):
@@ -256,6 +257,9 @@ BAD_CALLS = {
         ("scale", [attrs(scale=float("nan"))], "scale="),
         ("rows not a multiple of 8", shorter_rows("y", "dy", outs=("dx",)),
          "rows of 4092 elements"),
+        ("causal rows that do not divide the rows", [attrs(causal_rows=5)],
+         "causal_rows=5 does not divide the 37 rows"),
+        ("causal offset", [attrs(causal_rows=ROWS, causal_offset=N + 1)], "causal_offset="),
     ],
     "cross_entropy": TILING_CASES + STAGED_CASES + [
         ("logits rank", [arg("logits", lambda x: x[None])], r"logits must be \(R, N\)"),

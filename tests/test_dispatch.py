@@ -670,6 +670,19 @@ def test_softmax_none_without_triton_takes_cuda_for_masked_rows_on_h200(gpu, cho
   assert chosen() == ("cuda", "cuda")
 
 
+@pytest.mark.triton
+@pytest.mark.parametrize("n", [2048, 8192])
+def test_softmax_none_takes_cuda_for_causal_backwards_on_h200(gpu, chosen, n):
+  # The CUDA backward reads causal rows only up to each query's last key.
+  gpu.kind("NVIDIA H200")
+  softmax(n, "bfloat16")
+  plain = chosen()
+  softmax(n, "bfloat16", is_causal=True)
+  assert chosen() == plain[:-1] + ("cuda",) and plain[-1] != "cuda"
+  softmax(n, "bfloat16", mask=jnp.ones((1, n), bool))
+  assert chosen() == plain
+
+
 @pytest.mark.parametrize("rows,n,expected", [
     (MAX_EXTENT, 16368, ("triton", "cuda", "cuda")),
     (MAX_EXTENT + 1, 16384, ("cuda", "cuda")),

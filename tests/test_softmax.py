@@ -682,15 +682,18 @@ def test_cuda_mask_groups_read_every_row_once():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", FNS)
-@pytest.mark.parametrize("t,s,offset", [(8, 8, 0), (16, 40, 24), (16, 40, 0), (24, 16, -8),
-                                        (8, 8, 3), (5, "long", 0), (5, "long", "bottom")])
-def test_gpu_cuda_causal(rng, name, t, s, offset):
+@pytest.mark.parametrize("b,t,s,offset", [(3, 8, 8, 0), (3, 16, 40, 24), (3, 16, 40, 0),
+                                          (3, 24, 16, -8), (3, 8, 8, 3), (3, 5, "long", 0),
+                                          (3, 5, "long", "bottom"), (64, 48, 40, 5),
+                                          (16, 40, "long", -3)])
+def test_gpu_cuda_causal(rng, name, b, t, s, offset):
   """Causal rows on the CUDA kernels, against float64: keys past each query (plus the offset)
   are 0 (-inf for log_softmax) with zero gradient, fully masked rows included, under a negative
-  scale (the mask applies to the scaled logits), and over a cluster's long rows."""
+  scale (the mask applies to the scaled logits), over a cluster's long rows, and with more rows
+  than clusters (each walks many, its loads stopping at each row's last key)."""
   s = _long_cuda_row() if s == "long" else s
   offset = s - t if offset == "bottom" else offset
-  x = random(rng, (3, t, s), jnp.float32)
+  x = random(rng, (b, t, s), jnp.float32)
   dy = random(rng, x.shape, jnp.float32)
   y, (dx,) = value_and_vjp(
       lambda x: FNS[name](x, scale=-0.7, is_causal=True, causal_offset=offset,

@@ -25,7 +25,7 @@ TABLES = sorted((ROOT / "jaxfuse" / "ops").glob("*/tuned/*.json"))
 # The facts each family's rules may test (see its ``_fastest``), besides the length and element
 # bounds.
 FACTS = {"norm": {"op", "use", "direction", "itemsize", "out_itemsize", "cuda_short_rows"},
-         "softmax": {"op", "use", "direction", "itemsize", "plain", "cuda_takes",
+         "softmax": {"op", "use", "direction", "itemsize", "plain", "causal", "cuda_takes",
                      "triton"}}
 BOUNDS = {"min_length", "max_length", "min_elements", "max_elements"}
 

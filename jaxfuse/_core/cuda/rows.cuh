@@ -248,20 +248,40 @@ struct RowWalk {
 //   }
 //
 // so loads are in flight through every row's cluster barrier and stores.
-template <typename T> struct FeedBase {
+//
+// Ends gives the column each fetched row's loads stop at, asked once a fetch in row order:
+// units from it on are not read (zeros through registers, stale through shared memory), for a
+// kernel that masks them. lag(rows) tells it how many rows its fetches run ahead of the row a
+// kernel holds, whose end held_end gives.
+struct WholeRows {
+  __device__ __forceinline__ void lag(int) {}
+  __device__ __forceinline__ int next_end(int n) { return n; }
+  __device__ __forceinline__ int held_end(int n) const { return n; }
+};
+
+template <typename T, typename Ends> struct FeedBase {
   const T* base;
   int64_t rows;
   int n;
   RowWalk walk;
   RowSlice slice;
+  Ends ends;
 
   __device__ __forceinline__ int64_t row(int64_t i) const { return walk.first + i * walk.step; }
+  // The end of the row of `now`, between a load and the next refill.
+  __device__ __forceinline__ int held_end() const { return ends.held_end(n); }
+  // The slice of the next fetched row that is read.
+  __device__ __forceinline__ RowSlice next_read() {
+    RowSlice read = slice;
+    read.n = ends.next_end(n);
+    return read;
+  }
 };
 
 // Rows through registers. With kPrefetch a thread loads row i + 1 while it works on row i,
 // which doubles its registers; without, the CTAs of other clusters on the SM hide the loads.
-template <typename T, int V, bool kPrefetch>
-struct RegisterFeed : FeedBase<T> {
+template <typename T, int V, bool kPrefetch, typename Ends>
+struct RegisterFeed : FeedBase<T, Ends> {
   static constexpr bool kStaged = false;
   Unit<T> now[V], next[V];
 
@@ -281,9 +301,9 @@ struct RegisterFeed : FeedBase<T> {
   }
 
  private:
-  __device__ __forceinline__ void fetch(int64_t i, Unit<T> (&units)[V]) const {
+  __device__ __forceinline__ void fetch(int64_t i, Unit<T> (&units)[V]) {
     const int64_t r = this->row(i);
-    load_row(this->base + r * this->n, this->slice, r < this->rows, units);
+    load_row(this->base + r * this->n, this->next_read(), r < this->rows, units);
   }
 };
 
@@ -313,8 +333,8 @@ __device__ __forceinline__ void wait_copies(int pending) {
 // thread's copies visible to itself, and a stage is refilled only after the reduction has
 // consumed every register read from it. Layout: vector j of unit k of stage s of thread t at
 // ((s * V + k) * kVectors + j) * threads + t, so a warp's shared accesses are consecutive.
-template <typename T, int V>
-struct StagedFeed : FeedBase<T> {
+template <typename T, int V, typename Ends = WholeRows>
+struct StagedFeed : FeedBase<T, Ends> {
   static constexpr bool kStaged = true;
   static constexpr int kVectors = Unit<T>::kVectors;
   Unit<T> now[V];
@@ -354,13 +374,14 @@ struct StagedFeed : FeedBase<T> {
   __device__ __forceinline__ uint4& at(int s, int k, int j) const {
     return mine[((s * V + k) * kVectors + j) * this->slice.threads];
   }
-  __device__ __forceinline__ void copy(int64_t i, int s) const {
+  __device__ __forceinline__ void copy(int64_t i, int s) {
+    const RowSlice read = this->next_read();
     const int64_t r = this->row(i);
     if (r >= this->rows) return;
     const T* row = this->base + r * this->n;
 #pragma unroll
     for (int k = 0; k < V; ++k) {
-      if (!this->slice.holds(k)) continue;
+      if (!read.holds(k)) continue;
       const uint4* src = reinterpret_cast<const uint4*>(row + this->slice.column(k));
 #pragma unroll
       for (int j = 0; j < kVectors; ++j) copy_async(&at(s, k, j), src + j);
@@ -373,21 +394,26 @@ struct StagedFeed : FeedBase<T> {
 template <typename T, int V, int kStreams>
 constexpr bool kPrefetchFits = V * Unit<T>::kVectors * kStreams <= 4;
 
-template <typename T, int V, bool kStaged, int kStreams>
-using RowFeed = std::conditional_t<kStaged, StagedFeed<T, V>,
-                                   RegisterFeed<T, V, kPrefetchFits<T, V, kStreams>>>;
+template <typename T, int V, bool kStaged, int kStreams, typename Ends = WholeRows>
+using RowFeed = std::conditional_t<kStaged, StagedFeed<T, V, Ends>,
+                                   RegisterFeed<T, V, kPrefetchFits<T, V, kStreams>, Ends>>;
 
 // A feed of the rows of `base` (rows x n) that this thread's cluster walks; a staged feed uses
 // `stages` stages of the CTA's dynamic shared memory from `shared` on.
 template <typename Feed, typename T>
 __device__ __forceinline__ Feed feed_of(const T* base, int64_t rows, int n, const RowWalk& walk,
-                                        const RowSlice& slice, uint4* shared, int stages) {
+                                        const RowSlice& slice, uint4* shared, int stages,
+                                        decltype(Feed::ends) ends = {}) {
   Feed feed;
   feed.base = base;
   feed.rows = rows;
   feed.n = n;
   feed.walk = walk;
   feed.slice = slice;
+  feed.ends = ends;
+  // Between a load and its refill, a staged feed has fetched `stages` rows past the held one,
+  // a register feed one.
+  feed.ends.lag(Feed::kStaged ? stages : 1);
   if constexpr (Feed::kStaged) {
     feed.mine = shared + threadIdx.x;
     feed.stages = stages;

@@ -41,15 +41,15 @@ def _untuned() -> dict:
 
 
 def _fastest(op: str, use: str, row: str, n: int, x, cuda_refusal, extents,
-             plain: bool = True) -> str:
+             plain: bool = True, causal: bool = False) -> str:
   """The fastest implementation for ``use`` (see :data:`op.USES`) by this GPU's tuned table
   (``jaxfuse/ops/softmax/tuned/``): its ``rules``, measured exceptions matched on the call's
   facts, else 'cuda' for rows it can take from the length the table's ``cuda_from_<row>``
   gives (``cuda_from_<row>_without_triton`` where Triton is gone; ``None``: never), else
   'triton' where it runs, else 'xla'. ``n`` is the row length, ``x`` the array whose rows are
   normalized, ``cuda_refusal()`` says why the CUDA kernels cannot take the call, ``extents``
-  is the array as the Triton kernels view it, and ``plain`` says the rows are the last axis,
-  without a mask."""
+  is the array as the Triton kernels view it, ``plain`` says the rows are the last axis,
+  without a mask, and ``causal`` that they are causal scores."""
   triton_runs = registry.runs(
       op, "triton", lambda: registry.triton_unavailable() or triton.unsupported(extents))
   cuda_takes = cuda_refusal() is None
@@ -57,7 +57,7 @@ def _fastest(op: str, use: str, row: str, n: int, x, cuda_refusal, extents,
   table = tuned.rows("softmax", _untuned)
   facts = dict(op=op, use=use, direction="backward" if use == "backward" else "forward",
                length=n, elements=x.size, plain=plain, itemsize=jnp.dtype(x.dtype).itemsize,
-               cuda_takes=cuda_takes, triton=triton_runs)
+               causal=causal, cuda_takes=cuda_takes, triton=triton_runs)
   runs = {"cuda": cuda_runs, "triton": lambda: triton_runs, "xla": lambda: True}
   if chosen := tuned.ruled(table["rules"], facts, lambda name: runs[name]()):
     return chosen
@@ -151,6 +151,9 @@ def _softmax_entry(op, log, x, axis, scale, mask, is_causal, causal_offset, impl
   def cuda_refusal(directions=("forward", "backward")):
     if axis != x.ndim - 1:
       return "the 'cuda' kernels take the softmax over the last axis"
+    if is_causal and x.shape[-2] > cuda_kernels.MAX_CAUSAL_QUERIES:
+      return (f"the 'cuda' kernels walk causal rows in 32 bits, up to "
+              f"{cuda_kernels.MAX_CAUSAL_QUERIES} queries, not {x.shape[-2]}")
     return cuda_kernels.unsupported(x.shape[-1], x.dtype, directions=directions)
 
   def fastest(use):
@@ -158,7 +161,7 @@ def _softmax_entry(op, log, x, axis, scale, mask, is_causal, causal_offset, impl
     plain = axis == x.ndim - 1 and mask is None and not is_causal
     return _fastest(op, use, timed_as(use), x.shape[axis], x,
                     lambda: cuda_refusal((direction,)), (layout.pre, layout.n, layout.post),
-                    plain)
+                    plain, bool(is_causal))
 
   plan = resolve_plan(op, implementation, _BACKENDS, _preference(), fastest)
   if implementation == "cuda" and (reason := cuda_refusal()):
@@ -248,7 +251,9 @@ class _SoftmaxKernels:
 
     def local(y, dy):
       if self.impl == "cuda":
-        return (cuda_kernels.softmax_backward(y, dy, scale=st.scale, log=st.log),)
+        offset = st.layout.causal_offset if st.layout.causal else None
+        return (cuda_kernels.softmax_backward(y, dy, scale=st.scale, log=st.log,
+                                              causal_offset=offset),)
       layout = dataclasses.replace(st.layout, shape=tuple(y.shape), mask_strides=None)
       return (triton.softmax_backward(y, dy, layout, scale=st.scale, log=st.log),)
 

@@ -92,6 +92,11 @@ def limits() -> str:
           f"float32 elements")
 
 
+# The most queries a causal softmax's rows may have: the kernels walk them in 32 bits, with
+# room for the offset and the row length (softmax.cu's CausalEnds).
+MAX_CAUSAL_QUERIES = 2**30
+
+
 def unsupported(n_cols: int, dtype, *, directions=("forward", "backward")) -> str | None:
   """Why the CUDA kernels cannot take rows of ``n_cols`` elements of ``dtype``, or None."""
   if jnp.dtype(dtype) not in _SUPPORTED:
@@ -196,15 +201,18 @@ def softmax_forward(x, *, scale: float, log: bool, causal_offset: int | None = N
   return y.reshape(x.shape)
 
 
-def softmax_backward(y, dy, *, scale: float, log: bool, tiling: Tiling | None = None,
-                     waves: int | None = None):
+def softmax_backward(y, dy, *, scale: float, log: bool, causal_offset: int | None = None,
+                     tiling: Tiling | None = None, waves: int | None = None):
   """Gradient of ``scale * x`` from the output ``y`` and its cotangent ``dy``, on ``waves``
-  waves of clusters as the forward."""
+  waves of clusters as the forward. With the forward's ``causal_offset``, the keys it masked
+  are not read and get zero gradient."""
   y2 = _rows(y)
   t = tiling or backward_tiling(y2.shape[1], y.dtype)
   t.check(y2.shape[1])
+  causal_rows = 0 if causal_offset is None else y.shape[-2]
   dx = jax.ffi.ffi_call("jaxfuse_softmax_backward", jax.ShapeDtypeStruct(y2.shape, y.dtype))(
       y2, _rows(dy).astype(y.dtype), scale=np.float32(scale), log=np.int64(log),
+      causal_rows=np.int64(causal_rows), causal_offset=np.int64(causal_offset or 0),
       **_grid("backward", y.dtype, log, t, y2.shape[0], waves))
   return dx.reshape(y.shape)
 

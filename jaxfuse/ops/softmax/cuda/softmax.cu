@@ -129,6 +129,9 @@ __device__ __forceinline__ float3 thread_max_sum(UnitValues unit, const RowSlice
   return make_float3(m, sum, total);
 }
 
+// The most queries of causal rows, for CausalEnds's 32-bit walk.
+constexpr int64_t kMaxCausalQueries = int64_t{1} << 30;
+
 // The maximum of (size, stride) groups a boolean mask's row offsets are read through.
 constexpr int kMaxMaskGroups = 4;
 
@@ -146,12 +149,6 @@ struct RowKeys {
   int64_t sizes[kMaxMaskGroups], strides[kMaxMaskGroups];
   int64_t column_stride;
 
-  // The first masked column of the row of causal query `query` (n without a causal mask).
-  __device__ __forceinline__ int limit(int64_t query, int n) const {
-    if (causal_rows == 0) return n;
-    return static_cast<int>(
-        min(max(query + causal_offset + 1, int64_t{0}), static_cast<int64_t>(n)));
-  }
   __device__ __forceinline__ const uint8_t* mask_row(int64_t r) const {
     if (mask == nullptr) return nullptr;
     int64_t offset = 0;
@@ -204,6 +201,40 @@ __device__ __forceinline__ uint64_t row_kept_bits(const RowSlice& slice, int lim
   return kept;
 }
 
+// The first masked column of each causal row a feed fetches (n without a causal mask), walked
+// beside its fetches: keys past a row's query, about half of causal scores, are never read. The
+// query r % causal_rows advances a step at a time beside r, one division before the walk rather
+// than one a row, in 32 bits: query + offset + 1 stays within 2 causal_rows + n.
+struct CausalEnds {
+  int queries, step, query, offset;  // of the next row fetched; queries 0: no causal mask
+  int lag_step;                      // the query steps from the held row to the next fetched
+
+  __device__ __forceinline__ static CausalEnds along(int64_t causal_rows, int offset,
+                                                     const RowWalk& walk) {
+    if (causal_rows == 0) return {0, 0, 0, 0, 0};
+    return {static_cast<int>(causal_rows), static_cast<int>(walk.step % causal_rows),
+            static_cast<int>(walk.first % causal_rows), offset, 0};
+  }
+  __device__ __forceinline__ void lag(int rows) {
+    lag_step = queries == 0 ? 0 : static_cast<int>(int64_t{rows} * step % queries);
+  }
+  __device__ __forceinline__ int next_end(int n) {
+    const int end = of(query, n);
+    query += step;
+    query -= query >= queries ? queries : 0;
+    return end;
+  }
+  __device__ __forceinline__ int held_end(int n) const {
+    const int held = query - lag_step;
+    return of(held < 0 ? held + queries : held, n);
+  }
+
+ private:
+  __device__ __forceinline__ int of(int q, int n) const {
+    return queries == 0 ? n : min(max(q + offset + 1, 0), n);
+  }
+};
+
 // Built apart with kMasked (causal or boolean masks, RowKeys) and without, so that rows with
 // every key kept carry none of the masks' registers.
 template <typename T, bool kLog, int V, bool kStaged, bool kClusters, bool kMasked>
@@ -214,20 +245,17 @@ __global__ void __launch_bounds__(kThreads, 2)
   extern __shared__ uint4 staging[];
   const RowSlice slice = RowSlice::mine<kClusters>(V, n);
   const RowWalk walk = RowWalk::of_cluster<kClusters>();
-  auto xs = feed_of<RowFeed<T, V, kStaged, 1>>(x, rows, n, walk, slice, staging, stages);
+  using Ends = std::conditional_t<kMasked, CausalEnds, WholeRows>;
+  Ends ends{};
+  if constexpr (kMasked) ends = CausalEnds::along(keys.causal_rows, keys.causal_offset, walk);
+  auto xs =
+      feed_of<RowFeed<T, V, kStaged, 1, Ends>>(x, rows, n, walk, slice, staging, stages, ends);
   int parity = 0;
   xs.start();
-  // A causal row's query, r % causal_rows, walked a step at a time beside r: one division
-  // before the walk rather than one a row.
-  const int64_t queries = kMasked && keys.causal_rows > 0 ? keys.causal_rows : 1;
-  const int64_t query_step = walk.step % queries;
-  int64_t query = walk.first % queries;
   int64_t i = 0;
   for (int64_t r = walk.first; r < rows; r += walk.step, ++i) {
     xs.load(i);
-    const int limit = kMasked ? keys.limit(query, n) : n;
-    query += query_step;
-    query -= query >= queries ? queries : 0;
+    const int limit = xs.held_end();
     const uint64_t kept =
         kMasked ? row_kept_bits<V>(slice, limit, keys.mask_row(r), keys.column_stride) : 0;
     const float3 part = thread_max_sum<V, kMasked>(
@@ -261,17 +289,24 @@ __global__ void __launch_bounds__(kThreads, 2)
 }
 
 // softmax: dx = scale * y * (dy - sum(dy * y)); log-softmax: dx = scale * (dy - exp(y) sum(dy))
-// with masked entries (y = -inf) taking no part and getting zero.
-template <typename T, bool kLog, int V, bool kClusters>
+// with masked entries (y = -inf) taking no part and getting zero. Causal rows (as the forward's)
+// are read only up to their query's last key: the units past it take no part and get zero.
+// Built apart with kMasked (causal) and without, as the forward.
+template <typename T, bool kLog, int V, bool kClusters, bool kMasked>
 __global__ void __launch_bounds__(kThreads, 2)
     softmax_backward_kernel(const T* __restrict__ y, const T* __restrict__ dy,
-                            T* __restrict__ dx, int64_t rows, int n, float scale) {
+                            T* __restrict__ dx, int64_t rows, int n, float scale,
+                            int64_t causal_rows, int causal_offset) {
   __shared__ ClusterScratch<float> scratch;
   const RowSlice slice = RowSlice::mine<kClusters>(V, n);
   const RowWalk walk = RowWalk::of_cluster<kClusters>();
+  using Ends = std::conditional_t<kMasked, CausalEnds, WholeRows>;
+  Ends ends{};
+  if constexpr (kMasked) ends = CausalEnds::along(causal_rows, causal_offset, walk);
   // Two streams through registers: staged feeds would each count their own copy groups.
-  auto ys = feed_of<RowFeed<T, V, false, 2>>(y, rows, n, walk, slice, nullptr, 0);
-  auto dys = feed_of<RowFeed<T, V, false, 2>>(dy, rows, n, walk, slice, nullptr, 0);
+  using Feed = RowFeed<T, V, false, 2, Ends>;
+  auto ys = feed_of<Feed>(y, rows, n, walk, slice, nullptr, 0, ends);
+  auto dys = feed_of<Feed>(dy, rows, n, walk, slice, nullptr, 0, ends);
   int parity = 0;
   ys.start();
   dys.start();
@@ -279,6 +314,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   for (int64_t r = walk.first; r < rows; r += walk.step, ++i) {
     ys.load(i);
     dys.load(i);
+    // Units past the end were not read: zeros, which add nothing to either row term.
+    const int end = ys.held_end();
     float mine = 0.f;
 #pragma unroll
     for (int k = 0; k < V; ++k) {
@@ -305,6 +342,7 @@ __global__ void __launch_bounds__(kThreads, 2)
                              : yv[e] * (dyv[e] - c);
         yv[e] = g * scale;
       }
+      if (kMasked && slice.column(k) >= end) fill(yv, 0.f);
       Unit<T> out;
       out.pack(yv);
       out.store_streaming(dx + r * n + slice.column(k));
@@ -468,7 +506,10 @@ template <typename T, bool kFlag, int V, bool kStaged, bool kClusters> struct Ma
   static auto get() { return softmax_forward_kernel<T, kFlag, V, kStaged, kClusters, true>; }
 };
 template <typename T, bool kFlag, int V, bool kStaged, bool kClusters> struct Backward {
-  static auto get() { return softmax_backward_kernel<T, kFlag, V, kClusters>; }
+  static auto get() { return softmax_backward_kernel<T, kFlag, V, kClusters, false>; }
+};
+template <typename T, bool kFlag, int V, bool kStaged, bool kClusters> struct CausalBackward {
+  static auto get() { return softmax_backward_kernel<T, kFlag, V, kClusters, true>; }
 };
 template <typename T, bool kFlag, int V, bool kStaged, bool kClusters> struct CrossEntropy {
   static auto get() { return cross_entropy_kernel<T, kFlag, V, kStaged, kClusters>; }
@@ -552,6 +593,19 @@ void check_mask(Checks& checks, const ffi::AnyBuffer& mask, int64_t has_mask, in
   });
 }
 
+// Causal rows come in whole blocks of queries, at most kMaxCausalQueries (the Python side's
+// MAX_CAUSAL_QUERIES), and the offset is clamped to [-T, N] (as the Python side does), which
+// masks the same and keeps the ends in int.
+void check_causal(Checks& checks, int64_t causal_rows, int64_t causal_offset,
+                  ffi::Span<const int64_t> dims) {
+  checks.range("causal_rows", causal_rows, 0, std::min(dims[0], kMaxCausalQueries));
+  checks.require(causal_rows == 0 || dims[0] % causal_rows == 0, [&] {
+    return "causal_rows=" + std::to_string(causal_rows) + " does not divide the " +
+           std::to_string(dims[0]) + " rows";
+  });
+  checks.range("causal_offset", causal_offset, -causal_rows, dims[1]);
+}
+
 ffi::Error SoftmaxForwardImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer mask,
                               ffi::Result<ffi::AnyBuffer> y, float scale, int64_t log,
                               int64_t causal_rows, int64_t causal_offset, int64_t has_mask,
@@ -567,14 +621,7 @@ ffi::Error SoftmaxForwardImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuf
   checks.require(std::isfinite(scale), [&] { return "scale=" + std::to_string(scale) +
                                                     " must be finite"; });
   checks.flag("log", log);
-  // Causal rows come in whole blocks of queries, and the offset is clamped to [-T, N] (as the
-  // Python side does), which masks the same and keeps the limit in int.
-  checks.range("causal_rows", causal_rows, 0, dims[0]);
-  checks.require(causal_rows == 0 || dims[0] % causal_rows == 0, [&] {
-    return "causal_rows=" + std::to_string(causal_rows) + " does not divide the " +
-           std::to_string(dims[0]) + " rows";
-  });
-  checks.range("causal_offset", causal_offset, -causal_rows, dims[1]);
+  check_causal(checks, causal_rows, causal_offset, dims);
   check_mask(checks, mask, has_mask, dims[0], dims[1], mask_sizes, mask_strides,
              mask_column_stride);
   check_tiling(checks, dims[1], t, kThreads);
@@ -605,7 +652,8 @@ ffi::Error SoftmaxForwardImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuf
 
 ffi::Error SoftmaxBackwardImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::AnyBuffer dy,
                                ffi::Result<ffi::AnyBuffer> dx, float scale, int64_t log,
-                               int64_t cluster, int64_t threads, int64_t units, int64_t stages,
+                               int64_t causal_rows, int64_t causal_offset, int64_t cluster,
+                               int64_t threads, int64_t units, int64_t stages,
                                int64_t clusters) {
   Checks checks("softmax_backward");
   if (!check_rows(checks, "y", y)) return checks.error();
@@ -618,16 +666,21 @@ ffi::Error SoftmaxBackwardImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::AnyBu
   // Two streams through registers: the backward is not staged.
   checks.range("stages", stages, 0, 0);
   checks.flag("log", log);
+  check_causal(checks, causal_rows, causal_offset, dims);
   check_tiling(checks, dims[1], t, kThreads);
   if (!checks.ok()) return checks.error();
   if (dims[0] == 0) return ffi::Error::Success();
   cudaError_t err = cudaSuccess;
-  const bool known = dispatch_kernel<Backward, 2, false>(
-      y.element_type(), log, t, [&](auto kernel, size_t bytes) {
-        err = launch_clustered(kernel, grid_of(t), threads, cluster, bytes, stream,
-                               y.untyped_data(), dy.untyped_data(), dx->untyped_data(), dims[0],
-                               static_cast<int>(dims[1]), scale);
-      });
+  auto launch = [&](auto kernel, size_t bytes) {
+    err = launch_clustered(kernel, grid_of(t), threads, cluster, bytes, stream, y.untyped_data(),
+                           dy.untyped_data(), dx->untyped_data(), dims[0],
+                           static_cast<int>(dims[1]), scale, causal_rows,
+                           static_cast<int>(causal_offset));
+  };
+  const bool known =
+      causal_rows > 0
+          ? dispatch_kernel<CausalBackward, 2, false>(y.element_type(), log, t, launch)
+          : dispatch_kernel<Backward, 2, false>(y.element_type(), log, t, launch);
   if (!known) return unbuilt("softmax_backward", t, y);
   return launch_error("softmax_backward", err);
 }
@@ -742,6 +795,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseSoftmaxBackward, jaxfuse::SoftmaxBackwardIm
                                   .Ret<xla::ffi::AnyBuffer>()
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("log")
+                                  .Attr<int64_t>("causal_rows")
+                                  .Attr<int64_t>("causal_offset")
                                   .Attr<int64_t>("cluster")
                                   .Attr<int64_t>("threads")
                                   .Attr<int64_t>("units")
