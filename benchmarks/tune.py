@@ -276,7 +276,7 @@ def _norm_cuda(sweep):
             _, mean, rstd = cuda.forward(x, w, None, kind=kind, eps=1e-5, out_dtype=dy.dtype)
             data.append((x, dy, w, mean, rstd))
           fn = functools.partial(bwd, kind)
-          default = cuda.backward_tiling(n, jnp.bfloat16)
+          default = cuda.backward_tiling(n, jnp.bfloat16, data[0][1].dtype)
           capped = [(t, k * sms) for t in (default, backward_variants[0])
                     for k in (1, 2, 4, 8, 16)]
           variants = [default] + backward_variants + capped

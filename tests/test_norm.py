@@ -674,6 +674,21 @@ def test_short_tilings_cover_their_rows(n):
     assert all(t.lanes * u < n_units for u in choices if u < t.units)
 
 
+@pytest.mark.parametrize("n", [1024, 2048, 4096, 8192, 32768])
+def test_float32_dy_beside_16bit_x_takes_one_unit_while_a_cta_holds_the_row(n):
+  """Host-side rule, no GPU needed: the backward's float32 dy (float32 parameters promote the
+  output) holds one unit a thread where one CTA holds the row; else the tiling of x's dtype."""
+  from jaxfuse.ops.norm import cuda as cuda_kernels
+  wide = cuda_kernels.backward_tiling(n, jnp.bfloat16, jnp.float32)
+  plain = cuda_kernels.backward_tiling(n, jnp.bfloat16)
+  assert cuda_kernels.backward_tiling(n, jnp.bfloat16, jnp.bfloat16) == plain
+  wide.check(n)
+  if n <= 512 * 8:
+    assert (wide.cluster, wide.units) == (1, 1)
+  else:
+    assert wide == plain
+
+
 def test_malformed_short_tilings_are_refused():
   from jaxfuse._core.cuda import Tiling
   for bad in (Tiling(2, 256, 2, 0, 16), Tiling(1, 256, 2, 0, 12), Tiling(1, 100, 2, 0, 16),

@@ -75,9 +75,14 @@ def forward_tiling(n_cols: int, x_dtype, param_dtype=None) -> Tiling | None:
   return staged or cuda.tiling(n_cols, FORWARD_UNITS[width])
 
 
-def backward_tiling(n_cols: int, x_dtype) -> Tiling | None:
+# A float32 dy beside 16-bit x (float32 parameters promote the output) triples a unit's
+# registers, so two units of both rows and the next ones spill: one unit a thread while a CTA
+# holds the row (benchmarks/tune.py norm_cuda's "f32 params" problems).
+def backward_tiling(n_cols: int, x_dtype, dy_dtype=None) -> Tiling | None:
   width = jnp.dtype(x_dtype).itemsize
+  wide_dy = dy_dtype is not None and jnp.dtype(dy_dtype).itemsize > width
   return (cuda.short_tiling(n_cols, SHORT_BACKWARD_UNITS[width])
+          or (wide_dy and cuda.tiling(n_cols, (1,), max_cluster=1))
           or cuda.tiling(n_cols, BACKWARD_UNITS[width]))
 
 
@@ -197,7 +202,7 @@ def backward(dy, x, weight, mean, rstd, *, kind, has_bias, bias_dtype=None,
   read less of (``benchmarks/tune.py norm_cuda`` times the trade)."""
   n_groups, n_rows, n_cols = x.shape
   has_weight = weight is not None
-  t = tiling or backward_tiling(n_cols, x.dtype)
+  t = tiling or backward_tiling(n_cols, x.dtype, dy.dtype)
   t.check(n_cols)
   (kernel_weight,) = _params(x, weight)
   resident = resident_clusters("backward", kind, x.dtype, dy.dtype, kernel_weight.dtype, t,
