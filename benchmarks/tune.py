@@ -388,6 +388,47 @@ def _backward_candidates(n):
   return _cluster_shapes(n, cuda.BACKWARD_UNITS[2])
 
 
+def _softmax_cuda_causal(sweep):
+  """Causal scores (heads, T, T): the masked kernels hold more registers a thread than the
+  plain ones and read about half of each row, so fewer units a thread in wider CTAs (more of
+  them resident) are candidates beside the plain rows' tiling, both directions."""
+  from jaxfuse._core import cuda as core
+  from jaxfuse.ops.softmax import cuda
+  for heads, t in ((64, 2048), (2, 16384)):
+    rows = heads * t
+    label = f"cuda softmax {rows}x{t} causal"
+    if not any(sweep.wanted(f"{label} {d}") for d in ("fwd", "bwd")):
+      continue
+
+    def make(key, heads=heads, t=t):
+      kx, kd = jax.random.split(key)
+      return (jax.random.normal(kx, (heads, t, t), jnp.bfloat16),
+              jax.random.normal(kd, (heads, t, t), jnp.bfloat16))
+
+    # Bytes of the kept half: the forward reads it and writes every score, the backward reads
+    # it twice and writes every gradient.
+    half, whole = rows * t, 2 * rows * t
+    sets = _sets(make, 3 * whole)
+
+    def fwd(variant, x, dy):
+      tiling, waves = _knob(variant)
+      return cuda.softmax_forward(x, scale=1.0, log=False, causal_offset=0, tiling=tiling,
+                                  waves=waves)
+
+    def bwd(variant, y, dy):
+      tiling, waves = _knob(variant)
+      return cuda.softmax_backward(y, dy, scale=1.0, log=False, causal_offset=0,
+                                   tiling=tiling, waves=waves)
+
+    for direction, fn, default, units, work in (
+        ("fwd", fwd, cuda.forward_tiling, (1, 2, 4, 8), half + whole),
+        ("bwd", bwd, cuda.backward_tiling, cuda.BACKWARD_UNITS[2], 2 * half + whole)):
+      first = default(t, jnp.bfloat16)
+      variants = list(dict.fromkeys([first] + _cluster_shapes(t, units)
+                                    + _other_waves(first, core.GRID_WAVES)))
+      sweep.problem("softmax_cuda", f"{label} {direction}", fn, variants, sets, work)
+
+
 def _softmax_cuda(sweep):
   """Cluster shapes of the softmax and cross-entropy 'cuda' kernels, and their grids' waves."""
   from jaxfuse._core import cuda as core
@@ -418,6 +459,7 @@ def _softmax_cuda(sweep):
                                     + _other_waves(default(n, jnp.bfloat16), core.GRID_WAVES)))
       sweep.problem("softmax_cuda", f"cuda softmax {rows}x{n} {direction}", fn, variants, sets,
                     passes * pass_bytes)
+  _softmax_cuda_causal(sweep)
   for rows, vocab in ((8192, 131072), (16384, 32768)):
     label = f"cuda cross_entropy {rows}x{vocab} fused"
     if not sweep.wanted(label):
