@@ -146,6 +146,14 @@ def test_causal_alignments(rng, impl, name, t, s, offset):
         floor=gradient_floor(name, expected, np.where(keep & full, dy, 0.0)))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", FNS)
+def test_gpu_none_on_long_causal_rows(rng, name):
+  """None's choice for causal scores long enough that a GPU's table may run one
+  implementation's forward and another's backward (the H200: Triton's, then CUDA's)."""
+  test_causal_alignments(rng, None, name, 40, 2048, 2048 - 40 - 7)
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_fully_masked_rows_are_zero_with_zero_gradient(rng, impl):
   x = random(rng, (3, 16), jnp.float32)
