@@ -376,11 +376,13 @@ def _cluster_shapes(n, units_choices, stages=(0,), min_threads=64):
 
 # The forward and cross-entropy read one array: eight vectors a thread through registers or one
 # shared-memory stage, or four through registers, in CTAs of 256 or 512 threads (more stages,
-# staged slices of four, and 128-thread CTAs measured slower on the H100). The backward reads
-# two arrays through registers.
+# staged slices of four, and 128-thread CTAs measured slower on the H100); and, for rows one CTA
+# holds, one or two units a thread, whose fewer registers let more CTAs share an SM. The
+# backward reads two arrays through registers.
 def _forward_candidates(n):
   return (_cluster_shapes(n, (8,), stages=(0, 1), min_threads=256)
-          + _cluster_shapes(n, (4,), min_threads=256))
+          + _cluster_shapes(n, (4,), min_threads=256)
+          + [t for t in _cluster_shapes(n, (2, 1)) if t.cluster == 1])
 
 
 def _backward_candidates(n):
