@@ -478,7 +478,7 @@ def _softmax_cuda(sweep):
     # a row.
     spill_free = (_cluster_shapes(vocab, (4,), stages=(1,), min_threads=128)
                   + _cluster_shapes(vocab, (2,), min_threads=256))
-    default = cuda.cross_entropy_tiling(vocab, jnp.bfloat16)
+    default = cuda.cross_entropy_tiling(vocab, jnp.bfloat16, fused=True)
     variants = list(dict.fromkeys([default] + spill_free + _other_waves(default, core.GRID_WAVES)
                                   + _forward_candidates(vocab)))
     def fused(variant, x, labels, scale=scale):
@@ -500,7 +500,7 @@ def _softmax_cuda(sweep):
               jax.random.randint(kl, (rows,), 0, classes, jnp.int32))
 
     scale = jnp.full((rows,), 1.0 / rows, jnp.float32)
-    variants = list(dict.fromkeys([cuda.cross_entropy_tiling(vocab, jnp.float32)]
+    variants = list(dict.fromkeys([cuda.cross_entropy_tiling(vocab, jnp.float32, fused=True)]
                                   + _cluster_shapes(vocab, (4, 2), stages=(0, 1, 2),
                                                     min_threads=128)))
     sweep.problem("softmax_cuda", label, lambda t, x, l: cuda.cross_entropy(

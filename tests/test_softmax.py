@@ -485,19 +485,23 @@ def test_gpu_softmax_kernels(rng, name, n):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", ["triton", "cuda"])
-def test_gpu_cross_entropy_large_vocab(rng, impl):
+@pytest.mark.parametrize("vocab", [24576, 131072])
+def test_gpu_cross_entropy_large_vocab(rng, impl, vocab):
+  """bfloat16 logits: the fused CUDA loss and gradient hold 24576 classes in one CTA (where the
+  loss alone takes two) and 131072 in a cluster."""
   from jaxfuse._core.testing import poison_device_memory
   from jaxfuse.ops.softmax import cuda as cuda_kernels
-  if impl == "cuda" and (reason := cuda_kernels.unsupported(131072, jnp.bfloat16)):
+  if impl == "cuda" and (reason := cuda_kernels.unsupported(vocab, jnp.bfloat16)):
     pytest.skip(reason)
-  logits = random(rng, (64, 131072), jnp.bfloat16, scale=2.0)
-  labels = jnp.asarray(rng.integers(0, 131072, (64,)), jnp.int32)
+  logits = random(rng, (64, vocab), jnp.bfloat16, scale=2.0)
+  labels = jnp.asarray(rng.integers(0, vocab, (64,)), jnp.int32)
   loss_ref, grad_ref = ce_reference(logits, labels, np.ones(64, bool))
   poison_device_memory(4 * logits.size)
   loss, grad = jax.value_and_grad(lambda l: jaxfuse.softmax_cross_entropy(
       l, labels, implementation=impl))(logits)
   assert_close(loss, loss_ref.mean())
   assert_close(grad, grad_ref / 64, jnp.bfloat16, factor=4)
+
 
 def test_cuda_needs_a_gpu(rng):
   if jax.default_backend() == "gpu":
@@ -663,6 +667,23 @@ def test_gpu_cuda_masks(rng, name, mask_shape, s):
   assert np.all(np.asarray(dx)[~(keep & full)] == 0)
   check(dx, np.where(keep & full, grad, 0.0), factor=10,
         floor=gradient_floor(name, expected, np.where(keep & full, dy, 0.0)))
+
+
+@pytest.mark.parametrize("vocab", [8192, 16384, 16392, 32768, 32776, 131072])
+def test_cuda_fused_cross_entropy_holds_16bit_rows_in_one_cta_where_it_can(vocab):
+  """Host-side rule, no GPU needed: where the loss alone would take a cluster of two CTAs for
+  16-bit logits, the fused loss and gradient take one CTA of the widest slices; elsewhere, and
+  for float32 logits, the same tiling as the loss."""
+  from jaxfuse.ops.softmax import cuda as cuda_kernels
+  loss = cuda_kernels.cross_entropy_tiling(vocab, jnp.bfloat16)
+  fused = cuda_kernels.cross_entropy_tiling(vocab, jnp.bfloat16, fused=True)
+  fused.check(vocab)
+  if loss.cluster == 2 and loss.units < cuda_kernels.STAGED_UNITS[2]:
+    assert (fused.cluster, fused.units) == (1, cuda_kernels.STAGED_UNITS[2])
+  else:
+    assert fused == loss
+  assert (cuda_kernels.cross_entropy_tiling(vocab, jnp.float32, fused=True)
+          == cuda_kernels.cross_entropy_tiling(vocab, jnp.float32))
 
 
 def test_cuda_mask_groups_read_every_row_once():

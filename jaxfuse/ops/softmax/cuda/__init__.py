@@ -61,14 +61,18 @@ def forward_tiling(n_cols: int, dtype) -> Tiling | None:
   return cuda.tiling(n_cols, FORWARD_UNITS[width])
 
 
-def cross_entropy_tiling(n_cols: int, dtype) -> Tiling | None:
+def cross_entropy_tiling(n_cols: int, dtype, fused: bool = False) -> Tiling | None:
   """The cross-entropy computes its gradient in the registers the staged feed would need (it
   spills there): it stays with registers, in clusters of at most two CTAs, then takes the
   widest slices to keep clusters small (measured on the H100: at 131072 columns 4 CTAs of 8
-  units beat 8 of 4)."""
+  units beat 8 of 4). The ``fused`` loss and gradient of 16-bit logits take one CTA of the
+  widest slices over a cluster of two (benchmarks/tune.py softmax_cuda at 16384x32768:
+  2026-11-28-h200-tune-ce-cuda.json, a tie in 2026-11-22-h100-tune-cross-entropy.json)."""
   width = jnp.dtype(dtype).itemsize
-  return (cuda.tiling(n_cols, FORWARD_UNITS[width], max_cluster=2)
-          or cuda.tiling(n_cols, (STAGED_UNITS[width],)))
+  narrow = cuda.tiling(n_cols, FORWARD_UNITS[width], max_cluster=2)
+  if fused and width == 2 and narrow is not None and narrow.cluster > 1:
+    narrow = cuda.tiling(n_cols, (STAGED_UNITS[width],), max_cluster=1) or narrow
+  return narrow or cuda.tiling(n_cols, (STAGED_UNITS[width],))
 
 
 def backward_tiling(n_cols: int, dtype) -> Tiling | None:
@@ -238,7 +242,7 @@ def cross_entropy(logits, labels, *, label_smoothing, z_loss, ignore_index=None,
       valid = valid & (labels != ignore_index)
     return reference.cross_entropy_grad(logits, labels, valid, lse, row_scale,
                                         label_smoothing=label_smoothing, z_loss=z_loss)
-  t = tiling or cross_entropy_tiling(vocab, logits.dtype)
+  t = tiling or cross_entropy_tiling(vocab, logits.dtype, fused=mode == "fused")
   t.check(vocab)
   with_grad = mode == "fused"
   rows = jax.ShapeDtypeStruct((n_rows,), jnp.float32)
