@@ -39,6 +39,12 @@ def _sets(make, bytes_per_call):
   return [make(jax.random.key(i)) for i in range(n)]
 
 
+def _normal_pair(shape, key):
+  """Two bf16 arrays of ``shape``: the rows, and a cotangent (or the output's stand-in)."""
+  kx, kd = jax.random.split(key)
+  return (jax.random.normal(kx, shape, jnp.bfloat16), jax.random.normal(kd, shape, jnp.bfloat16))
+
+
 def _disagreement(result, reference) -> float:
   """The worst row's error against the default's output, over the outputs; a row far smaller
   than its output's typical row is measured against the typical one (a causal dQ's first rows
@@ -303,12 +309,7 @@ def _softmax(sweep):
   problems = [(16384, 32768), (4096, 131072), (4096, 262144)]
   for rows, n in problems:
     layout = triton.Layout((rows, n), 1)
-
-    def make(key, rows=rows, n=n):
-      kx, kd = jax.random.split(key)
-      return (jax.random.normal(kx, (rows, n), jnp.bfloat16),
-              jax.random.normal(kd, (rows, n), jnp.bfloat16))
-
+    make = functools.partial(_normal_pair, (rows, n))
     variants = [B(1, 8192, 16, sms), B(1, 8192, 16, 2 * sms), B(1, 16384, 16, sms),
                 B(1, 16384, 32, sms), B(1, 16384, 16, 2 * sms), B(1, 32768, 32, sms)]
     if n <= 32768:
@@ -390,6 +391,22 @@ def _backward_candidates(n):
   return _cluster_shapes(n, cuda.BACKWARD_UNITS[2])
 
 
+def _softmax_cuda_directions(causal_offset=None):
+  """The 'cuda' softmax forward and backward as functions of a variant and the inputs."""
+  from jaxfuse.ops.softmax import cuda
+
+  def fwd(variant, x, dy):
+    tiling, waves = _knob(variant)
+    return cuda.softmax_forward(x, scale=1.0, log=False, causal_offset=causal_offset,
+                                tiling=tiling, waves=waves)
+
+  def bwd(variant, y, dy):
+    tiling, waves = _knob(variant)
+    return cuda.softmax_backward(y, dy, scale=1.0, log=False, causal_offset=causal_offset,
+                                 tiling=tiling, waves=waves)
+  return fwd, bwd
+
+
 def _softmax_cuda_causal(sweep):
   """Causal scores (heads, T, T): the masked kernels hold more registers a thread than the
   plain ones and read about half of each row, so fewer units a thread in wider CTAs (more of
@@ -401,27 +418,11 @@ def _softmax_cuda_causal(sweep):
     label = f"cuda softmax {rows}x{t} causal"
     if not any(sweep.wanted(f"{label} {d}") for d in ("fwd", "bwd")):
       continue
-
-    def make(key, heads=heads, t=t):
-      kx, kd = jax.random.split(key)
-      return (jax.random.normal(kx, (heads, t, t), jnp.bfloat16),
-              jax.random.normal(kd, (heads, t, t), jnp.bfloat16))
-
     # Bytes of the kept half: the forward reads it and writes every score, the backward reads
     # it twice and writes every gradient.
     half, whole = rows * t, 2 * rows * t
-    sets = _sets(make, 3 * whole)
-
-    def fwd(variant, x, dy):
-      tiling, waves = _knob(variant)
-      return cuda.softmax_forward(x, scale=1.0, log=False, causal_offset=0, tiling=tiling,
-                                  waves=waves)
-
-    def bwd(variant, y, dy):
-      tiling, waves = _knob(variant)
-      return cuda.softmax_backward(y, dy, scale=1.0, log=False, causal_offset=0,
-                                   tiling=tiling, waves=waves)
-
+    sets = _sets(functools.partial(_normal_pair, (heads, t, t)), 3 * whole)
+    fwd, bwd = _softmax_cuda_directions(causal_offset=0)
     for direction, fn, default, units, work in (
         ("fwd", fwd, cuda.forward_tiling, (1, 2, 4, 8), half + whole),
         ("bwd", bwd, cuda.backward_tiling, cuda.BACKWARD_UNITS[2], 2 * half + whole)):
@@ -437,26 +438,14 @@ def _softmax_cuda(sweep):
   from jaxfuse.ops.softmax import cuda
   for rows, n in ((16384, 1024), (16384, 4096), (16384, 16384), (16384, 32768), (4096, 131072),
                   (4096, 262144)):
-    def make(key, rows=rows, n=n):
-      kx, kd = jax.random.split(key)
-      return (jax.random.normal(kx, (rows, n), jnp.bfloat16),
-              jax.random.normal(kd, (rows, n), jnp.bfloat16))
-
     pass_bytes = rows * n * 2
     if not any(sweep.wanted(f"cuda softmax {rows}x{n} {d}") for d in ("fwd", "bwd")):
       continue
-    sets = _sets(make, 3 * pass_bytes)
-    for direction, default, candidates, passes in (
-        ("fwd", cuda.forward_tiling, _forward_candidates, 2),
-        ("bwd", cuda.backward_tiling, _backward_candidates, 3)):
-      if direction == "fwd":
-        def fn(variant, x, dy):
-          tiling, waves = _knob(variant)
-          return cuda.softmax_forward(x, scale=1.0, log=False, tiling=tiling, waves=waves)
-      else:
-        def fn(variant, y, dy):
-          tiling, waves = _knob(variant)
-          return cuda.softmax_backward(y, dy, scale=1.0, log=False, tiling=tiling, waves=waves)
+    sets = _sets(functools.partial(_normal_pair, (rows, n)), 3 * pass_bytes)
+    fwd, bwd = _softmax_cuda_directions()
+    for direction, fn, default, candidates, passes in (
+        ("fwd", fwd, cuda.forward_tiling, _forward_candidates, 2),
+        ("bwd", bwd, cuda.backward_tiling, _backward_candidates, 3)):
       variants = list(dict.fromkeys([default(n, jnp.bfloat16)] + candidates(n)
                                     + _other_waves(default(n, jnp.bfloat16), core.GRID_WAVES)))
       sweep.problem("softmax_cuda", f"cuda softmax {rows}x{n} {direction}", fn, variants, sets,

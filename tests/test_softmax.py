@@ -64,6 +64,21 @@ def gradient_floor(name, y, dy, scale=1.0, axis=-1):
   return abs(scale) * np.linalg.norm(terms, axis=axis, keepdims=True)
 
 
+def check_masked(name, x, dy, y, dx, keep, scale=1.0, zero_gradient=False):
+  """``y`` and its gradient ``dx`` against float64 where ``keep`` holds: masked keys 0 (-inf for
+  log_softmax), fully masked rows included, and (with ``zero_gradient``) exactly zero gradient
+  at every key the softmax dropped."""
+  full = keep.any(axis=-1, keepdims=True)
+  expected, grad = reference(name, x, scale=scale, keep=keep | ~full, dy=dy)
+  fill = -np.inf if name == "log_softmax" else 0.0
+  expected = np.where(keep & full, expected, fill)
+  check(y, expected)
+  if zero_gradient:
+    assert np.all(np.asarray(dx)[~(keep & full)] == 0)
+  check(dx, np.where(keep & full, grad, 0.0), factor=10,
+        floor=gradient_floor(name, expected, np.where(keep & full, dy, 0.0), scale=scale))
+
+
 SHAPES = [((1,), -1), ((3,), 0), ((7, 1000), -1), ((2, 3, 4097), -1), ((2, 65537), -1),
           ((5, 6, 7), 1), ((4, 3, 5), 0), ((2, 9, 4, 3), 1), ((33001, 3), 0)]
 
@@ -136,14 +151,7 @@ def test_causal_alignments(rng, impl, name, t, s, offset):
   y, (dx,) = value_and_vjp(
       lambda x: FNS[name](x, is_causal=True, causal_offset=offset, implementation=impl), (x,),
       dy)
-  keep = np.broadcast_to(causal_keep(t, s, offset), x.shape)
-  full = keep.any(axis=-1, keepdims=True)
-  expected, grad = reference(name, x, keep=keep | ~full, dy=dy)
-  fill = -np.inf if name == "log_softmax" else 0.0
-  expected = np.where(keep & full, expected, fill)
-  check(y, expected)
-  check(dx, np.where(keep & full, grad, 0.0), factor=10,
-        floor=gradient_floor(name, expected, np.where(keep & full, dy, 0.0)))
+  check_masked(name, x, dy, y, dx, np.broadcast_to(causal_keep(t, s, offset), x.shape))
 
 
 @pytest.mark.gpu
@@ -659,14 +667,7 @@ def test_gpu_cuda_masks(rng, name, mask_shape, s):
   keep = np.broadcast_to(mask, x.shape)
   if causal:
     keep = keep & causal_keep(8, s, -2)
-  full = keep.any(axis=-1, keepdims=True)
-  expected, grad = reference(name, x, keep=keep | ~full, dy=dy)
-  fill = -np.inf if name == "log_softmax" else 0.0
-  expected = np.where(keep & full, expected, fill)
-  check(y, expected)
-  assert np.all(np.asarray(dx)[~(keep & full)] == 0)
-  check(dx, np.where(keep & full, grad, 0.0), factor=10,
-        floor=gradient_floor(name, expected, np.where(keep & full, dy, 0.0)))
+  check_masked(name, x, dy, y, dx, keep, zero_gradient=True)
 
 
 @pytest.mark.parametrize("vocab", [8192, 16384, 16392, 32768, 32776, 131072])
@@ -727,15 +728,8 @@ def test_gpu_cuda_causal(rng, name, b, t, s, offset):
   y, (dx,) = value_and_vjp(
       lambda x: FNS[name](x, scale=-0.7, is_causal=True, causal_offset=offset,
                           implementation="cuda"), (x,), dy)
-  keep = np.broadcast_to(causal_keep(t, s, offset), x.shape)
-  full = keep.any(axis=-1, keepdims=True)
-  expected, grad = reference(name, x, scale=-0.7, keep=keep | ~full, dy=dy)
-  fill = -np.inf if name == "log_softmax" else 0.0
-  expected = np.where(keep & full, expected, fill)
-  check(y, expected)
-  assert np.all(np.asarray(dx)[~(keep & full)] == 0)
-  check(dx, np.where(keep & full, grad, 0.0), factor=10,
-        floor=gradient_floor(name, expected, np.where(keep & full, dy, 0.0), scale=-0.7))
+  check_masked(name, x, dy, y, dx, np.broadcast_to(causal_keep(t, s, offset), x.shape),
+               scale=-0.7, zero_gradient=True)
 
 
 @pytest.mark.gpu

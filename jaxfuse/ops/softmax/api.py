@@ -110,6 +110,11 @@ class _SoftmaxStatic:
   scale: float
   plan: op.Plan
 
+  @property
+  def causal_offset(self) -> int | None:
+    """The causal mask's offset, None without one (as the CUDA kernels take it)."""
+    return self.layout.causal_offset if self.layout.causal else None
+
 
 def _softmax_entry(op, log, x, axis, scale, mask, is_causal, causal_offset, implementation):
   x = check_array(op, "x", x)
@@ -228,9 +233,8 @@ class _SoftmaxKernels:
 
     def local(x, *mask):
       if self.impl == "cuda":
-        offset = st.layout.causal_offset if st.layout.causal else None
         return (cuda_kernels.softmax_forward(x, scale=st.scale, log=st.log,
-                                             causal_offset=offset,
+                                             causal_offset=st.causal_offset,
                                              mask=mask[0] if mask else None),)
       layout = dataclasses.replace(st.layout, shape=tuple(x.shape))
       flat = None
@@ -251,9 +255,8 @@ class _SoftmaxKernels:
 
     def local(y, dy):
       if self.impl == "cuda":
-        offset = st.layout.causal_offset if st.layout.causal else None
         return (cuda_kernels.softmax_backward(y, dy, scale=st.scale, log=st.log,
-                                              causal_offset=offset),)
+                                              causal_offset=st.causal_offset),)
       layout = dataclasses.replace(st.layout, shape=tuple(y.shape), mask_strides=None)
       return (triton.softmax_backward(y, dy, layout, scale=st.scale, log=st.log),)
 

@@ -186,6 +186,12 @@ def _mask_operand(x, mask):
       mask_column_stride=np.int64(mask.shape[-1] > 1))
 
 
+def _causal_attrs(shape, causal_offset: int | None) -> dict:
+  """The kernels' causal attributes: rows in blocks of ``shape[-2]`` queries, or none."""
+  return dict(causal_rows=np.int64(0 if causal_offset is None else shape[-2]),
+              causal_offset=np.int64(causal_offset or 0))
+
+
 def softmax_forward(x, *, scale: float, log: bool, causal_offset: int | None = None,
                     mask=None, tiling: Tiling | None = None, waves: int | None = None):
   """Softmax (or log-softmax) of ``scale * x`` over the last axis of ``x``, on a persistent
@@ -196,12 +202,11 @@ def softmax_forward(x, *, scale: float, log: bool, causal_offset: int | None = N
   x2 = _rows(x)
   t = tiling or forward_tiling(x2.shape[1], x.dtype)
   t.check(x2.shape[1])
-  causal_rows = 0 if causal_offset is None else x.shape[-2]
   mask_operand, mask_attrs = _mask_operand(x, mask)
   y = jax.ffi.ffi_call("jaxfuse_softmax_forward", jax.ShapeDtypeStruct(x2.shape, x.dtype))(
       x2, mask_operand, scale=np.float32(scale), log=np.int64(log),
-      causal_rows=np.int64(causal_rows), causal_offset=np.int64(causal_offset or 0),
-      **mask_attrs, **_grid("forward", x.dtype, log, t, x2.shape[0], waves))
+      **_causal_attrs(x.shape, causal_offset), **mask_attrs,
+      **_grid("forward", x.dtype, log, t, x2.shape[0], waves))
   return y.reshape(x.shape)
 
 
@@ -213,10 +218,9 @@ def softmax_backward(y, dy, *, scale: float, log: bool, causal_offset: int | Non
   y2 = _rows(y)
   t = tiling or backward_tiling(y2.shape[1], y.dtype)
   t.check(y2.shape[1])
-  causal_rows = 0 if causal_offset is None else y.shape[-2]
   dx = jax.ffi.ffi_call("jaxfuse_softmax_backward", jax.ShapeDtypeStruct(y2.shape, y.dtype))(
       y2, _rows(dy).astype(y.dtype), scale=np.float32(scale), log=np.int64(log),
-      causal_rows=np.int64(causal_rows), causal_offset=np.int64(causal_offset or 0),
+      **_causal_attrs(y.shape, causal_offset),
       **_grid("backward", y.dtype, log, t, y2.shape[0], waves))
   return dx.reshape(y.shape)
 

@@ -235,6 +235,14 @@ struct CausalEnds {
   }
 };
 
+// What a kernel's feeds read of each row: up to the causal limits with kCausal, else all of it.
+template <bool kCausal>
+__device__ __forceinline__ auto row_ends(int64_t causal_rows, int causal_offset,
+                                         const RowWalk& walk) {
+  if constexpr (kCausal) return CausalEnds::along(causal_rows, causal_offset, walk);
+  else return WholeRows{};
+}
+
 // Built apart with kMasked (causal or boolean masks, RowKeys) and without, so that rows with
 // every key kept carry none of the masks' registers.
 template <typename T, bool kLog, int V, bool kStaged, bool kClusters, bool kMasked>
@@ -245,11 +253,9 @@ __global__ void __launch_bounds__(kThreads, 2)
   extern __shared__ uint4 staging[];
   const RowSlice slice = RowSlice::mine<kClusters>(V, n);
   const RowWalk walk = RowWalk::of_cluster<kClusters>();
-  using Ends = std::conditional_t<kMasked, CausalEnds, WholeRows>;
-  Ends ends{};
-  if constexpr (kMasked) ends = CausalEnds::along(keys.causal_rows, keys.causal_offset, walk);
-  auto xs =
-      feed_of<RowFeed<T, V, kStaged, 1, Ends>>(x, rows, n, walk, slice, staging, stages, ends);
+  auto ends = row_ends<kMasked>(keys.causal_rows, keys.causal_offset, walk);
+  auto xs = feed_of<RowFeed<T, V, kStaged, 1, decltype(ends)>>(x, rows, n, walk, slice, staging,
+                                                                stages, ends);
   int parity = 0;
   xs.start();
   int64_t i = 0;
@@ -300,11 +306,9 @@ __global__ void __launch_bounds__(kThreads, 2)
   __shared__ ClusterScratch<float> scratch;
   const RowSlice slice = RowSlice::mine<kClusters>(V, n);
   const RowWalk walk = RowWalk::of_cluster<kClusters>();
-  using Ends = std::conditional_t<kMasked, CausalEnds, WholeRows>;
-  Ends ends{};
-  if constexpr (kMasked) ends = CausalEnds::along(causal_rows, causal_offset, walk);
+  auto ends = row_ends<kMasked>(causal_rows, causal_offset, walk);
   // Two streams through registers: staged feeds would each count their own copy groups.
-  using Feed = RowFeed<T, V, false, 2, Ends>;
+  using Feed = RowFeed<T, V, false, 2, decltype(ends)>;
   auto ys = feed_of<Feed>(y, rows, n, walk, slice, nullptr, 0, ends);
   auto dys = feed_of<Feed>(dy, rows, n, walk, slice, nullptr, 0, ends);
   int parity = 0;
