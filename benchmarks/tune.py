@@ -391,8 +391,11 @@ def _backward_candidates(n):
   return _cluster_shapes(n, cuda.BACKWARD_UNITS[2])
 
 
-def _softmax_cuda_directions(causal_offset=None):
-  """The 'cuda' softmax forward and backward as functions of a variant and the inputs."""
+def _softmax_cuda_problems(sweep, label, n, sets, candidates, work, causal_offset=None):
+  """The 'cuda' softmax forward and backward over rows of ``n`` as the problems ``{label} fwd``
+  and ``{label} bwd``: each direction's default tiling, its ``candidates`` and the default on
+  other waves, ``work`` bytes a call."""
+  from jaxfuse._core import cuda as core
   from jaxfuse.ops.softmax import cuda
 
   def fwd(variant, x, dy):
@@ -404,14 +407,19 @@ def _softmax_cuda_directions(causal_offset=None):
     tiling, waves = _knob(variant)
     return cuda.softmax_backward(y, dy, scale=1.0, log=False, causal_offset=causal_offset,
                                  tiling=tiling, waves=waves)
-  return fwd, bwd
+
+  for direction, fn, default in (("fwd", fwd, cuda.forward_tiling),
+                                 ("bwd", bwd, cuda.backward_tiling)):
+    first = default(n, jnp.bfloat16)
+    variants = list(dict.fromkeys([first] + candidates[direction]
+                                  + _other_waves(first, core.GRID_WAVES)))
+    sweep.problem("softmax_cuda", f"{label} {direction}", fn, variants, sets, work[direction])
 
 
 def _softmax_cuda_causal(sweep):
   """Causal scores (heads, T, T): the masked kernels hold more registers a thread than the
   plain ones and read about half of each row, so fewer units a thread in wider CTAs (more of
   them resident) are candidates beside the plain rows' tiling, both directions."""
-  from jaxfuse._core import cuda as core
   from jaxfuse.ops.softmax import cuda
   for heads, t in ((64, 2048), (2, 16384)):
     rows = heads * t
@@ -422,14 +430,11 @@ def _softmax_cuda_causal(sweep):
     # it twice and writes every gradient.
     half, whole = rows * t, 2 * rows * t
     sets = _sets(functools.partial(_normal_pair, (heads, t, t)), 3 * whole)
-    fwd, bwd = _softmax_cuda_directions(causal_offset=0)
-    for direction, fn, default, units, work in (
-        ("fwd", fwd, cuda.forward_tiling, (1, 2, 4, 8), half + whole),
-        ("bwd", bwd, cuda.backward_tiling, cuda.BACKWARD_UNITS[2], 2 * half + whole)):
-      first = default(t, jnp.bfloat16)
-      variants = list(dict.fromkeys([first] + _cluster_shapes(t, units)
-                                    + _other_waves(first, core.GRID_WAVES)))
-      sweep.problem("softmax_cuda", f"{label} {direction}", fn, variants, sets, work)
+    _softmax_cuda_problems(
+        sweep, label, t, sets,
+        {"fwd": _cluster_shapes(t, (1, 2, 4, 8)),
+         "bwd": _cluster_shapes(t, cuda.BACKWARD_UNITS[2])},
+        {"fwd": half + whole, "bwd": 2 * half + whole}, causal_offset=0)
 
 
 def _softmax_cuda(sweep):
@@ -439,17 +444,13 @@ def _softmax_cuda(sweep):
   for rows, n in ((16384, 1024), (16384, 4096), (16384, 16384), (16384, 32768), (4096, 131072),
                   (4096, 262144)):
     pass_bytes = rows * n * 2
-    if not any(sweep.wanted(f"cuda softmax {rows}x{n} {d}") for d in ("fwd", "bwd")):
+    label = f"cuda softmax {rows}x{n}"
+    if not any(sweep.wanted(f"{label} {d}") for d in ("fwd", "bwd")):
       continue
     sets = _sets(functools.partial(_normal_pair, (rows, n)), 3 * pass_bytes)
-    fwd, bwd = _softmax_cuda_directions()
-    for direction, fn, default, candidates, passes in (
-        ("fwd", fwd, cuda.forward_tiling, _forward_candidates, 2),
-        ("bwd", bwd, cuda.backward_tiling, _backward_candidates, 3)):
-      variants = list(dict.fromkeys([default(n, jnp.bfloat16)] + candidates(n)
-                                    + _other_waves(default(n, jnp.bfloat16), core.GRID_WAVES)))
-      sweep.problem("softmax_cuda", f"cuda softmax {rows}x{n} {direction}", fn, variants, sets,
-                    passes * pass_bytes)
+    _softmax_cuda_problems(sweep, label, n, sets,
+                           {"fwd": _forward_candidates(n), "bwd": _backward_candidates(n)},
+                           {"fwd": 2 * pass_bytes, "bwd": 3 * pass_bytes})
   _softmax_cuda_causal(sweep)
   for rows, vocab in ((8192, 131072), (16384, 32768)):
     label = f"cuda cross_entropy {rows}x{vocab} fused"
