@@ -27,6 +27,7 @@ import numpy as np
 
 from jaxfuse._core import bench, registry, timing
 from jaxfuse._core import ceilings as measured
+from jaxfuse._core.cuda import Tiling
 from jaxfuse._core.testing import relative_error
 
 
@@ -365,7 +366,7 @@ def _cross_entropy(sweep):
 
 def _cluster_shapes(n, units_choices, stages=(0,), min_threads=64):
   """Every (CTAs, threads, units, stages) tiling that holds a row of n: the candidates."""
-  from jaxfuse._core.cuda import UNIT, Tiling
+  from jaxfuse._core.cuda import UNIT
   shapes = []
   for units in units_choices:
     for cluster in (1, 2, 4, 8, 16):
@@ -389,6 +390,10 @@ def _forward_candidates(n):
 def _backward_candidates(n):
   from jaxfuse.ops.softmax import cuda
   return _cluster_shapes(n, cuda.BACKWARD_UNITS[2])
+
+
+# The cross-entropy's streaming tilings: one CTA of each size walks a row.
+_STREAMING = [Tiling.streaming(threads) for threads in (128, 256, 512)]
 
 
 def _softmax_cuda_problems(sweep, label, n, sets, candidates, work, causal_offset=None):
@@ -452,9 +457,9 @@ def _softmax_cuda(sweep):
                            {"fwd": _forward_candidates(n), "bwd": _backward_candidates(n)},
                            {"fwd": 2 * pass_bytes, "bwd": 3 * pass_bytes})
   _softmax_cuda_causal(sweep)
-  for rows, vocab in ((8192, 131072), (16384, 32768)):
-    label = f"cuda cross_entropy {rows}x{vocab} fused"
-    if not sweep.wanted(label):
+  for rows, vocab in ((8192, 131072), (16384, 32768), (16384, 16384), (16384, 8192)):
+    labels = {mode: f"cuda cross_entropy {rows}x{vocab} {mode}" for mode in ("fused", "loss")}
+    if not any(map(sweep.wanted, labels.values())):
       continue
 
     def make(key, rows=rows, vocab=vocab):
@@ -465,19 +470,24 @@ def _softmax_cuda(sweep):
     scale = jnp.full((1,), 1.0 / rows, jnp.float32)
     # Beside the forward's shapes, and timed first, those whose gradient fits the registers
     # (benchmarks/spills.py: four units staged, two through registers) at the cost of more CTAs
-    # a row.
+    # a row; and the rows streamed by CTAs of each size.
     spill_free = (_cluster_shapes(vocab, (4,), stages=(1,), min_threads=128)
                   + _cluster_shapes(vocab, (2,), min_threads=256))
-    default = cuda.cross_entropy_tiling(vocab, jnp.bfloat16, fused=True)
-    variants = list(dict.fromkeys([default] + spill_free + _other_waves(default, core.GRID_WAVES)
-                                  + _forward_candidates(vocab)))
-    def fused(variant, x, labels, scale=scale):
-      tiling, waves = _knob(variant)
-      return cuda.cross_entropy(x, labels, label_smoothing=0.0, z_loss=0.0, row_scale=scale,
-                                mode="fused", tiling=tiling, waves=waves)
+    for mode, label in labels.items():
+      default = cuda.cross_entropy_tiling(vocab, jnp.bfloat16, fused=mode == "fused")
+      waves = [] if default.is_streaming else _other_waves(default, core.GRID_WAVES)
+      variants = list(dict.fromkeys([default] + _STREAMING + spill_free + waves
+                                    + _forward_candidates(vocab)))
 
-    sweep.problem("softmax_cuda", label, fused, variants, _sets(make, 2 * rows * vocab * 2),
-                  2 * rows * vocab * 2)
+      def call(variant, x, labels, scale=scale, mode=mode):
+        tiling, waves = _knob(variant)
+        out = cuda.cross_entropy(x, labels, label_smoothing=0.0, z_loss=0.0, row_scale=scale,
+                                 mode=mode, tiling=tiling, waves=waves)
+        return out if mode == "fused" else out[0]
+
+      passes = 2 if mode == "fused" else 1
+      sweep.problem("softmax_cuda", label, call, variants,
+                    _sets(make, passes * rows * vocab * 2), passes * rows * vocab * 2)
   # linear_cross_entropy's row pass: a chunk of float32 logits (GPT-2's vocabulary padded to
   # whole units) whose gradient goes out in bfloat16. Through registers a thread of four float32
   # units keeps no next row in flight; one stage does.
@@ -491,7 +501,8 @@ def _softmax_cuda(sweep):
 
     scale = jnp.full((rows,), 1.0 / rows, jnp.float32)
     variants = list(dict.fromkeys([cuda.cross_entropy_tiling(vocab, jnp.float32, fused=True)]
-                                  + _cluster_shapes(vocab, (4, 2), stages=(0, 1, 2),
+                                  + _STREAMING
+                                  + _cluster_shapes(vocab, (4, 2), stages=(0,),
                                                     min_threads=128)))
     sweep.problem("softmax_cuda", label, lambda t, x, l: cuda.cross_entropy(
         x, l, label_smoothing=0.0, z_loss=0.0, row_scale=scale, mode="fused", tiling=t,

@@ -582,6 +582,56 @@ def test_gpu_cuda_every_built_tiling(rng, stages, dtype, n):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("threads", [32, 256, 512])
+@pytest.mark.parametrize("dtype,grad_dtype", [(jnp.bfloat16, None), (jnp.float16, None),
+                                              (jnp.float32, None), (jnp.float32, jnp.bfloat16)],
+                         ids=lambda d: "" if d is None else jnp.dtype(d).name)
+@pytest.mark.parametrize("n", [8, 4104, 40008])
+def test_gpu_cuda_cross_entropy_streamed_rows(rng, threads, dtype, grad_dtype, n):
+  """Rows streamed by one CTA each (units=0), of lengths that end inside a thread's loads: the
+  loss, log-sum-exp and gradient against float64, with label smoothing, z-loss, ignored and
+  out-of-range labels (a zero loss from the kernel) and a scale per row; float32 logits with a
+  bfloat16 gradient also take a linear layer's bias and padding columns."""
+  from jaxfuse._core.cuda import Tiling
+  from jaxfuse._core.testing import poison_device_memory
+  from jaxfuse.ops.softmax import cuda as cuda_kernels
+  if reason := cuda_kernels.unavailable():
+    pytest.skip(reason)
+  rows, smoothing, z_loss = 37, 0.1, 1e-3
+  layer = grad_dtype is not None
+  classes = n - 3 if layer and n > 8 else n
+  logits = random(rng, (rows, n), dtype, scale=3.0)
+  bias = random(rng, (n,), jnp.float32) if layer else None
+  labels = np.asarray(rng.integers(0, classes, rows), np.int32)
+  labels[[2, 30]] = -100
+  labels[11] = classes  # no class: a zero loss and gradient
+  valid = (labels >= 0) & (labels < classes)
+  x = np.asarray(logits, np.float64)[:, :classes]
+  if layer:
+    x = x + np.asarray(bias, np.float64)[:classes]
+  loss_ref, grad_ref = ce_reference(x, np.where(valid, labels, 0), valid, smoothing, z_loss)
+  row_scale = random(rng, (rows,), jnp.float32)
+  grad_ref = np.pad(grad_ref * np.asarray(row_scale, np.float64)[:, None],
+                    ((0, 0), (0, n - classes)))
+  loss_scale = np.where(valid, np.maximum(np.abs(loss_ref), np.abs(logsumexp(x))), 0.0)
+  kw = dict(label_smoothing=smoothing, z_loss=z_loss, ignore_index=-100,
+            tiling=Tiling.streaming(threads), bias=bias, classes=classes)
+  poison_device_memory(8 * logits.size)
+  loss, lse = cuda_kernels.cross_entropy(logits, jnp.asarray(labels), mode="loss", **kw)
+  assert_close(loss[:, None], loss_ref[:, None], jnp.float32, floor=loss_scale[:, None],
+               name="loss")
+  assert_close(lse[:, None], logsumexp(x)[:, None], jnp.float32, name="lse")
+  fused_loss, grad = cuda_kernels.cross_entropy(logits, jnp.asarray(labels), mode="fused",
+                                                row_scale=row_scale, grad_dtype=grad_dtype, **kw)
+  assert grad.dtype == (grad_dtype or dtype)
+  assert np.array_equal(np.asarray(fused_loss), np.asarray(loss))
+  assert np.all(np.asarray(grad, np.float32)[~valid] == 0)
+  assert np.all(np.asarray(grad, np.float32)[:, classes:] == 0)
+  assert_close(grad, grad_ref, grad_dtype or dtype, factor=10,
+               floor=np.abs(np.asarray(row_scale, np.float64))[:, None])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("n", [4008, 20008])
 def test_gpu_cuda_bits_do_not_depend_on_the_grid(rng, monkeypatch, n):
   """The softmax forward and backward and the cross-entropy on one wave of clusters, the
@@ -670,21 +720,32 @@ def test_gpu_cuda_masks(rng, name, mask_shape, s):
   check_masked(name, x, dy, y, dx, keep, zero_gradient=True)
 
 
-@pytest.mark.parametrize("vocab", [8192, 16384, 16392, 32768, 32776, 131072])
-def test_cuda_fused_cross_entropy_holds_16bit_rows_in_one_cta_where_it_can(vocab):
-  """Host-side rule, no GPU needed: where the loss alone would take a cluster of two CTAs for
-  16-bit logits, the fused loss and gradient take one CTA of the widest slices; elsewhere, and
-  for float32 logits, the same tiling as the loss."""
+@pytest.mark.parametrize("vocab", [4096, 8192, 16384, 16392, 32768, 32776, 131072])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=lambda d: jnp.dtype(d).name)
+def test_cuda_cross_entropy_tiling_rule(vocab, dtype):
+  """Host-side rule, no GPU needed: rows of 16 KiB and more are streamed by one CTA each (the
+  loss alone in CTAs of 128 threads, the fused loss and gradient in the widest CTA that walks
+  its row in two steps or more); shorter rows are held, and where the loss alone would take a
+  cluster of two CTAs for 16-bit logits, the fused loss and gradient take one CTA of the
+  widest slices."""
+  from jaxfuse._core.cuda import Tiling
   from jaxfuse.ops.softmax import cuda as cuda_kernels
-  loss = cuda_kernels.cross_entropy_tiling(vocab, jnp.bfloat16)
-  fused = cuda_kernels.cross_entropy_tiling(vocab, jnp.bfloat16, fused=True)
+  loss = cuda_kernels.cross_entropy_tiling(vocab, dtype)
+  fused = cuda_kernels.cross_entropy_tiling(vocab, dtype, fused=True)
   fused.check(vocab)
-  if loss.cluster == 2 and loss.units < cuda_kernels.STAGED_UNITS[2]:
+  loss.check(vocab)
+  row_bytes = vocab * jnp.dtype(dtype).itemsize
+  if row_bytes >= cuda_kernels.STREAMED_FROM_BYTES:
+    assert loss == Tiling.streaming(128)
+    steps = row_bytes / (fused.threads * cuda_kernels.STREAM_STEP_BYTES)
+    assert fused.is_streaming and steps >= 2
+    assert fused.threads == 512 or steps < 4
+  elif dtype == jnp.bfloat16 and loss.cluster == 2 and loss.units < cuda_kernels.STAGED_UNITS[2]:
+    assert not loss.is_streaming
     assert (fused.cluster, fused.units) == (1, cuda_kernels.STAGED_UNITS[2])
   else:
+    assert not loss.is_streaming
     assert fused == loss
-  assert (cuda_kernels.cross_entropy_tiling(vocab, jnp.float32, fused=True)
-          == cuda_kernels.cross_entropy_tiling(vocab, jnp.float32))
 
 
 def test_cuda_mask_groups_read_every_row_once():

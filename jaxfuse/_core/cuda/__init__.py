@@ -32,20 +32,34 @@ class Tiling:
   """A row is held by ``cluster`` CTAs of ``threads`` threads, ``units`` 8-element units each,
   fed through ``stages`` shared-memory stages, or through registers when 0 (rows.cuh). With
   ``lanes`` (a power of two up to 32), a short row is held by that many lanes of one warp
-  instead, and each CTA of ``threads`` holds ``threads // lanes`` rows (rows.cuh LaneSlice)."""
+  instead, and each CTA of ``threads`` holds ``threads // lanes`` rows (rows.cuh LaneSlice).
+  With ``units=0`` (:meth:`streaming`, the cross-entropy's alone) no row is held: one CTA of
+  ``threads`` walks each row of any length, one CTA a row."""
   cluster: int
   threads: int
   units: int
   stages: int = 0
   lanes: int = 0
 
+  @classmethod
+  def streaming(cls, threads: int) -> Tiling:
+    return cls(1, threads, 0)
+
   @property
-  def capacity(self) -> int:
+  def is_streaming(self) -> bool:
+    return self.units == 0
+
+  @property
+  def capacity(self) -> int | float:
+    if self.is_streaming:
+      return math.inf
     if self.lanes:
       return self.lanes * self.units * UNIT
     return self.cluster * self.threads * self.units * UNIT
 
   def check(self, n_cols: int):
+    if self.is_streaming and (self.cluster != 1 or self.stages or self.lanes):
+      raise ValueError(f"{self}: a streaming tiling takes one CTA a row, no stages, no lanes")
     if self.lanes and (self.lanes & (self.lanes - 1) or self.lanes > 32 or self.cluster != 1
                        or self.threads % 32):
       raise ValueError(f"{self}: a short-row tiling takes a power of two up to 32 lanes, whole "

@@ -2,8 +2,9 @@
 cross-entropy kernel, ``jaxfuse/ops/softmax/cuda/softmax.cu``).
 
 The products stay with XLA (cuBLAS). Between them, XLA's row pass reads each chunk's float32
-logits twice (the log-sum-exp, then the gradient); the kernel holds a row on chip in a
-thread-block cluster and reads it once, adding the bias, leaving out the padding columns and
+logits twice (the log-sum-exp, then the gradient) in separate passes; the kernel takes a row
+in one pass (held on chip in a thread-block cluster, or for rows of 16 KiB and more streamed by
+one CTA that reads it again from L2), adding the bias, leaving out the padding columns and
 writing the gradient straight in the products' operand dtype.
 """
 

@@ -4,8 +4,8 @@
 A row is split over a thread-block cluster of up to 16 CTAs that hold it on chip (in registers,
 or in shared memory as it arrives), so the softmax forward reads x once, its backward reads y
 and dy once, and the cross-entropy reads the logits once and writes their gradient in the same
-pass. They take the softmax over the last axis without a mask; the Triton kernels cover every
-other case.
+pass. The cross-entropy's long rows are streamed instead: one CTA walks each, reading it a
+second time (mostly from L2) for the gradient. They take the softmax over the last axis.
 """
 
 from __future__ import annotations
@@ -48,7 +48,17 @@ FORWARD_UNITS = {2: (4, 2, 1), 4: (2, 1, 4)}
 STAGED_UNITS = {2: 8, 4: 4}
 STAGED_FROM_BYTES = 64 * 1024
 BACKWARD_UNITS = {2: (2, 1, 4), 4: (1, 2)}
+# The cross-entropy streams rows of 16 KiB of logits and more: a cluster holding a long row has
+# no loads in flight through its barrier, a CTA walking it has them throughout. The loss alone
+# takes CTAs of 128 threads; the fused loss and gradient, which reads each row again from L2,
+# the largest CTA (up to 512 threads) that still walks its row in two steps or more
+# (benchmarks/tune.py softmax_cuda, H200: 2026-11-28-h200-tune-ce-streaming-v4*.json).
+STREAMED_FROM_BYTES = 16 * 1024
+STREAMED_LOSS_THREADS = 128
+STREAMED_FUSED_THREADS = (128, 256, 512)
+STREAM_STEP_BYTES = 64  # softmax.cu: kStreamVectors 16-byte loads a thread a step
 _KERNEL_IDS = {"forward": 0, "backward": 1, "cross_entropy": 2}
+MAX_GRID = 2**31 - 1  # CUDA's limit on a grid's x dimension
 
 
 def forward_tiling(n_cols: int, dtype) -> Tiling | None:
@@ -62,17 +72,33 @@ def forward_tiling(n_cols: int, dtype) -> Tiling | None:
 
 
 def cross_entropy_tiling(n_cols: int, dtype, fused: bool = False) -> Tiling | None:
-  """The cross-entropy computes its gradient in the registers the staged feed would need (it
-  spills there): it stays with registers, in clusters of at most two CTAs, then takes the
-  widest slices to keep clusters small (measured on the H100: at 131072 columns 4 CTAs of 8
-  units beat 8 of 4). The ``fused`` loss and gradient of 16-bit logits take one CTA of the
-  widest slices over a cluster of two (benchmarks/tune.py softmax_cuda at 16384x32768:
-  2026-11-28-h200-tune-ce-cuda.json, a tie in 2026-11-22-h100-tune-cross-entropy.json)."""
+  """Rows the kernels hold (see :func:`longest_row`) of at least ``STREAMED_FROM_BYTES`` are
+  streamed: one CTA walks each row (softmax.cu cross_entropy_streaming_kernel), of
+  :func:`streamed_threads`. Shorter rows are held in registers (the gradient needs the
+  registers a staged feed would take: it spills there), in clusters of at most two CTAs, then
+  the widest slices to keep clusters small. The ``fused`` loss and gradient of 16-bit logits
+  take one CTA of the widest slices over a cluster of two (benchmarks/tune.py softmax_cuda at
+  16384x32768: 2026-11-28-h200-tune-ce-cuda.json, a tie in
+  2026-11-22-h100-tune-cross-entropy.json)."""
   width = jnp.dtype(dtype).itemsize
   narrow = cuda.tiling(n_cols, FORWARD_UNITS[width], max_cluster=2)
   if fused and width == 2 and narrow is not None and narrow.cluster > 1:
     narrow = cuda.tiling(n_cols, (STAGED_UNITS[width],), max_cluster=1) or narrow
-  return narrow or cuda.tiling(n_cols, (STAGED_UNITS[width],))
+  held = narrow or cuda.tiling(n_cols, (STAGED_UNITS[width],))
+  if held is not None and n_cols * width >= STREAMED_FROM_BYTES:
+    return Tiling.streaming(streamed_threads(n_cols * width, fused))
+  return held
+
+
+def streamed_threads(row_bytes: int, fused: bool) -> int:
+  """The threads of a CTA that streams rows of ``row_bytes``: ``STREAMED_LOSS_THREADS`` for the
+  loss alone; for the fused loss and gradient the most of ``STREAMED_FUSED_THREADS`` that walk
+  a row in at least two steps (fewer rows in flight keep their second read in L2, but a CTA
+  wider than half its row idles threads)."""
+  if not fused:
+    return STREAMED_LOSS_THREADS
+  fits = [t for t in STREAMED_FUSED_THREADS if 2 * t * STREAM_STEP_BYTES <= row_bytes]
+  return max(fits, default=STREAMED_FUSED_THREADS[0])
 
 
 def backward_tiling(n_cols: int, dtype) -> Tiling | None:
@@ -136,8 +162,15 @@ def resident_clusters(kernel: str, dtype, flag: bool, t: Tiling) -> int:
 
 
 def _grid(kernel, dtype, flag, t: Tiling, n_rows: int, waves: int | None) -> dict:
-  clusters = cuda.persistent_clusters(resident_clusters(kernel, dtype, flag, t), n_rows,
-                                      waves or cuda.GRID_WAVES)
+  """A launch's attributes, sized at trace time. Every ffi_call here takes them, so this is
+  where the library is loaded and its FFI targets registered, before any call lowers."""
+  _library()
+  if t.is_streaming:
+    # One CTA a row: the block scheduler hands each SM its next row as one finishes.
+    clusters = max(1, min(n_rows, MAX_GRID))
+  else:
+    clusters = cuda.persistent_clusters(resident_clusters(kernel, dtype, flag, t), n_rows,
+                                        waves or cuda.GRID_WAVES)
   return dict(cluster=np.int64(t.cluster), threads=np.int64(t.threads),
               units=np.int64(t.units), stages=np.int64(t.stages), clusters=np.int64(clusters))
 

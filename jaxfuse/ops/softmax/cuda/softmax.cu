@@ -2,7 +2,7 @@
 // registers of one thread-block cluster (rows.cuh). The forward reads x once and writes y once,
 // the backward reads y and dy once and writes dx once, and the cross-entropy reads the logits
 // once and writes their gradient in the same pass, where a Pallas program that cannot hold such
-// a row walks it twice.
+// a row walks it twice. The cross-entropy streams its long rows instead (see below).
 //
 // The kernels are persistent: a cluster walks rows c, c + clusters, ..., and (with 4 vectors or
 // fewer per thread) loads its next row before it reduces the current one. Rows are reduced as
@@ -467,6 +467,163 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
 }
 
+// ---- Rows streamed by one CTA (a tiling of units=0), for rows too long to hold well.
+//
+// A cluster that holds a long row keeps no next row in flight (its slice leaves no registers
+// for one) and waits on its barrier with nothing loading. A CTA that walks the row
+// instead keeps kStreamVectors 16-byte loads a thread in flight from its first column to its
+// last and reduces once at the end, as an online (max, sum); the gradient reads the row a
+// second time, mostly from L2, which holds the rows of the CTAs in flight. Two CTAs of kThreads
+// fit a SM (64 registers a thread), so smaller CTAs keep more rows in flight.
+constexpr int kStreamVectors = 4;
+
+// The first pass keeps its lines in L2 for the second; the second reads them for the last time.
+template <typename T> __device__ __forceinline__ void load_for_reuse(Unit<T>& u, const T* p) {
+#pragma unroll
+  for (int i = 0; i < Unit<T>::kVectors; ++i)
+    u.raw[i] = __ldcg(reinterpret_cast<const uint4*>(p) + i);
+}
+
+template <typename T, bool kGrad, typename G = T>
+__global__ void __launch_bounds__(kThreads, 2)
+    cross_entropy_streaming_kernel(const T* __restrict__ logits, G* __restrict__ grad,
+                                   int64_t rows, int n, CrossEntropyArgs args) {
+  constexpr int kUnits = kStreamVectors / Unit<T>::kVectors;
+  __shared__ ClusterScratch<float3> scratch;
+  const int classes = args.counted;
+  // Unit k of a step at `base` starts at base + k * stride + mine: a warp's loads are contiguous.
+  const int stride = static_cast<int>(blockDim.x) * kUnit, mine = threadIdx.x * kUnit;
+  const int step = stride * kUnits;
+  const bool smoothing = args.smoothing != 0.f;
+  // Steps wholly inside the classes of a row without a bias (every step of a row but its last)
+  // are unchecked; the rest see the padding, the row's end and the bias.
+  const int unchecked_end = args.bias == nullptr ? classes / step * step : 0;
+  // Calls visit(base, units, whole) at each step of `row`, its units loaded by `load` (none
+  // past the row's end): the unchecked steps first, then the rest.
+  auto walk = [&](const T* row, auto load, auto&& visit) {
+    auto at = [&](int base, auto whole) {
+      Unit<T> u[kUnits];
+#pragma unroll
+      for (int k = 0; k < kUnits; ++k) {
+        const int column = base + k * stride + mine;
+        if (decltype(whole)::value || column < n) load(u[k], row + column);
+      }
+      visit(base, u, whole);
+    };
+    int base = 0;
+    for (; base < unchecked_end; base += step) at(base, std::true_type{});
+    for (; base < n; base += step) at(base, std::false_type{});
+  };
+  // The logits of the unit at `column` with the bias added; -inf past the classes or the row.
+  auto logits_of = [&](const Unit<T>& u, int column, float (&v)[kUnit], auto whole) {
+    if constexpr (decltype(whole)::value) {
+      u.unpack(v);
+    } else {
+      if (column >= n) {
+        fill(v, -INFINITY);
+        return;
+      }
+      u.unpack(v);
+#pragma unroll
+      for (int e = 0; e < kUnit; ++e) {
+        const float b = args.bias != nullptr ? __ldg(args.bias + column + e) : 0.f;
+        v[e] = column + e < classes ? v[e] + b : -INFINITY;
+      }
+    }
+  };
+  int parity = 0;
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const T* row = logits + r * n;
+    float m = -INFINITY, sum = 0.f, total = 0.f;
+    // Each unit is unpacked twice (for the maximum, then the sum) rather than held unpacked:
+    // a thread keeps only its loads in registers, and stays within two CTAs' share of them.
+    walk(row, [](Unit<T>& u, const T* p) { load_for_reuse(u, p); },
+         [&](int base, const auto& u, auto whole) {
+      constexpr bool kWhole = decltype(whole)::value;
+      float top = -INFINITY;
+#pragma unroll
+      for (int k = 0; k < kUnits; ++k) {
+        float v[kUnit];
+        logits_of(u[k], base + k * stride + mine, v, whole);
+#pragma unroll
+        for (int e = 0; e < kUnit; ++e) top = fmaxf(top, v[e]);
+      }
+      // Rounding is monotonic: the scaled maximum is the maximum of the scaled logits.
+      const float to = fmaxf(m, top * kLog2e), shift = safe_shift(to);
+      sum = rescaled(sum, m, to);
+#pragma unroll
+      for (int k = 0; k < kUnits; ++k) {
+        const int column = base + k * stride + mine;
+        float v[kUnit];
+        logits_of(u[k], column, v, whole);
+        sum += unit_sum([&](int e) { return exp2f(fmaf(v[e], kLog2e, -shift)); });
+        if (smoothing) {
+          total += unit_sum([&](int e) {
+            return kWhole || (column < n && column + e < classes) ? v[e] * kLog2e : 0.f;
+          });
+        }
+      }
+      m = to;
+    });
+    const float3 part = make_float3(m, sum, total);
+    const float3 stats = smoothing ? cluster_max_sum<false, true>(part, scratch, parity)
+                                   : cluster_max_sum<false, false>(part, scratch, parity);
+    parity ^= 1;
+    const float lse2 = safe_shift(stats.x) + log2f(stats.y), lse = lse2 * kLn2;
+    const int label = __ldg(args.labels + r);
+    const bool valid =
+        label >= 0 && label < classes && !(args.has_ignore && label == args.ignore_index);
+    if (threadIdx.x == 0) {
+      float loss = 0.f;
+      if (valid) {
+        const int column = label / kUnit * kUnit;
+        Unit<T> u;
+        load_for_reuse(u, row + column);
+        float v[kUnit];
+        logits_of(u, column, v, std::false_type{});
+        loss = lse - (1.f - args.smoothing) * v[label - column];
+        if (smoothing) loss -= args.smoothing * kLn2 / classes * stats.z;
+        if (args.z_loss != 0.f) loss += args.z_loss * lse * lse;
+      }
+      args.loss[r] = loss;
+      if (!kGrad) args.lse[r] = lse;
+    }
+    if constexpr (kGrad) {
+      const float row_scale = valid ? __ldg(args.row_scale + r * args.scale_stride) : 0.f;
+      const float prob_scale = row_scale * (1.f + 2.f * args.z_loss * lse);
+      const float spread = args.smoothing / classes * row_scale;
+      const float hit = (1.f - args.smoothing) * row_scale;
+      walk(row, [](Unit<T>& u, const T* p) { u.load_streaming(p); },
+           [&](int base, const auto& u, auto whole) {
+        constexpr bool kWhole = decltype(whole)::value;
+#pragma unroll
+        for (int k = 0; k < kUnits; ++k) {
+          const int column = base + k * stride + mine;
+          if (!kWhole && column >= n) continue;
+          float v[kUnit];
+          logits_of(u[k], column, v, whole);
+#pragma unroll
+          for (int e = 0; e < kUnit; ++e) {
+            // As in cross_entropy_kernel: padding gets an exact zero, even under a NaN scale.
+            v[e] = kWhole || column + e < classes
+                       ? exp2f(fmaf(v[e], kLog2e, -lse2)) * prob_scale - spread
+                       : 0.f;
+          }
+          // The label's column, found once a unit rather than compared at each element.
+          const int offset = label - column;
+          if (offset >= 0 && offset < kUnit) {
+#pragma unroll
+            for (int e = 0; e < kUnit; ++e) v[e] -= e == offset ? hit : 0.f;
+          }
+          Unit<G> out;
+          out.pack(v);
+          out.store_streaming(grad + r * n + column);
+        }
+      });
+    }
+  }
+}
+
 // Calls f(kernel, dynamic shared bytes) with the instantiation for (element type, flag,
 // tiling); false when there is none. Kernels reading kStreams arrays are built for the units
 // that keep a thread's slices within kMaxVectors vectors, and staged only when kMayStage.
@@ -689,6 +846,23 @@ ffi::Error SoftmaxBackwardImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::AnyBu
   return launch_error("softmax_backward", err);
 }
 
+// A streaming tiling (units=0): one CTA of `threads` walks each row, `clusters` CTAs in all.
+bool check_streaming(Checks& checks, int64_t n, const Tiling& t) {
+  return checks.require(n > 0 && n % kUnit == 0, [&] {
+           return "rows of " + std::to_string(n) + " elements: the kernels take a positive "
+                  "multiple of " + std::to_string(kUnit);
+         }) &&
+         checks.require(t.cluster == 1 && t.stages == 0 && t.lanes == 0, [&] {
+           return t.describe() + ": a streaming tiling (units=0) takes one CTA a row, no "
+                  "stages and no lanes";
+         }) &&
+         checks.require(t.threads > 0 && t.threads <= kThreads && t.threads % 32 == 0, [&] {
+           return "threads=" + std::to_string(t.threads) + " must be a positive multiple of "
+                  "32 up to " + std::to_string(kThreads);
+         }) &&
+         checks.range("clusters", t.clusters, 1, kMaxGridX);
+}
+
 ffi::Error CrossEntropyImpl(cudaStream_t stream, ffi::AnyBuffer logits,
                             ffi::Buffer<ffi::DataType::S32> labels,
                             ffi::Buffer<ffi::DataType::F32> row_scale,
@@ -737,7 +911,9 @@ ffi::Error CrossEntropyImpl(cudaStream_t stream, ffi::AnyBuffer logits,
   checks.at_least("z_loss", z_loss, 0.f);
   checks.flag("has_ignore", has_ignore);
   checks.range("ignore_index", ignore_index, INT32_MIN, INT32_MAX);
-  check_tiling(checks, dims[1], t, kThreads);
+  const bool streaming = units == 0;
+  if (streaming) check_streaming(checks, dims[1], t);
+  else check_tiling(checks, dims[1], t, kThreads);
   if (!checks.ok()) return checks.error();
   if (rows == 0) return ffi::Error::Success();
   const CrossEntropyArgs args{
@@ -751,6 +927,27 @@ ffi::Error CrossEntropyImpl(cudaStream_t stream, ffi::AnyBuffer logits,
                            logits.untyped_data(), lse_or_grad->untyped_data(), dims[0],
                            static_cast<int>(dims[1]), args, stages);
   };
+  if (streaming) {
+    dispatch_float(logits.element_type(), [&](auto type) {
+      using T = decltype(type);
+      auto stream_into = [&](auto grad_as) {
+        using G = decltype(grad_as);
+        err = launch_clustered(with_grad ? cross_entropy_streaming_kernel<T, true, G>
+                                         : cross_entropy_streaming_kernel<T, false, G>,
+                               grid_of(t), threads, 1, 0, stream, logits.untyped_data(),
+                               lse_or_grad->untyped_data(), dims[0],
+                               static_cast<int>(dims[1]), args);
+      };
+      if constexpr (std::is_same_v<T, float>) {
+        if (with_grad && grad_type != DataType::F32) {
+          dispatch_float(grad_type, stream_into);
+          return;
+        }
+      }
+      stream_into(T{});
+    });
+    return launch_error("cross_entropy", err);
+  }
   bool known = true;
   if (!with_grad || grad_type == logits.element_type()) {
     known = dispatch_kernel<CrossEntropy, 1, true>(logits.element_type(), with_grad, t, launch);
