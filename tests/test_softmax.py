@@ -748,6 +748,23 @@ def test_cuda_cross_entropy_tiling_rule(vocab, dtype):
     assert fused == loss
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_cuda_cross_entropy_streams_only_rows_that_fill_the_gpu(monkeypatch, fused):
+  """Host-side rule, no GPU needed: fewer long rows than a wave of streaming CTAs (one a row)
+  would leave SMs idle, so they are held in clusters instead."""
+  from jaxfuse._core import registry
+  from jaxfuse.ops.softmax import cuda as cuda_kernels
+  monkeypatch.setattr(registry, "num_multiprocessors", lambda: 132)
+  vocab = 131072
+  streamed = cuda_kernels.cross_entropy_tiling(vocab, jnp.bfloat16, fused=fused)
+  wave = 132 * cuda_kernels.STREAM_THREADS_PER_SM // streamed.threads
+  assert streamed.is_streaming
+  for n_rows, expected in ((1, False), (wave - 1, False), (wave, True), (16384, True)):
+    tiling = cuda_kernels.cross_entropy_tiling(vocab, jnp.bfloat16, fused=fused, n_rows=n_rows)
+    assert tiling.is_streaming == expected, n_rows
+    tiling.check(vocab)
+
+
 def test_cuda_mask_groups_read_every_row_once():
   """Host-side rule, no GPU needed: the (size, stride) groups give each row of x the offset of
   its row in the dense mask, in the fewest groups."""

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfuse._core import cuda
+from jaxfuse._core import cuda, registry
 from jaxfuse._core.cuda import Tiling
 from jaxfuse.ops.softmax import reference
 
@@ -57,6 +57,7 @@ STREAMED_FROM_BYTES = 16 * 1024
 STREAMED_LOSS_THREADS = 128
 STREAMED_FUSED_THREADS = (128, 256, 512)
 STREAM_STEP_BYTES = 64  # softmax.cu: kStreamVectors 16-byte loads a thread a step
+STREAM_THREADS_PER_SM = 1024  # softmax.cu: two CTAs of kThreads, 64 registers a thread
 _KERNEL_IDS = {"forward": 0, "backward": 1, "cross_entropy": 2}
 MAX_GRID = 2**31 - 1  # CUDA's limit on a grid's x dimension
 
@@ -71,14 +72,16 @@ def forward_tiling(n_cols: int, dtype) -> Tiling | None:
   return cuda.tiling(n_cols, FORWARD_UNITS[width])
 
 
-def cross_entropy_tiling(n_cols: int, dtype, fused: bool = False) -> Tiling | None:
+def cross_entropy_tiling(n_cols: int, dtype, fused: bool = False,
+                         n_rows: int | None = None) -> Tiling | None:
   """Rows the kernels hold (see :func:`longest_row`) of at least ``STREAMED_FROM_BYTES`` are
   streamed: one CTA walks each row (softmax.cu cross_entropy_streaming_kernel), of
-  :func:`streamed_threads`. Shorter rows are held in registers (the gradient needs the
-  registers a staged feed would take: it spills there), in clusters of at most two CTAs, then
-  the widest slices to keep clusters small. The ``fused`` loss and gradient of 16-bit logits
-  take one CTA of the widest slices over a cluster of two (benchmarks/tune.py softmax_cuda at
-  16384x32768: 2026-11-28-h200-tune-ce-cuda.json, a tie in
+  :func:`streamed_threads`, where the call's ``n_rows`` (None: any number) give every SM its
+  resident CTAs; fewer rows are spread over clusters as shorter rows are. Shorter rows are held
+  in registers (the gradient needs the registers a staged feed would take: it spills there), in
+  clusters of at most two CTAs, then the widest slices to keep clusters small. The ``fused``
+  loss and gradient of 16-bit logits take one CTA of the widest slices over a cluster of two
+  (benchmarks/tune.py softmax_cuda at 16384x32768: 2026-11-28-h200-tune-ce-cuda.json, a tie in
   2026-11-22-h100-tune-cross-entropy.json)."""
   width = jnp.dtype(dtype).itemsize
   narrow = cuda.tiling(n_cols, FORWARD_UNITS[width], max_cluster=2)
@@ -86,7 +89,10 @@ def cross_entropy_tiling(n_cols: int, dtype, fused: bool = False) -> Tiling | No
     narrow = cuda.tiling(n_cols, (STAGED_UNITS[width],), max_cluster=1) or narrow
   held = narrow or cuda.tiling(n_cols, (STAGED_UNITS[width],))
   if held is not None and n_cols * width >= STREAMED_FROM_BYTES:
-    return Tiling.streaming(streamed_threads(n_cols * width, fused))
+    threads = streamed_threads(n_cols * width, fused)
+    wave = registry.num_multiprocessors() * (STREAM_THREADS_PER_SM // threads)
+    if n_rows is None or n_rows >= wave:
+      return Tiling.streaming(threads)
   return held
 
 
@@ -279,7 +285,7 @@ def cross_entropy(logits, labels, *, label_smoothing, z_loss, ignore_index=None,
       valid = valid & (labels != ignore_index)
     return reference.cross_entropy_grad(logits, labels, valid, lse, row_scale,
                                         label_smoothing=label_smoothing, z_loss=z_loss)
-  t = tiling or cross_entropy_tiling(vocab, logits.dtype, fused=mode == "fused")
+  t = tiling or cross_entropy_tiling(vocab, logits.dtype, fused=mode == "fused", n_rows=n_rows)
   t.check(vocab)
   with_grad = mode == "fused"
   rows = jax.ShapeDtypeStruct((n_rows,), jnp.float32)
