@@ -768,19 +768,27 @@ constexpr int64_t kMaxStages = 4;
 constexpr int64_t kMaxUnitsPerThread = 8;
 constexpr int64_t kMaxGridX = 2147483647;  // CUDA's limit on a grid's x dimension
 
+inline bool check_row_length(Checks& checks, int64_t n) {
+  return checks.require(n > 0 && n % kUnit == 0, [&] {
+    return "rows of " + std::to_string(n) + " elements: the kernels take a positive multiple "
+           "of " + std::to_string(kUnit);
+  });
+}
+
+inline bool check_threads(Checks& checks, int64_t threads, int64_t max_threads) {
+  return checks.require(threads > 0 && threads <= max_threads && threads % 32 == 0, [&] {
+    return "threads=" + std::to_string(threads) + " must be a positive multiple of 32 up to " +
+           std::to_string(max_threads);
+  });
+}
+
 // The tiling's attributes within what any kernel is built for (each kernel's dispatch then
 // refuses combinations it lacks), and rows of n elements, a positive multiple of 8, within its
 // capacity. False on the first failure, so later checks may rely on earlier ones.
 inline bool check_tiling(Checks& checks, int64_t n, const Tiling& t, int64_t max_threads) {
-  return checks.require(n > 0 && n % kUnit == 0, [&] {
-           return "rows of " + std::to_string(n) + " elements: the kernels take a positive "
-                  "multiple of " + std::to_string(kUnit);
-         }) &&
+  return check_row_length(checks, n) &&
          checks.range("cluster", t.cluster, 1, kMaxCluster) &&
-         checks.require(t.threads > 0 && t.threads <= max_threads && t.threads % 32 == 0, [&] {
-           return "threads=" + std::to_string(t.threads) + " must be a positive multiple of "
-                  "32 up to " + std::to_string(max_threads);
-         }) &&
+         check_threads(checks, t.threads, max_threads) &&
          checks.range("units", t.units, 1, kMaxUnitsPerThread) &&
          checks.range("stages", t.stages, 0, kMaxStages) &&
          checks.require(t.lanes == 0 || (t.lanes > 0 && t.lanes <= 32 &&
@@ -793,6 +801,19 @@ inline bool check_tiling(Checks& checks, int64_t n, const Tiling& t, int64_t max
            return t.describe() + " holds " + std::to_string(t.capacity()) +
                   " elements of a row, fewer than its " + std::to_string(n);
          });
+}
+
+// A streaming tiling (units=0, Tiling.streaming on the Python side): no row is held, one CTA of
+// `threads` walks each row of any length, `clusters` CTAs in all.
+inline bool check_streaming_tiling(Checks& checks, int64_t n, const Tiling& t,
+                                   int64_t max_threads) {
+  return check_row_length(checks, n) &&
+         checks.require(t.cluster == 1 && t.stages == 0 && t.lanes == 0, [&] {
+           return t.describe() + ": a streaming tiling (units=0) takes one CTA a row, no "
+                  "stages and no lanes";
+         }) &&
+         check_threads(checks, t.threads, max_threads) &&
+         checks.range("clusters", t.clusters, 1, kMaxGridX);
 }
 
 }  // namespace jaxfuse

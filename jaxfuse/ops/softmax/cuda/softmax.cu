@@ -846,23 +846,6 @@ ffi::Error SoftmaxBackwardImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::AnyBu
   return launch_error("softmax_backward", err);
 }
 
-// A streaming tiling (units=0): one CTA of `threads` walks each row, `clusters` CTAs in all.
-bool check_streaming(Checks& checks, int64_t n, const Tiling& t) {
-  return checks.require(n > 0 && n % kUnit == 0, [&] {
-           return "rows of " + std::to_string(n) + " elements: the kernels take a positive "
-                  "multiple of " + std::to_string(kUnit);
-         }) &&
-         checks.require(t.cluster == 1 && t.stages == 0 && t.lanes == 0, [&] {
-           return t.describe() + ": a streaming tiling (units=0) takes one CTA a row, no "
-                  "stages and no lanes";
-         }) &&
-         checks.require(t.threads > 0 && t.threads <= kThreads && t.threads % 32 == 0, [&] {
-           return "threads=" + std::to_string(t.threads) + " must be a positive multiple of "
-                  "32 up to " + std::to_string(kThreads);
-         }) &&
-         checks.range("clusters", t.clusters, 1, kMaxGridX);
-}
-
 ffi::Error CrossEntropyImpl(cudaStream_t stream, ffi::AnyBuffer logits,
                             ffi::Buffer<ffi::DataType::S32> labels,
                             ffi::Buffer<ffi::DataType::F32> row_scale,
@@ -912,7 +895,7 @@ ffi::Error CrossEntropyImpl(cudaStream_t stream, ffi::AnyBuffer logits,
   checks.flag("has_ignore", has_ignore);
   checks.range("ignore_index", ignore_index, INT32_MIN, INT32_MAX);
   const bool streaming = units == 0;
-  if (streaming) check_streaming(checks, dims[1], t);
+  if (streaming) check_streaming_tiling(checks, dims[1], t, kThreads);
   else check_tiling(checks, dims[1], t, kThreads);
   if (!checks.ok()) return checks.error();
   if (rows == 0) return ffi::Error::Success();
