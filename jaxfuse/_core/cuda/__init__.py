@@ -19,12 +19,19 @@ MAX_THREADS = 512
 # one: the block scheduler then hands the last rows to whichever SMs free up first, where one
 # wave fixes every SM's share of the rows at launch (benchmarks/tune.py times the waves).
 GRID_WAVES = 4
+MAX_GRID = 2**31 - 1  # rows.cuh kMaxGridX: CUDA's limit on a grid's x dimension
 
 
 def persistent_clusters(resident: int, n_rows: int, waves: int = GRID_WAVES) -> int:
   """Clusters a persistent row kernel launches: ``waves`` times the ``resident`` ones, and
   none without a row."""
   return max(1, min(n_rows, resident * waves))
+
+
+def streamed_ctas(n_rows: int) -> int:
+  """CTAs a streaming kernel launches: one a row (the block scheduler hands each SM its next
+  row as one finishes), within CUDA's grid; each walks rows c, c + CTAs, ... past that."""
+  return max(1, min(n_rows, MAX_GRID))
 
 
 @dataclasses.dataclass(frozen=True)

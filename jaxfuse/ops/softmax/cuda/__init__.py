@@ -59,7 +59,6 @@ STREAMED_FUSED_THREADS = (128, 256, 512)
 STREAM_STEP_BYTES = 64  # softmax.cu: kStreamVectors 16-byte loads a thread a step
 STREAM_THREADS_PER_SM = 1024  # softmax.cu: two CTAs of kThreads, 64 registers a thread
 _KERNEL_IDS = {"forward": 0, "backward": 1, "cross_entropy": 2}
-MAX_GRID = 2**31 - 1  # CUDA's limit on a grid's x dimension
 
 
 def forward_tiling(n_cols: int, dtype) -> Tiling | None:
@@ -172,8 +171,7 @@ def _grid(kernel, dtype, flag, t: Tiling, n_rows: int, waves: int | None) -> dic
   where the library is loaded and its FFI targets registered, before any call lowers."""
   _library()
   if t.is_streaming:
-    # One CTA a row: the block scheduler hands each SM its next row as one finishes.
-    clusters = max(1, min(n_rows, MAX_GRID))
+    clusters = cuda.streamed_ctas(n_rows)
   else:
     clusters = cuda.persistent_clusters(resident_clusters(kernel, dtype, flag, t), n_rows,
                                         waves or cuda.GRID_WAVES)
