@@ -25,17 +25,21 @@ import shlex
 from jaxfuse import cli
 
 
-def deal(cases, gpus: int) -> list[list]:
-  """``cases`` in ``gpus`` shares of about equal cost: a case costs a compile and a check of its
-  own (1) and its time, up to four more for the largest of them."""
+def deal(cases, gpus: int) -> list[list[str]]:
+  """The labels of ``cases`` in ``gpus`` shares of about equal cost. A part selects its cases by
+  label, which several ops may share (softmax and cross-entropy rows of one shape), so a label
+  goes whole to one GPU. A case costs a compile and a check of its own (1) and its time, up to
+  four more for the largest of them."""
   largest = max((c.forward_work for c in cases), default=0) or 1
-  cost = lambda case: 1 + 4 * case.forward_work / largest
+  costs = {}
+  for case in cases:
+    costs[case.label] = costs.get(case.label, 0) + 1 + 4 * case.forward_work / largest
   shares = [[] for _ in range(gpus)]
   loads = [(0.0, gpu) for gpu in range(gpus)]
-  for case in sorted(cases, key=cost, reverse=True):
+  for label in sorted(costs, key=costs.get, reverse=True):
     load, gpu = heapq.heappop(loads)
-    shares[gpu].append(case)
-    heapq.heappush(loads, (load + cost(case), gpu))
+    shares[gpu].append(label)
+    heapq.heappush(loads, (load + costs[label], gpu))
   return shares
 
 
@@ -61,11 +65,11 @@ def commands(gpus: int, name: str, command: str, family: str, *, impl: str | Non
       continue
     argv = list(base)
     if impl:
-      offered = {i for c in share for i in (*c.implementations, *c.external)}
+      offered = {i for c in cases if c.label in share for i in (*c.implementations, *c.external)}
       argv += ["--impl", ",".join(i for i in impl.split(",") if i in offered)]
     # Spaces at both ends: the whole label, not one that holds it ("LSTM 4x" in "LSTM 64x").
-    for case in share:
-      argv += ["--only", f" {case.label} "]
+    for label in share:
+      argv += ["--only", f" {label} "]
     parts.append((gpu, argv + ["--json", f"benchmarks/results/{name}-p{gpu}.json", "--resume"]))
   return parts
 

@@ -18,6 +18,7 @@ from jax.experimental import io_callback
 from jaxfuse import cli
 from jaxfuse._core import bench, ceilings, registry, report, timing
 from jaxfuse.ops.rnn import bench as rnn_bench
+from jaxfuse.ops.softmax import bench as softmax_bench
 
 
 def _case(forward):
@@ -572,9 +573,13 @@ def test_a_run_split_over_gpus_times_each_case_once_in_shares_of_like_cost(capsy
   # No share costs more than another by more than the costliest case.
   cases = [c for c in rnn_bench.tune_cases() if " L2 bi " in c.label]
   largest = max(c.forward_work for c in cases)
-  loads = [sum(1 + 4 * c.forward_work / largest for c in share)
+  loads = [sum(1 + 4 * c.forward_work / largest for c in cases if c.label in share)
            for share in split.deal(cases, 3)]
   assert max(loads) - min(loads) <= 5
+  # Softmax and cross-entropy rows share labels: each label goes to one GPU, once.
+  parts = split.commands(3, "softmax", "tune", "softmax")
+  labels = [argv[i + 1] for _, argv in parts for i, a in enumerate(argv) if a == "--only"]
+  assert sorted(labels) == sorted({f" {c.label} " for c in softmax_bench.tune_cases()})
   # A grid's part asks only for the implementations its cases offer (here, on the CPU, no
   # comparator).
   parts = split.commands(2, "grid", "bench", "rnn", impl="default,torch")
