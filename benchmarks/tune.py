@@ -442,6 +442,35 @@ def _softmax_cuda_causal(sweep):
         {"fwd": half + whole, "bwd": 2 * half + whole}, causal_offset=0)
 
 
+def _cross_entropy_cuda_problems(sweep, rows, vocab, variants_of):
+  """The 'cuda' cross-entropy's loss and fused loss and gradient over ``rows`` of ``vocab``
+  bfloat16 logits, under ``variants_of(default)`` (``default``: the tiling the call takes)."""
+  from jaxfuse.ops.softmax import cuda
+  labels = {mode: f"cuda cross_entropy {rows}x{vocab} {mode}" for mode in ("fused", "loss")}
+  if not any(map(sweep.wanted, labels.values())):
+    return
+
+  def make(key):
+    kx, kl = jax.random.split(key)
+    return (jax.random.normal(kx, (rows, vocab), jnp.bfloat16),
+            jax.random.randint(kl, (rows,), 0, vocab, jnp.int32))
+
+  scale = jnp.full((1,), 1.0 / rows, jnp.float32)
+  for mode, label in labels.items():
+    fused = mode == "fused"
+    default = cuda.cross_entropy_tiling(vocab, jnp.bfloat16, fused=fused, n_rows=rows)
+
+    def call(variant, x, labels, mode=mode):
+      tiling, waves = _knob(variant)
+      out = cuda.cross_entropy(x, labels, label_smoothing=0.0, z_loss=0.0, row_scale=scale,
+                               mode=mode, tiling=tiling, waves=waves)
+      return out if mode == "fused" else out[0]
+
+    passes = 2 if fused else 1
+    sweep.problem("softmax_cuda", label, call, list(dict.fromkeys(variants_of(default))),
+                  _sets(make, passes * rows * vocab * 2), passes * rows * vocab * 2)
+
+
 def _softmax_cuda(sweep):
   """Cluster shapes of the softmax and cross-entropy 'cuda' kernels, and their grids' waves."""
   from jaxfuse._core import cuda as core
@@ -458,36 +487,21 @@ def _softmax_cuda(sweep):
                            {"fwd": 2 * pass_bytes, "bwd": 3 * pass_bytes})
   _softmax_cuda_causal(sweep)
   for rows, vocab in ((8192, 131072), (16384, 32768), (16384, 16384), (16384, 8192)):
-    labels = {mode: f"cuda cross_entropy {rows}x{vocab} {mode}" for mode in ("fused", "loss")}
-    if not any(map(sweep.wanted, labels.values())):
-      continue
-
-    def make(key, rows=rows, vocab=vocab):
-      kx, kl = jax.random.split(key)
-      return (jax.random.normal(kx, (rows, vocab), jnp.bfloat16),
-              jax.random.randint(kl, (rows,), 0, vocab, jnp.int32))
-
-    scale = jnp.full((1,), 1.0 / rows, jnp.float32)
     # Beside the forward's shapes, and timed first, those whose gradient fits the registers
     # (benchmarks/spills.py: four units staged, two through registers) at the cost of more CTAs
     # a row; and the rows streamed by CTAs of each size.
     spill_free = (_cluster_shapes(vocab, (4,), stages=(1,), min_threads=128)
                   + _cluster_shapes(vocab, (2,), min_threads=256))
-    for mode, label in labels.items():
-      default = cuda.cross_entropy_tiling(vocab, jnp.bfloat16, fused=mode == "fused")
-      waves = [] if default.is_streaming else _other_waves(default, core.GRID_WAVES)
-      variants = list(dict.fromkeys([default] + _STREAMING + spill_free + waves
-                                    + _forward_candidates(vocab)))
-
-      def call(variant, x, labels, scale=scale, mode=mode):
-        tiling, waves = _knob(variant)
-        out = cuda.cross_entropy(x, labels, label_smoothing=0.0, z_loss=0.0, row_scale=scale,
-                                 mode=mode, tiling=tiling, waves=waves)
-        return out if mode == "fused" else out[0]
-
-      passes = 2 if mode == "fused" else 1
-      sweep.problem("softmax_cuda", label, call, variants,
-                    _sets(make, passes * rows * vocab * 2), passes * rows * vocab * 2)
+    _cross_entropy_cuda_problems(sweep, rows, vocab, lambda default: (
+        [default] + _STREAMING + spill_free
+        + ([] if default.is_streaming else _other_waves(default, core.GRID_WAVES))
+        + _forward_candidates(vocab)))
+  # Fewer long rows than a wave of streaming CTAs: streamed by CTAs of each size, or held.
+  sms = registry.num_multiprocessors()
+  for rows, vocab in ((64, 131072), (sms, 131072), (256, 131072), (512, 131072),
+                      (1024, 131072), (256, 262144), (512, 32768), (1024, 32768)):
+    _cross_entropy_cuda_problems(sweep, rows, vocab, lambda default: (
+        [default] + _STREAMING + _forward_candidates(vocab)))
   # linear_cross_entropy's row pass: a chunk of float32 logits (GPT-2's vocabulary padded to
   # whole units) whose gradient goes out in bfloat16. Through registers a thread of four float32
   # units keeps no next row in flight; one stage does.

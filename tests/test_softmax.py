@@ -748,21 +748,27 @@ def test_cuda_cross_entropy_tiling_rule(vocab, dtype):
     assert fused == loss
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_cuda_cross_entropy_streams_only_rows_that_fill_the_gpu(monkeypatch, fused):
-  """Host-side rule, no GPU needed: fewer long rows than a wave of streaming CTAs (one a row)
-  would leave SMs idle, so they are held in clusters instead."""
+def test_cuda_cross_entropy_streams_few_rows_in_wider_ctas(monkeypatch):
+  """Host-side rule, no GPU needed: long rows are streamed at any number of rows; the loss
+  alone widens its CTAs while its rows would fill fewer than half the threads the SMs hold, no
+  wider than one step of the row, and the fused loss and gradient keep theirs."""
   from jaxfuse._core import registry
+  from jaxfuse._core.cuda import Tiling
   from jaxfuse.ops.softmax import cuda as cuda_kernels
   monkeypatch.setattr(registry, "num_multiprocessors", lambda: 132)
-  vocab = 131072
-  streamed = cuda_kernels.cross_entropy_tiling(vocab, jnp.bfloat16, fused=fused)
-  wave = 132 * cuda_kernels.STREAM_THREADS_PER_SM // streamed.threads
-  assert streamed.is_streaming
-  for n_rows, expected in ((1, False), (wave - 1, False), (wave, True), (16384, True)):
-    tiling = cuda_kernels.cross_entropy_tiling(vocab, jnp.bfloat16, fused=fused, n_rows=n_rows)
-    assert tiling.is_streaming == expected, n_rows
-    tiling.check(vocab)
+  half = 132 * cuda_kernels.STREAM_THREADS_PER_SM // 2
+  loss = lambda vocab, n_rows: cuda_kernels.cross_entropy_tiling(vocab, jnp.bfloat16,
+                                                                 n_rows=n_rows)
+  for n_rows, threads in ((1, 512), (half // 256 - 1, 512), (half // 256, 256),
+                          (half // 128 - 1, 256), (half // 128, 128), (16384, 128)):
+    assert loss(131072, n_rows) == Tiling.streaming(threads), n_rows
+  # A row of 16 KiB is one step of a 256-thread CTA.
+  assert loss(8192, 1) == Tiling.streaming(256)
+  for vocab in (8192, 32768, 131072):
+    fused = cuda_kernels.cross_entropy_tiling(vocab, jnp.bfloat16, fused=True)
+    for n_rows in (1, 64, 1000, 16384):
+      assert cuda_kernels.cross_entropy_tiling(vocab, jnp.bfloat16, fused=True,
+                                               n_rows=n_rows) == fused
 
 
 def test_cuda_mask_groups_read_every_row_once():

@@ -27,7 +27,7 @@ TABLES = sorted((ROOT / "jaxfuse" / "ops").glob("*/tuned/*.json"))
 FACTS = {"norm": {"op", "use", "direction", "itemsize", "out_itemsize", "cuda_short_rows"},
          "softmax": {"op", "use", "direction", "itemsize", "plain", "causal", "cuda_takes",
                      "triton"}}
-BOUNDS = {"min_length", "max_length", "min_elements", "max_elements"}
+BOUNDS = {"min_length", "max_length", "min_elements", "max_elements", "min_rows", "max_rows"}
 
 
 def test_there_are_tables_for_the_h100_and_the_h200():
@@ -132,6 +132,8 @@ def test_a_rule_holds_where_every_condition_does():
   assert not tuned.matches({"op": "layer"}, facts)
   assert not tuned.matches({"min_length": 513}, facts)
   assert not tuned.matches({"max_elements": 512 * 64 - 1}, facts)
+  assert tuned.matches({"min_rows": 64, "max_rows": 64}, facts)
+  assert not tuned.matches({"max_rows": 63}, facts)
   rules = [{"when": {"itemsize": 4}, "use": "xla"}, {"when": {"op": "rms"}, "use": "cuda"},
            {"when": {}, "use": "triton"}]
   assert tuned.ruled(rules, facts, lambda name: True) == "cuda"

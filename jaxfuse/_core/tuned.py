@@ -89,17 +89,20 @@ def _log_untuned(family: str, kind: str):
 
 
 # A rule's conditions: facts that must be equal (or one of a list), and bounds on the row
-# length and the element count (inclusive).
-_BOUNDS = {"min_length": ("length", 1), "max_length": ("length", -1),
-           "min_elements": ("elements", 1), "max_elements": ("elements", -1)}
+# length, the element count and the rows, their quotient (inclusive).
+_MEASURES = {"length": lambda facts: facts["length"],
+             "elements": lambda facts: facts["elements"],
+             "rows": lambda facts: facts["elements"] // max(facts["length"], 1)}
+_BOUNDS = {f"{bound}_{measure}": (_MEASURES[measure], sign)
+           for measure in _MEASURES for bound, sign in (("min", 1), ("max", -1))}
 
 
 def matches(when: Mapping[str, Any], facts: Mapping[str, Any]) -> bool:
   """Whether a rule's ``when`` holds for a call's ``facts``."""
   for key, wanted in when.items():
     if key in _BOUNDS:
-      fact, sign = _BOUNDS[key]
-      if sign * (facts[fact] - wanted) < 0:
+      measure, sign = _BOUNDS[key]
+      if sign * (measure(facts) - wanted) < 0:
         return False
     elif not (facts[key] in wanted if isinstance(wanted, list) else facts[key] == wanted):
       return False

@@ -141,7 +141,9 @@ REGRET_SOFTMAX = [
 REGRET_CROSS_ENTROPY = [
     (8, 50264, jnp.bfloat16), (512, 32000, jnp.bfloat16), (4096, 128256, jnp.bfloat16),
     (8192, 32768, jnp.float32), (16384, 8192, jnp.bfloat16), (2048, 262144, jnp.bfloat16),
-    (1024, 151936, jnp.bfloat16), (8192, 50257, jnp.bfloat16),
+    (1024, 151936, jnp.bfloat16), (8192, 50257, jnp.bfloat16), (32, 131072, jnp.bfloat16),
+    (300, 131072, jnp.bfloat16), (64, 131072, jnp.bfloat16), (128, 32768, jnp.bfloat16),
+    (16, 262144, jnp.bfloat16),
 ]
 
 

@@ -49,13 +49,14 @@ STAGED_UNITS = {2: 8, 4: 4}
 STAGED_FROM_BYTES = 64 * 1024
 BACKWARD_UNITS = {2: (2, 1, 4), 4: (1, 2)}
 # The cross-entropy streams rows of 16 KiB of logits and more: a cluster holding a long row has
-# no loads in flight through its barrier, a CTA walking it has them throughout. The loss alone
-# takes CTAs of 128 threads; the fused loss and gradient, which reads each row again from L2,
-# the largest CTA (up to 512 threads) that still walks its row in two steps or more
-# (benchmarks/tune.py softmax_cuda, H200: 2026-11-28-h200-tune-ce-streaming-v4*.json).
+# no loads in flight through its barrier, a CTA walking it has them throughout, at any number of
+# rows. The loss alone takes CTAs of 128 threads, wider ones (up to 512) while the rows would
+# give the GPU fewer than half the threads its SMs hold; the fused loss and gradient, which
+# reads each row again from L2, the largest CTA that still walks its row in two steps or more
+# (benchmarks/tune.py softmax_cuda, H200: 2026-11-28-h200-tune-ce-streaming-v4*.json, and for
+# fewer rows 2026-11-28-h200-tune-ce-few-rows-{a,b}.json).
 STREAMED_FROM_BYTES = 16 * 1024
-STREAMED_LOSS_THREADS = 128
-STREAMED_FUSED_THREADS = (128, 256, 512)
+STREAMED_THREADS = (128, 256, 512)
 STREAM_STEP_BYTES = 64  # softmax.cu: kStreamVectors 16-byte loads a thread a step
 STREAM_THREADS_PER_SM = 1024  # softmax.cu: two CTAs of kThreads, 64 registers a thread
 _KERNEL_IDS = {"forward": 0, "backward": 1, "cross_entropy": 2}
@@ -75,9 +76,8 @@ def cross_entropy_tiling(n_cols: int, dtype, fused: bool = False,
                          n_rows: int | None = None) -> Tiling | None:
   """Rows the kernels hold (see :func:`longest_row`) of at least ``STREAMED_FROM_BYTES`` are
   streamed: one CTA walks each row (softmax.cu cross_entropy_streaming_kernel), of
-  :func:`streamed_threads`, where the call's ``n_rows`` (None: any number) give every SM its
-  resident CTAs; fewer rows are spread over clusters as shorter rows are. Shorter rows are held
-  in registers (the gradient needs the registers a staged feed would take: it spills there), in
+  :func:`streamed_threads` for the call's ``n_rows`` (None: many). Shorter rows are held in
+  registers (the gradient needs the registers a staged feed would take: it spills there), in
   clusters of at most two CTAs, then the widest slices to keep clusters small. The ``fused``
   loss and gradient of 16-bit logits take one CTA of the widest slices over a cluster of two
   (benchmarks/tune.py softmax_cuda at 16384x32768: 2026-11-28-h200-tune-ce-cuda.json, a tie in
@@ -88,22 +88,26 @@ def cross_entropy_tiling(n_cols: int, dtype, fused: bool = False,
     narrow = cuda.tiling(n_cols, (STAGED_UNITS[width],), max_cluster=1) or narrow
   held = narrow or cuda.tiling(n_cols, (STAGED_UNITS[width],))
   if held is not None and n_cols * width >= STREAMED_FROM_BYTES:
-    threads = streamed_threads(n_cols * width, fused)
-    wave = registry.num_multiprocessors() * (STREAM_THREADS_PER_SM // threads)
-    if n_rows is None or n_rows >= wave:
-      return Tiling.streaming(threads)
+    return Tiling.streaming(streamed_threads(n_cols * width, fused, n_rows))
   return held
 
 
-def streamed_threads(row_bytes: int, fused: bool) -> int:
-  """The threads of a CTA that streams rows of ``row_bytes``: ``STREAMED_LOSS_THREADS`` for the
-  loss alone; for the fused loss and gradient the most of ``STREAMED_FUSED_THREADS`` that walk
-  a row in at least two steps (fewer rows in flight keep their second read in L2, but a CTA
-  wider than half its row idles threads)."""
-  if not fused:
-    return STREAMED_LOSS_THREADS
-  fits = [t for t in STREAMED_FUSED_THREADS if 2 * t * STREAM_STEP_BYTES <= row_bytes]
-  return max(fits, default=STREAMED_FUSED_THREADS[0])
+def streamed_threads(row_bytes: int, fused: bool, n_rows: int | None = None) -> int:
+  """The threads of a CTA that streams rows of ``row_bytes``. The fused loss and gradient: the
+  most of ``STREAMED_THREADS`` that walk a row in at least two steps (fewer rows in flight keep
+  their second read in L2, but a CTA wider than half its row idles threads). The loss alone:
+  the fewest whose CTAs, one for each of ``n_rows``, fill at least half the threads the SMs
+  hold, as wide as one step of the row allows."""
+  if fused:
+    fits = [t for t in STREAMED_THREADS if 2 * t * STREAM_STEP_BYTES <= row_bytes]
+    return max(fits, default=STREAMED_THREADS[0])
+  fits = [t for t in STREAMED_THREADS if t * STREAM_STEP_BYTES <= row_bytes]
+  if n_rows is not None:
+    half = registry.num_multiprocessors() * STREAM_THREADS_PER_SM // 2
+    for threads in fits:
+      if n_rows * threads >= half:
+        return threads
+  return fits[-1] if n_rows is not None else fits[0]
 
 
 def backward_tiling(n_cols: int, dtype) -> Tiling | None:
