@@ -102,12 +102,10 @@ def streamed_threads(row_bytes: int, fused: bool, n_rows: int | None = None) -> 
     fits = [t for t in STREAMED_THREADS if 2 * t * STREAM_STEP_BYTES <= row_bytes]
     return max(fits, default=STREAMED_THREADS[0])
   fits = [t for t in STREAMED_THREADS if t * STREAM_STEP_BYTES <= row_bytes]
-  if n_rows is not None:
-    half = registry.num_multiprocessors() * STREAM_THREADS_PER_SM // 2
-    for threads in fits:
-      if n_rows * threads >= half:
-        return threads
-  return fits[-1] if n_rows is not None else fits[0]
+  if n_rows is None:
+    return fits[0]
+  half = registry.num_multiprocessors() * STREAM_THREADS_PER_SM // 2
+  return next((t for t in fits if n_rows * t >= half), fits[-1])
 
 
 def backward_tiling(n_cols: int, dtype) -> Tiling | None:
