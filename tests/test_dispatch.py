@@ -540,9 +540,10 @@ SOFTMAX_ON_HOPPER = [
 # RMSNorm's evaluated forward of float32 rows from 5120 and of 16-bit rows up to 128; Triton's
 # evaluated RMSNorm up to 24576 and LayerNorm's step up to 8192; CUDA's LayerNorm of 16-bit
 # rows up to 128 and Triton's evaluated one of few rows past 65536; the softmax's evaluated
-# forward from 16376 (Triton's up to 2^23 elements of rows up to 16384), a differentiated
-# call's CUDA kernels from 12288, and Triton's step where neither CUDA's kernels nor a Triton
-# tile hold 16-bit rows up to 50257.
+# forward from 8192 (Triton's up to 2^23 elements of rows up to 16384), a differentiated
+# call's CUDA kernels from 1024, and Triton's step where neither CUDA's kernels nor a Triton
+# tile hold 16-bit rows up to 50257; the cross-entropy's CUDA kernels from 2048 classes, XLA
+# for an evaluated loss of up to 128 rows from 32768 and for any call of up to 32 from 65536.
 @pytest.mark.parametrize("call,expected", [
     (lambda: normalize("rms_norm", 32768, param_dtype="float32"), ("xla", "xla")),
     (lambda: normalize("layer_norm", 32768, param_dtype="float32"), ("cuda", "xla", "xla")),
@@ -559,21 +560,25 @@ SOFTMAX_ON_HOPPER = [
     (lambda: normalize("layer_norm", 128), ("cuda", "cuda")),
     (lambda: normalize("layer_norm", 131072, rows=256), ("triton", "cuda", "cuda")),
     (lambda: normalize("layer_norm", 131072), ("cuda", "cuda")),
-    (lambda: softmax(1024), ("triton", "triton")),
-    (lambda: softmax(2048), ("triton", "triton")),
+    (lambda: softmax(1024), ("triton", "cuda", "cuda")),
+    (lambda: softmax(2048), ("triton", "cuda", "cuda")),
     (lambda: softmax(12288), ("triton", "cuda", "cuda")),
     (lambda: softmax(16376), ("triton", "cuda", "cuda")),
     (lambda: softmax(16376, rows=1024), ("cuda", "cuda")),
     (lambda: softmax(50257), ("xla", "triton", "triton")),
     (lambda: softmax(50264), ("cuda", "cuda")),
     (lambda: softmax(65545), ("xla", "xla")),
-    (lambda: cross_entropy(131072), ("triton", "triton")),
+    (lambda: cross_entropy(131072), ("cuda", "xla")),
+    (lambda: cross_entropy(131072, rows=129), ("cuda", "cuda")),
+    (lambda: cross_entropy(131072, rows=32), ("xla", "xla")),
+    (lambda: cross_entropy(1024, rows=4096), ("triton", "triton")),
 ], ids=["rms f32 out", "layer f32 out", "layer f32 out past 16384", "layer f32 out at 65536",
         "layer f32 out past 65536", "layer f32", "layer", "layer short", "rms f32 evaluated",
         "rms shortest", "rms 16392", "layer 12288", "layer shortest", "layer few long rows",
         "layer long rows", "softmax 1024",
         "softmax 2048", "softmax 12288", "softmax 16376", "softmax 16376 many rows",
-        "softmax 50257", "softmax 50264", "softmax 65545", "cross-entropy"])
+        "softmax 50257", "softmax 50264", "softmax 65545", "cross-entropy", "cross-entropy rows",
+        "cross-entropy few rows", "cross-entropy short rows"])
 def test_none_on_the_h200_takes_its_own_rows(gpu, chosen, call, expected):
   gpu.kind("NVIDIA H200")
   call()
@@ -660,12 +665,9 @@ def test_softmax_none_without_triton_takes_cuda_from_its_row(gpu, chosen, n, dty
 @pytest.mark.parametrize("kwargs", [dict(is_causal=True), dict(mask=jnp.ones((1, 2048), bool))],
                          ids=["causal", "mask"])
 def test_softmax_none_without_triton_takes_cuda_for_masked_rows_on_h200(gpu, chosen, kwargs):
-  # Masked rows cost XLA a select over the logits, so CUDA takes them from shorter rows than
-  # plain ones there.
+  # Masked rows cost XLA a select over the logits: CUDA takes them wherever it takes plain ones.
   gpu.kind("NVIDIA H200")
   gpu.without_triton()
-  softmax(2048, "bfloat16")
-  assert chosen() == ("xla", "cuda", "cuda")
   softmax(2048, "bfloat16", **kwargs)
   assert chosen() == ("cuda", "cuda")
 
@@ -675,12 +677,10 @@ def test_softmax_none_without_triton_takes_cuda_for_masked_rows_on_h200(gpu, cho
 def test_softmax_none_takes_cuda_for_causal_backwards_on_h200(gpu, chosen, n):
   # The CUDA backward reads causal rows only up to each query's last key.
   gpu.kind("NVIDIA H200")
-  softmax(n, "bfloat16")
-  plain = chosen()
   softmax(n, "bfloat16", is_causal=True)
-  assert chosen() == plain[:-1] + ("cuda",) and plain[-1] != "cuda"
+  assert chosen()[-1] == "cuda"
   softmax(n, "bfloat16", mask=jnp.ones((1, n), bool))
-  assert chosen() == plain
+  assert chosen()[-1] == "cuda"
 
 
 @pytest.mark.parametrize("rows,n,expected", [
