@@ -537,7 +537,8 @@ SOFTMAX_ON_HOPPER = [
 
 # The H200's own rows over the H100's: XLA for rows with float32 outputs past 16384 (CUDA's
 # evaluated LayerNorm of 16-bit rows up to 65536 with float32 outputs), and for
-# RMSNorm's evaluated forward of float32 rows from 5120 and of 16-bit rows up to 128; Triton's
+# RMSNorm's evaluated forward of float32 rows from 5120 and of 16-bit rows up to 128; CUDA's
+# RMSNorm step and LayerNorm of 16-bit rows up to 512 from 2^26 elements; Triton's
 # evaluated RMSNorm up to 24576 and LayerNorm's step up to 8192; CUDA's LayerNorm of 16-bit
 # rows up to 128 and Triton's evaluated one of few rows past 65536; the softmax's evaluated
 # forward from 8192 (Triton's up to 2^23 elements of rows up to 16384), a differentiated
@@ -560,6 +561,9 @@ SOFTMAX_ON_HOPPER = [
     (lambda: normalize("layer_norm", 128), ("cuda", "cuda")),
     (lambda: normalize("layer_norm", 131072, rows=256), ("triton", "cuda", "cuda")),
     (lambda: normalize("layer_norm", 131072), ("cuda", "cuda")),
+    (lambda: normalize("layer_norm", 256), ("triton", "triton")),
+    (lambda: normalize("layer_norm", 256, rows=262144), ("cuda", "cuda")),
+    (lambda: normalize("rms_norm", 512, rows=131072), ("triton", "cuda", "cuda")),
     (lambda: softmax(1024), ("triton", "cuda", "cuda")),
     (lambda: softmax(2048), ("triton", "cuda", "cuda")),
     (lambda: softmax(12288), ("triton", "cuda", "cuda")),
@@ -575,7 +579,7 @@ SOFTMAX_ON_HOPPER = [
 ], ids=["rms f32 out", "layer f32 out", "layer f32 out past 16384", "layer f32 out at 65536",
         "layer f32 out past 65536", "layer f32", "layer", "layer short", "rms f32 evaluated",
         "rms shortest", "rms 16392", "layer 12288", "layer shortest", "layer few long rows",
-        "layer long rows", "softmax 1024",
+        "layer long rows", "layer 256", "layer 256 many rows", "rms 512 many rows", "softmax 1024",
         "softmax 2048", "softmax 12288", "softmax 16376", "softmax 16376 many rows",
         "softmax 50257", "softmax 50264", "softmax 65545", "cross-entropy", "cross-entropy rows",
         "cross-entropy few rows", "cross-entropy short rows"])
