@@ -210,6 +210,7 @@ def _norm_cuda(sweep):
   """Cluster shapes of the 'cuda' kernels: (CTAs per row, threads per CTA, units per thread),
   and for short rows the lanes that hold a row."""
   from jaxfuse.ops.norm import cuda
+  from jaxfuse._core import cuda as cuda_core
   from jaxfuse._core.cuda import Tiling as T
   sms = registry.num_multiprocessors()
 
@@ -251,6 +252,16 @@ def _norm_cuda(sweep):
            65536: ([T(4, 512, 4), T(4, 256, 8, 1), T(8, 128, 8, 2), T(16, 64, 8, 1)],
                    [T(16, 256, 2), T(16, 512, 1)]),
            131072: ([T(8, 512, 4), T(8, 256, 8, 1), T(16, 128, 8, 2)], [])}
+
+  # Rows of 1024 to 16384 through shared-memory stages: up to four rows a CTA in flight
+  # without the registers to hold them.
+  def staged(n):
+    shapes = [(u, s) for u in (4, 8) for s in ((1, 2, 3, 4) if u == 4 else (1, 2))]
+    return [t for u, s in shapes
+            if (t := cuda_core.tiling(n, (u,), max_threads=cuda.STAGED_THREADS, stages=s))]
+
+  for n in (1024, 2048, 4096, 8192, 16384):
+    plans[n] = (plans[n][0] + staged(n), plans[n][1])
 
   def as_float32_params(x, dy, w):
     return x, dy.astype(jnp.float32), w.astype(jnp.float32)

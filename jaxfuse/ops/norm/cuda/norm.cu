@@ -43,6 +43,46 @@ template <typename V> struct ThreadLocal {
   }
 };
 
+// Calls f(weighted, biased) for the parameters present, each a std::bool_constant: the
+// per-element code then tests neither, nor multiplies by a stand-in one or adds a zero. An
+// RMSNorm (kLayer false) has no bias (the FFI handlers refuse one). Without kSpecialize, one
+// body takes them as bools, absent ones standing in as ones and zeros: where four bodies
+// would spill (cluster backward, staged forward).
+template <bool kLayer, bool kSpecialize, typename F>
+__device__ __forceinline__ void with_params(bool has_weight, bool has_bias, F&& f) {
+  if constexpr (!kSpecialize) {
+    f(has_weight, has_bias);
+    return;
+  }
+  auto with_bias = [&](auto weighted) {
+    if constexpr (kLayer) {
+      if (has_bias) f(weighted, std::true_type{});
+      else f(weighted, std::false_type{});
+    } else {
+      f(weighted, std::false_type{});
+    }
+  };
+  if (has_weight) with_bias(std::true_type{});
+  else with_bias(std::false_type{});
+}
+
+// A with_params flag's value: a constant for a std::bool_constant.
+template <typename Flag> __device__ __forceinline__ constexpr bool on(Flag flag) {
+  if constexpr (std::is_same_v<Flag, bool>) return flag;
+  else return Flag::value;
+}
+
+// x_hat * w[e] + b[e] of the parameters present (flags as with_params passes them).
+template <typename W, typename B>
+__device__ __forceinline__ float scale_shift(float x_hat, const float (&w)[kUnit],
+                                             const float (&b)[kUnit], int e, W, B) {
+  if constexpr (std::is_same_v<W, bool> || std::is_same_v<B, bool>) return x_hat * w[e] + b[e];
+  else if constexpr (W::value && B::value) return x_hat * w[e] + b[e];
+  else if constexpr (W::value) return x_hat * w[e];
+  else if constexpr (B::value) return x_hat + b[e];
+  else return x_hat;
+}
+
 // A parameter unit in its storage type, kept as uint4 words in shared memory.
 template <typename TP> struct ParamSlice {
   ThreadLocal<uint4> words;
@@ -156,19 +196,23 @@ __global__ void __launch_bounds__(kStaged ? kStagedThreads : kThreads, kStaged ?
       }
 
       const int64_t row = group * rows_per_group + r;
+      TY* const y_row = y + row * n;
+      with_params<kLayer, !kStaged>(has_weight, has_bias, [&](auto weighted, auto biased) {
 #pragma unroll
-      for (int k = 0; k < V; ++k) {
-        if (!slice.holds(k)) continue;
-        float v[kUnit], w[kUnit], b[kUnit];
-        xs.now[k].unpack(v);
-        if (has_weight) w_slice.get(k, w); else fill(w, 1.f);
-        if (has_bias) b_slice.get(k, b); else fill(b, 0.f);
+        for (int k = 0; k < V; ++k) {
+          if (!slice.holds(k)) continue;
+          float v[kUnit], w[kUnit], b[kUnit];
+          xs.now[k].unpack(v);
+          if (on(weighted)) w_slice.get(k, w); else fill(w, 1.f);
+          if (on(biased)) b_slice.get(k, b); else fill(b, 0.f);
 #pragma unroll
-        for (int e = 0; e < kUnit; ++e) v[e] = (v[e] - mean) * rstd * w[e] + b[e];
-        Unit<TY> out;
-        out.pack(v);
-        out.store_streaming(y + row * n + slice.column(k));
-      }
+          for (int e = 0; e < kUnit; ++e)
+            v[e] = scale_shift((v[e] - mean) * rstd, w, b, e, weighted, biased);
+          Unit<TY> out;
+          out.pack(v);
+          out.store_streaming(y_row + slice.column(k));
+        }
+      });
       if (leader) {
         if (kLayer) mean_out[row] = mean;
         rstd_out[row] = rstd;
@@ -239,46 +283,50 @@ __global__ void __launch_bounds__(kThreads, 2) norm_backward_kernel(
       if (has_weight) dw_sum.zero(k);
       if (has_bias) db_sum.zero(k);
     }
-    auto weight_of = [&](int k, float (&w)[kUnit]) {
-      if (has_weight) w_slice.get(k, w); else fill(w, 1.f);
-    };
     const int64_t group_offset = group * rows_per_group * n;
     Unit<TX> xs[V], next_xs[V];
     Unit<TDY> dys[V], next_dys[V];
     load_row(x + group_offset + me * n, slice, me < rows_per_group, xs);
     load_row(dy + group_offset + me * n, slice, me < rows_per_group, dys);
-    for (int64_t r = me; r < rows_per_group; r += clusters) {
-      const int64_t row = group * rows_per_group + r;
-      const bool more = r + clusters < rows_per_group;
-      load_row(x + group_offset + (r + clusters) * n, slice, more, next_xs);
-      load_row(dy + group_offset + (r + clusters) * n, slice, more, next_dys);
-      const float mean = kLayer ? mean_in[row] : 0.f, rstd = rstd_in[row];
-      const float2 partial = thread_row_sums<kLayer>(xs, dys, slice, weight_of, mean, rstd);
-      const float2 total =
-          cluster_reduce<kClusters>(partial, make_float2(0.f, 0.f), Sum{}, scratch, parity);
-      parity ^= 1;
-      const float c1 = kLayer ? total.x * inv_n : 0.f, c2 = total.y * inv_n;
+    with_params<kLayer, !kClusters>(has_weight, has_bias, [&](auto weighted, auto biased) {
+      // Ones for an absent weight, which the products fold away where it is a constant.
+      auto weight_of = [&](int k, float (&w)[kUnit]) {
+        if (on(weighted)) w_slice.get(k, w); else fill(w, 1.f);
+      };
+      for (int64_t r = me; r < rows_per_group; r += clusters) {
+        const int64_t row = group * rows_per_group + r;
+        const bool more = r + clusters < rows_per_group;
+        load_row(x + group_offset + (r + clusters) * n, slice, more, next_xs);
+        load_row(dy + group_offset + (r + clusters) * n, slice, more, next_dys);
+        const float mean = kLayer ? mean_in[row] : 0.f, rstd = rstd_in[row];
+        const float2 partial = thread_row_sums<kLayer>(xs, dys, slice, weight_of, mean, rstd);
+        const float2 total =
+            cluster_reduce<kClusters>(partial, make_float2(0.f, 0.f), Sum{}, scratch, parity);
+        parity ^= 1;
+        const float c1 = kLayer ? total.x * inv_n : 0.f, c2 = total.y * inv_n;
+        TX* const dx_row = dx + row * n;
 #pragma unroll
-      for (int k = 0; k < V; ++k) {
-        if (!slice.holds(k)) continue;
-        float xv[kUnit], dyv[kUnit], w[kUnit], dw[kUnit];
-        xs[k].unpack(xv);
-        dys[k].unpack(dyv);
-        weight_of(k, w);
-        fill(dw, 0.f);
-        unit_gradients(xv, dyv, w, mean, rstd, c1, c2, dw);
-        if (has_weight) dw_sum.add(k, dw);
-        if (has_bias) db_sum.add(k, dyv);
-        Unit<TX> out;
-        out.pack(xv);
-        out.store_streaming(dx + row * n + slice.column(k));
-      }
+        for (int k = 0; k < V; ++k) {
+          if (!slice.holds(k)) continue;
+          float xv[kUnit], dyv[kUnit], w[kUnit], dw[kUnit];
+          xs[k].unpack(xv);
+          dys[k].unpack(dyv);
+          weight_of(k, w);
+          fill(dw, 0.f);
+          unit_gradients(xv, dyv, w, mean, rstd, c1, c2, dw);
+          if (on(weighted)) dw_sum.add(k, dw);
+          if (on(biased)) db_sum.add(k, dyv);
+          Unit<TX> out;
+          out.pack(xv);
+          out.store_streaming(dx_row + slice.column(k));
+        }
 #pragma unroll
-      for (int k = 0; k < V; ++k) {
-        xs[k] = next_xs[k];
-        dys[k] = next_dys[k];
+        for (int k = 0; k < V; ++k) {
+          xs[k] = next_xs[k];
+          dys[k] = next_dys[k];
+        }
       }
-    }
+    });
     const int64_t partial_row = (group * clusters + me) * n;
     for (int k = 0; k < V; ++k) {
       if (!slice.holds(k)) continue;
@@ -315,61 +363,66 @@ __global__ void __launch_bounds__(kShortThreads)
   // Rows of one warp differ by its groups' places in it; the warp walks while any is a row.
   const int64_t place = (threadIdx.x % 32) / lanes;
   const float inv_n = 1.f / n;
-  for (int64_t group = blockIdx.y; group < groups; group += gridDim.y) {
-    Unit<TP> w[V], b[V];
-    load_row(weight + group * n, slice, has_weight, w);
-    load_row(bias + group * n, slice, has_bias, b);
-    const TX* xg = x + group * rows_per_group * n;
-    Unit<TX> xs[V], next[V];
-    load_row(xg + walk.first * n, slice, walk.first < rows_per_group, next);
-    for (int64_t r = walk.first; r - place < rows_per_group; r += walk.step) {
+  with_params<kLayer, true>(has_weight, has_bias, [&](auto weighted, auto biased) {
+    constexpr bool kWeighted = decltype(weighted)::value, kBiased = decltype(biased)::value;
+    for (int64_t group = blockIdx.y; group < groups; group += gridDim.y) {
+      Unit<TP> w[V], b[V];
+      if constexpr (kWeighted) load_row(weight + group * n, slice, true, w);
+      if constexpr (kBiased) load_row(bias + group * n, slice, true, b);
+      const TX* xg = x + group * rows_per_group * n;
+      Unit<TX> xs[V], next[V];
+      load_row(xg + walk.first * n, slice, walk.first < rows_per_group, next);
+      for (int64_t r = walk.first; r - place < rows_per_group; r += walk.step) {
 #pragma unroll
-      for (int k = 0; k < V; ++k) xs[k] = next[k];
-      load_row(xg + (r + walk.step) * n, slice, r + walk.step < rows_per_group, next);
-      // LayerNorm: the mean, then M2 about it, both exact over the row in registers.
-      float sum = 0.f;
+        for (int k = 0; k < V; ++k) xs[k] = next[k];
+        load_row(xg + (r + walk.step) * n, slice, r + walk.step < rows_per_group, next);
+        // LayerNorm: the mean, then M2 about it, both exact over the row in registers.
+        float sum = 0.f;
 #pragma unroll
-      for (int k = 0; k < V; ++k) {
-        float v[kUnit];
-        xs[k].unpack(v);
-        sum += unit_sum([&](int e) { return kLayer ? v[e] : v[e] * v[e]; });
-      }
-      sum = lane_group_sum(sum, lanes);
-      float mean = 0.f, square = sum;
-      if constexpr (kLayer) {
-        mean = sum * inv_n;
-        square = 0.f;
+        for (int k = 0; k < V; ++k) {
+          float v[kUnit];
+          xs[k].unpack(v);
+          sum += unit_sum([&](int e) { return kLayer ? v[e] : v[e] * v[e]; });
+        }
+        sum = lane_group_sum(sum, lanes);
+        float mean = 0.f, square = sum;
+        if constexpr (kLayer) {
+          mean = sum * inv_n;
+          square = 0.f;
+#pragma unroll
+          for (int k = 0; k < V; ++k) {
+            if (!slice.holds(k)) continue;
+            float v[kUnit];
+            xs[k].unpack(v);
+            square += unit_sum([&](int e) { return (v[e] - mean) * (v[e] - mean); });
+          }
+          square = lane_group_sum(square, lanes);
+        }
+        const float rstd = rsqrtf(square * inv_n + eps);
+        if (r >= rows_per_group) continue;
+        const int64_t row = group * rows_per_group + r;
+        TY* const y_row = y + row * n;
 #pragma unroll
         for (int k = 0; k < V; ++k) {
           if (!slice.holds(k)) continue;
-          float v[kUnit];
+          float v[kUnit], wv[kUnit], bv[kUnit];
           xs[k].unpack(v);
-          square += unit_sum([&](int e) { return (v[e] - mean) * (v[e] - mean); });
+          if constexpr (kWeighted) w[k].unpack(wv);
+          if constexpr (kBiased) b[k].unpack(bv);
+#pragma unroll
+          for (int e = 0; e < kUnit; ++e)
+            v[e] = scale_shift((v[e] - mean) * rstd, wv, bv, e, weighted, biased);
+          Unit<TY> out;
+          out.pack(v);
+          out.store_streaming(y_row + slice.column(k));
         }
-        square = lane_group_sum(square, lanes);
-      }
-      const float rstd = rsqrtf(square * inv_n + eps);
-      if (r >= rows_per_group) continue;
-      const int64_t row = group * rows_per_group + r;
-#pragma unroll
-      for (int k = 0; k < V; ++k) {
-        if (!slice.holds(k)) continue;
-        float v[kUnit], wv[kUnit], bv[kUnit];
-        xs[k].unpack(v);
-        if (has_weight) w[k].unpack(wv); else fill(wv, 1.f);
-        if (has_bias) b[k].unpack(bv); else fill(bv, 0.f);
-#pragma unroll
-        for (int e = 0; e < kUnit; ++e) v[e] = (v[e] - mean) * rstd * wv[e] + bv[e];
-        Unit<TY> out;
-        out.pack(v);
-        out.store_streaming(y + row * n + slice.column(k));
-      }
-      if (slice.lane == 0) {
-        if (kLayer) mean_out[row] = mean;
-        rstd_out[row] = rstd;
+        if (slice.lane == 0) {
+          if (kLayer) mean_out[row] = mean;
+          rstd_out[row] = rstd;
+        }
       }
     }
-  }
+  });
 }
 
 // Each thread sums dweight and dbias over the rows its group walks, in registers; at the end
@@ -389,81 +442,89 @@ __global__ void __launch_bounds__(kShortThreads) norm_backward_short_kernel(
   const int lane_groups = blockDim.x / lanes, width = V * lanes * kUnit;
   float4* my_sums = group_sums + (threadIdx.x / lanes) * (width / 4);
   const float inv_n = 1.f / n;
-  for (int64_t group = blockIdx.y; group < groups; group += gridDim.y) {
-    Unit<TP> w[V];
-    load_row(weight + group * n, slice, has_weight, w);
-    auto weight_of = [&](int k, float (&wv)[kUnit]) {
-      if (has_weight) w[k].unpack(wv); else fill(wv, 1.f);
-    };
-    float dw[V][kUnit], db[V][kUnit];
-#pragma unroll
-    for (int k = 0; k < V; ++k) {
-      fill(dw[k], 0.f);
-      fill(db[k], 0.f);
-    }
-    const int64_t offset = group * rows_per_group;
-    Unit<TX> xs[V], next_xs[V];
-    Unit<TDY> dys[V], next_dys[V];
-    float mean, rstd, next_mean, next_rstd;
-    // Row r and its statistics (zeros past the last row) into the next buffers.
-    auto fetch = [&](int64_t r) {
-      const bool valid = r < rows_per_group;
-      load_row(x + (offset + r) * n, slice, valid, next_xs);
-      load_row(dy + (offset + r) * n, slice, valid, next_dys);
-      next_mean = kLayer && valid ? mean_in[offset + r] : 0.f;
-      next_rstd = valid ? rstd_in[offset + r] : 0.f;
-    };
-    fetch(walk.first);
-    for (int64_t r = walk.first; r - place < rows_per_group; r += walk.step) {
+  with_params<kLayer, true>(has_weight, has_bias, [&](auto weighted, auto biased) {
+    constexpr bool kWeighted = decltype(weighted)::value, kBiased = decltype(biased)::value;
+    for (int64_t group = blockIdx.y; group < groups; group += gridDim.y) {
+      Unit<TP> w[V];
+      if constexpr (kWeighted) load_row(weight + group * n, slice, true, w);
+      // A constant one for an absent weight, which the products fold away.
+      auto weight_of = [&](int k, float (&wv)[kUnit]) {
+        if constexpr (kWeighted) w[k].unpack(wv);
+        else fill(wv, 1.f);
+      };
+      float dw[V][kUnit], db[V][kUnit];
 #pragma unroll
       for (int k = 0; k < V; ++k) {
-        xs[k] = next_xs[k];
-        dys[k] = next_dys[k];
+        fill(dw[k], 0.f);
+        fill(db[k], 0.f);
       }
-      mean = next_mean;
-      rstd = next_rstd;
-      fetch(r + walk.step);
-      // Past the last row x and dy are zeros, which add nothing to the parameter sums.
-      const float2 partial = thread_row_sums<kLayer>(xs, dys, slice, weight_of, mean, rstd);
-      const float2 total = lane_group_sum(partial, lanes);
-      const float c1 = kLayer ? total.x * inv_n : 0.f, c2 = total.y * inv_n;
+      const int64_t offset = group * rows_per_group;
+      Unit<TX> xs[V], next_xs[V];
+      Unit<TDY> dys[V], next_dys[V];
+      float mean, rstd, next_mean, next_rstd;
+      // Row r and its statistics (zeros past the last row) into the next buffers.
+      auto fetch = [&](int64_t r) {
+        const bool valid = r < rows_per_group;
+        load_row(x + (offset + r) * n, slice, valid, next_xs);
+        load_row(dy + (offset + r) * n, slice, valid, next_dys);
+        next_mean = kLayer && valid ? mean_in[offset + r] : 0.f;
+        next_rstd = valid ? rstd_in[offset + r] : 0.f;
+      };
+      fetch(walk.first);
+      for (int64_t r = walk.first; r - place < rows_per_group; r += walk.step) {
 #pragma unroll
-      for (int k = 0; k < V; ++k) {
-        if (!slice.holds(k)) continue;
-        float xv[kUnit], dyv[kUnit], wv[kUnit];
-        xs[k].unpack(xv);
-        dys[k].unpack(dyv);
-        weight_of(k, wv);
-        unit_gradients(xv, dyv, wv, mean, rstd, c1, c2, dw[k]);
+        for (int k = 0; k < V; ++k) {
+          xs[k] = next_xs[k];
+          dys[k] = next_dys[k];
+        }
+        mean = next_mean;
+        rstd = next_rstd;
+        fetch(r + walk.step);
+        // Past the last row x and dy are zeros, which add nothing to the parameter sums.
+        const float2 partial = thread_row_sums<kLayer>(xs, dys, slice, weight_of, mean, rstd);
+        const float2 total = lane_group_sum(partial, lanes);
+        const float c1 = kLayer ? total.x * inv_n : 0.f, c2 = total.y * inv_n;
+        TX* const dx_row = dx + (offset + r) * n;
 #pragma unroll
-        for (int e = 0; e < kUnit; ++e) db[k][e] += dyv[e];
-        if (r < rows_per_group) {
-          Unit<TX> out;
-          out.pack(xv);
-          out.store_streaming(dx + (offset + r) * n + slice.column(k));
+        for (int k = 0; k < V; ++k) {
+          if (!slice.holds(k)) continue;
+          float xv[kUnit], dyv[kUnit], wv[kUnit];
+          xs[k].unpack(xv);
+          dys[k].unpack(dyv);
+          weight_of(k, wv);
+          unit_gradients(xv, dyv, wv, mean, rstd, c1, c2, dw[k]);
+          if constexpr (kBiased) {
+#pragma unroll
+            for (int e = 0; e < kUnit; ++e) db[k][e] += dyv[e];
+          }
+          if (r < rows_per_group) {
+            Unit<TX> out;
+            out.pack(xv);
+            out.store_streaming(dx_row + slice.column(k));
+          }
         }
       }
-    }
-    const int64_t partial_row = (group * gridDim.x + blockIdx.x) * n;
-    auto reduce = [&](const float (&sums)[V][kUnit], float* out) {
+      const int64_t partial_row = (group * gridDim.x + blockIdx.x) * n;
+      auto reduce = [&](const float (&sums)[V][kUnit], float* out) {
 #pragma unroll
-      for (int k = 0; k < V; ++k) {
-        const int unit = slice.column(k) / 4;
-        my_sums[unit] = make_float4(sums[k][0], sums[k][1], sums[k][2], sums[k][3]);
-        my_sums[unit + 1] = make_float4(sums[k][4], sums[k][5], sums[k][6], sums[k][7]);
-      }
-      __syncthreads();
-      const float* table = reinterpret_cast<const float*>(group_sums);
-      for (int c = threadIdx.x; c < n; c += blockDim.x) {
-        float total = 0.f;
-        for (int g = 0; g < lane_groups; ++g) total += table[g * width + c];
-        out[partial_row + c] = total;
-      }
-      __syncthreads();
-    };
-    if (has_weight) reduce(dw, dweight_partial);
-    if (has_bias) reduce(db, dbias_partial);
-  }
+        for (int k = 0; k < V; ++k) {
+          const int unit = slice.column(k) / 4;
+          my_sums[unit] = make_float4(sums[k][0], sums[k][1], sums[k][2], sums[k][3]);
+          my_sums[unit + 1] = make_float4(sums[k][4], sums[k][5], sums[k][6], sums[k][7]);
+        }
+        __syncthreads();
+        const float* table = reinterpret_cast<const float*>(group_sums);
+        for (int c = threadIdx.x; c < n; c += blockDim.x) {
+          float total = 0.f;
+          for (int g = 0; g < lane_groups; ++g) total += table[g * width + c];
+          out[partial_row + c] = total;
+        }
+        __syncthreads();
+      };
+      if constexpr (kWeighted) reduce(dw, dweight_partial);
+      if constexpr (kBiased) reduce(db, dbias_partial);
+    }
+  });
 }
 
 // ---- Stage two of the parameter gradients: the (G, P, N) float32 partials of each present
@@ -687,6 +748,11 @@ void check_stat(Checks& checks, const char* name, const ffi::AnyBuffer& stat,
   checks.count(name, stat.element_count(), product({dims[0], dims[1]}), "G * R");
 }
 
+// The kernels specialize RMSNorm (layer=0) for a weight alone.
+void check_no_rms_bias(Checks& checks, int64_t layer, int64_t has_bias) {
+  checks.require(layer || !has_bias, [] { return std::string("RMSNorm (layer=0) has no bias"); });
+}
+
 ffi::Error unbuilt(const char* op, const Tiling& t, const ffi::AnyBuffer& x) {
   return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                     std::string(op) + ": no kernel is built for " + t.describe() + " over x of " +
@@ -706,6 +772,7 @@ ffi::Error NormForwardImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer
   checks.flag("layer", layer);
   checks.flag("has_weight", has_weight);
   checks.flag("has_bias", has_bias);
+  check_no_rms_bias(checks, layer, has_bias);
   checks.same_shape("y", *y, "x", dims);
   checks.dtype("y", y->element_type(), {x.element_type(), DataType::F32}, "x's dtype or float32");
   check_param(checks, "weight", weight, has_weight, x);
@@ -780,6 +847,7 @@ ffi::Error NormBackwardImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuff
   checks.flag("layer", layer);
   checks.flag("has_weight", has_weight);
   checks.flag("has_bias", has_bias);
+  check_no_rms_bias(checks, layer, has_bias);
   checks.same_shape("dy", dy, "x", dims);
   checks.dtype("dy", dy.element_type(), {x.element_type(), DataType::F32},
                "x's dtype or float32");
