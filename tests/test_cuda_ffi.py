@@ -200,6 +200,7 @@ BAD_CALLS = {
         ("rows not a multiple of 8",
          shorter_rows("x", "weight", "bias", outs=("y",)), "rows of 4092 elements"),
         ("staged CTAs too large", [attrs(stages=1, threads=512, units=8)], "no kernel is built"),
+        ("RMSNorm with a bias", [attrs(layer=0)], r"RMSNorm \(layer=0\) has no bias"),
     ],
     "norm_backward": TILING_CASES + LANES_CASES + [
         ("x rank", [arg("x", lambda x: x[None])], r"x must be \(G, R, N\)"),
@@ -220,6 +221,7 @@ BAD_CALLS = {
          "partials has"),
         ("partials dtype", [out("partials", dtype=jnp.bfloat16)], "partials is bfloat16"),
         ("flag", [attrs(has_weight=3)], "has_weight=3"),
+        ("RMSNorm with a bias", [attrs(layer=0)], r"RMSNorm \(layer=0\) has no bias"),
         ("rows not a multiple of 8",
          shorter_rows("dy", "x", "weight", outs=("dx", "dweight", "dbias")),
          "rows of 4092 elements"),

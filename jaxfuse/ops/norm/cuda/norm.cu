@@ -772,7 +772,6 @@ ffi::Error NormForwardImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer
   checks.flag("layer", layer);
   checks.flag("has_weight", has_weight);
   checks.flag("has_bias", has_bias);
-  check_no_rms_bias(checks, layer, has_bias);
   checks.same_shape("y", *y, "x", dims);
   checks.dtype("y", y->element_type(), {x.element_type(), DataType::F32}, "x's dtype or float32");
   check_param(checks, "weight", weight, has_weight, x);
@@ -783,6 +782,7 @@ ffi::Error NormForwardImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer
   check_stat(checks, "rstd", *rstd, x);
   checks.at_least("eps", eps, 0.f);
   check_tiling(checks, dims[2], t, kThreads);
+  check_no_rms_bias(checks, layer, has_bias);
   if (!checks.ok()) return checks.error();
   if (x.element_count() == 0) return ffi::Error::Success();
   const int n = static_cast<int>(dims[2]);
@@ -847,7 +847,6 @@ ffi::Error NormBackwardImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuff
   checks.flag("layer", layer);
   checks.flag("has_weight", has_weight);
   checks.flag("has_bias", has_bias);
-  check_no_rms_bias(checks, layer, has_bias);
   checks.same_shape("dy", dy, "x", dims);
   checks.dtype("dy", dy.element_type(), {x.element_type(), DataType::F32},
                "x's dtype or float32");
@@ -866,6 +865,7 @@ ffi::Error NormBackwardImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuff
                  params ? product({params, dims[0], clusters, dims[2]}) : 1,
                  params ? "parameters * G * clusters * N" : nullptr);
   }
+  check_no_rms_bias(checks, layer, has_bias);
   if (!checks.ok()) return checks.error();
   if (dims[0] == 0) return ffi::Error::Success();
   const int n = static_cast<int>(dims[2]);
