@@ -72,15 +72,28 @@ template <typename Flag> __device__ __forceinline__ constexpr bool on(Flag flag)
   else return Flag::value;
 }
 
-// x_hat * w[e] + b[e] of the parameters present (flags as with_params passes them).
-template <typename W, typename B>
-__device__ __forceinline__ float scale_shift(float x_hat, const float (&w)[kUnit],
-                                             const float (&b)[kUnit], int e, W, B) {
-  if constexpr (std::is_same_v<W, bool> || std::is_same_v<B, bool>) return x_hat * w[e] + b[e];
-  else if constexpr (W::value && B::value) return x_hat * w[e] + b[e];
-  else if constexpr (W::value) return x_hat * w[e];
-  else if constexpr (B::value) return x_hat + b[e];
-  else return x_hat;
+// Stores one unit of y, (x - mean) * rstd times the weight plus the bias of those present
+// (flags as with_params passes them), whose slices of the unit get_weight and get_bias fill.
+template <typename TX, typename TY, typename W, typename B, typename GetWeight, typename GetBias>
+__device__ __forceinline__ void store_normalized(const Unit<TX>& x, float mean, float rstd,
+                                                 W weighted, B biased, GetWeight get_weight,
+                                                 GetBias get_bias, TY* out) {
+  float v[kUnit], w[kUnit], b[kUnit];
+  x.unpack(v);
+  if (on(weighted)) get_weight(w); else fill(w, 1.f);
+  if (on(biased)) get_bias(b); else fill(b, 0.f);
+#pragma unroll
+  for (int e = 0; e < kUnit; ++e) {
+    const float x_hat = (v[e] - mean) * rstd;
+    if constexpr (std::is_same_v<W, bool> || std::is_same_v<B, bool>) v[e] = x_hat * w[e] + b[e];
+    else if constexpr (W::value && B::value) v[e] = x_hat * w[e] + b[e];
+    else if constexpr (W::value) v[e] = x_hat * w[e];
+    else if constexpr (B::value) v[e] = x_hat + b[e];
+    else v[e] = x_hat;
+  }
+  Unit<TY> y;
+  y.pack(v);
+  y.store_streaming(out);
 }
 
 // A parameter unit in its storage type, kept as uint4 words in shared memory.
@@ -201,16 +214,10 @@ __global__ void __launch_bounds__(kStaged ? kStagedThreads : kThreads, kStaged ?
 #pragma unroll
         for (int k = 0; k < V; ++k) {
           if (!slice.holds(k)) continue;
-          float v[kUnit], w[kUnit], b[kUnit];
-          xs.now[k].unpack(v);
-          if (on(weighted)) w_slice.get(k, w); else fill(w, 1.f);
-          if (on(biased)) b_slice.get(k, b); else fill(b, 0.f);
-#pragma unroll
-          for (int e = 0; e < kUnit; ++e)
-            v[e] = scale_shift((v[e] - mean) * rstd, w, b, e, weighted, biased);
-          Unit<TY> out;
-          out.pack(v);
-          out.store_streaming(y_row + slice.column(k));
+          store_normalized(
+              xs.now[k], mean, rstd, weighted, biased,
+              [&](float (&w)[kUnit]) { w_slice.get(k, w); },
+              [&](float (&b)[kUnit]) { b_slice.get(k, b); }, y_row + slice.column(k));
         }
       });
       if (leader) {
@@ -405,16 +412,9 @@ __global__ void __launch_bounds__(kShortThreads)
 #pragma unroll
         for (int k = 0; k < V; ++k) {
           if (!slice.holds(k)) continue;
-          float v[kUnit], wv[kUnit], bv[kUnit];
-          xs[k].unpack(v);
-          if constexpr (kWeighted) w[k].unpack(wv);
-          if constexpr (kBiased) b[k].unpack(bv);
-#pragma unroll
-          for (int e = 0; e < kUnit; ++e)
-            v[e] = scale_shift((v[e] - mean) * rstd, wv, bv, e, weighted, biased);
-          Unit<TY> out;
-          out.pack(v);
-          out.store_streaming(y_row + slice.column(k));
+          store_normalized(
+              xs[k], mean, rstd, weighted, biased, [&](float (&wv)[kUnit]) { w[k].unpack(wv); },
+              [&](float (&bv)[kUnit]) { b[k].unpack(bv); }, y_row + slice.column(k));
         }
         if (slice.lane == 0) {
           if (kLayer) mean_out[row] = mean;
