@@ -285,9 +285,11 @@ def _norm_cuda(sweep):
           sets = [as_float32_params(*s) for s in sets] if params else sets
         if direction == "fwd":
           fn, data = functools.partial(fwd, kind), sets
-          default = cuda.forward_tiling(n, jnp.bfloat16, sets[0][2].dtype)
-          variants = [default] + forward_variants + (
-              [] if default.lanes else _other_waves(default, cuda.FORWARD_WAVES[kind]))
+          default = cuda.forward_tiling(n, jnp.bfloat16, sets[0][2].dtype, sets[0][1].dtype)
+          short = [v for v in forward_variants if v.lanes][:1]
+          variants = [default] + forward_variants + [
+              knob for t in [default] + short
+              for knob in _other_waves(t, cuda.forward_waves(kind, t))]
         else:
           data = []
           for x, dy, w in sets:

@@ -613,8 +613,8 @@ def test_gpu_cuda_every_built_tiling(rng, kind, dtype, n):
 
 def test_persistent_grids_come_in_waves_of_resident_clusters():
   """Host-side rules, no GPU needed: a row tiling's forward launches ``waves`` times the
-  resident clusters and never more than the rows; the backward (partial parameter gradients
-  per cluster) and short rows (CTAs shared out over the groups) keep one wave."""
+  resident clusters and never more than the rows (short rows: CTAs shared out over the groups,
+  one wave by default); the backward (partial parameter gradients per cluster) keeps one."""
   from jaxfuse._core import cuda
   from jaxfuse.ops.norm import cuda as cuda_kernels
   assert cuda.persistent_clusters(100, 10_000, waves=4) == 400
@@ -624,7 +624,11 @@ def test_persistent_grids_come_in_waves_of_resident_clusters():
   assert cuda_kernels._grid(1, 10_000, rows, 100, waves=2) == 200
   assert cuda_kernels._grid(3, 10_000, rows, 100) == 100
   short = cuda.Tiling(1, 256, 4, 0, 8)
-  assert cuda_kernels._grid(1, 10_000, short, 100, waves=4) == 100
+  assert cuda_kernels._grid(1, 10_000, short, 100) == 100
+  assert cuda_kernels._grid(1, 10_000, short, 100, waves=2) == 200
+  assert cuda_kernels._grid(1, 10_000, short, 100, waves=4) == 313  # a CTA per 32 rows
+  assert cuda_kernels._grid(4, 10_000, short, 100, waves=2) == 50
+  assert cuda_kernels.forward_waves("rms", short) == cuda_kernels.SHORT_FORWARD_WAVES
   assert set(cuda_kernels.FORWARD_WAVES) == set(KINDS)
 
 

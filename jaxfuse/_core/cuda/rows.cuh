@@ -195,6 +195,11 @@ struct RowSlice {
     return first + (k * threads + static_cast<int>(threadIdx.x)) * kUnit;
   }
   __device__ __forceinline__ bool holds(int k) const { return column(k) < n; }
+  // Whether the even thread of this thread's pair (threadIdx.x ^ 1, the unit beside it) holds
+  // unit k: a pair that exchanges halves of its units (store_paired) enters together.
+  __device__ __forceinline__ bool pair_holds(int k) const {
+    return column(k) - (static_cast<int>(threadIdx.x) & 1) * kUnit < n;
+  }
 };
 
 // Short rows: a row of at most 32 * V units is held by a group of `lanes` lanes of one warp (a
@@ -209,7 +214,36 @@ struct LaneSlice {
   }
   __device__ __forceinline__ int column(int k) const { return (k * lanes + lane) * kUnit; }
   __device__ __forceinline__ bool holds(int k) const { return column(k) < n; }
+  // As RowSlice's: with lanes > 1, lanes 2j and 2j + 1 hold adjacent units of one row.
+  __device__ __forceinline__ bool pair_holds(int k) const {
+    return column(k) - (lanes > 1 ? lane & 1 : 0) * kUnit < n;
+  }
 };
+
+// Stores this thread's unit at `out` where it holds it (`held`). A 32-byte unit (float32) is
+// two vectors, so a warp storing one vector a lane writes half of every sector, twice; with
+// `paired`, lanes 2j and 2j + 1 (adjacent units, both calling while the even one holds its
+// unit) first swap halves, so that each store writes one unit's whole sector: the even lane
+// the first halves, the odd lane the second ones.
+template <typename T>
+__device__ __forceinline__ void store_paired(const Unit<T>& unit, T* out, bool held, bool paired) {
+  if constexpr (Unit<T>::kVectors == 2) {
+    if (paired) {
+      const unsigned lane = threadIdx.x % 32, pair = 3u << (lane & ~1u);
+      const bool odd = lane & 1;
+      const uint4 sent = odd ? unit.raw[0] : unit.raw[1];
+      const uint4 got = make_uint4(
+          __shfl_xor_sync(pair, sent.x, 1), __shfl_xor_sync(pair, sent.y, 1),
+          __shfl_xor_sync(pair, sent.z, 1), __shfl_xor_sync(pair, sent.w, 1));
+      const bool partner_held = __shfl_xor_sync(pair, held, 1);
+      uint4* const p = reinterpret_cast<uint4*>(out);
+      __stcs(odd ? p - 1 : p, odd ? got : unit.raw[0]);
+      if (odd ? held : partner_held) __stcs(odd ? p + 1 : p + 2, odd ? unit.raw[1] : got);
+      return;
+    }
+  }
+  if (held) unit.store_streaming(out);
+}
 
 // A thread's units of one row (zeros for units past the row's end, or for no row at all).
 template <typename T, int V, typename Slice>

@@ -37,7 +37,21 @@ def _untuned() -> dict:
                                        for use in ("forward", "step")},
           "xla_few_rows": {},
           "rules": [{"when": {"op": "layer", "direction": "backward", "cuda_short_rows": True},
-                     "use": "cuda"}]}
+                     "use": "cuda"}],
+          "cuda_backward_partials": []}
+
+
+def _cuda_backward_clusters(kind: str, x_dtype, n_cols: int) -> int | None:
+  """A cap on the CUDA backward's persistent grid, or None for the clusters resident at once.
+  Each cluster writes a float32 partial row per parameter gradient, which a second kernel
+  reads back: ``cuda_backward_partials`` (entries of the form ``{"when": facts, "elements":
+  E}``, the first that holds) holds those partials to about E elements per SM, where fewer,
+  longer-walking clusters measured faster."""
+  facts = dict(op=kind, length=n_cols, itemsize=jnp.dtype(x_dtype).itemsize)
+  for entry in tuned.rows("norm", _untuned)["cuda_backward_partials"]:
+    if tuned.matches(entry["when"], facts):
+      return registry.num_multiprocessors() * max(1, entry["elements"] // n_cols)
+  return None
 
 
 def _fastest(facts: dict, few_rows_use: str, cuda_runs, triton_runs) -> str:
@@ -318,10 +332,12 @@ class _Kernels:
     def local(dy, x, *rest):
       w, m, r = split(list(rest))
       x3, flat_param, flat_stat = self._flat(x)
+      grid = ({"max_clusters": _cuda_backward_clusters(st.kind, x.dtype, x3.shape[-1])}
+              if self.impl == "cuda" else {})
       dx, dw, db = _KERNELS[self.impl].backward(
           dy.reshape(x3.shape), x3, None if w is None else flat_param(w),
           None if m is None else flat_stat(m), flat_stat(r), kind=st.kind, has_bias=has_bias,
-          bias_dtype=st.bias_dtype)
+          bias_dtype=st.bias_dtype, **grid)
       param_shape = x.shape[:st.group_ndim] + x.shape[x.ndim - st.norm_ndim:]
       return (dx.reshape(x.shape),) + tuple(g.reshape(param_shape) for g in (dw, db)
                                             if g is not None)

@@ -36,10 +36,11 @@ STAGED_UNITS = {2: 8, 4: 4}
 STAGED_THREADS = 256
 STAGED_FROM_BYTES = 64 * 1024
 # Short rows (norm.cu), units per thread in order of preference, up to what fits beside the next
-# row. Measured on the H100 (benchmarks/tune.py norm_cuda): two units on 16 lanes beat one on 32
-# lanes in both directions and tie with four on 8 forward. Where they beat the Triton kernels
-# is the tuned tables' to say (jaxfuse/ops/norm/tuned/).
-SHORT_FORWARD_UNITS = {2: (2, 4, 1), 4: (2, 1)}
+# row. Measured with benchmarks/tune.py norm_cuda: two units on 16 lanes beat one on 32 lanes in
+# both directions on the H100, where four on 8 lanes tie with them forward; on the H200 four
+# units beat two forward (benchmarks/results/2026-11-28-h200-tune-norm-cuda-s37-fwd.json).
+# Where they beat the Triton kernels is the tuned tables' to say (jaxfuse/ops/norm/tuned/).
+SHORT_FORWARD_UNITS = {2: (4, 2, 1), 4: (2, 1)}
 SHORT_BACKWARD_UNITS = {2: (2, 1), 4: (1,)}
 _SUPPORTED = tuple(map(jnp.dtype, (jnp.float16, jnp.bfloat16, jnp.float32)))
 LIBRARY = cuda.Library(_SOURCE, _HANDLERS)
@@ -61,18 +62,22 @@ def unavailable() -> str | None:
 # float32 parameters beside 16-bit x double the parameter slices, so there the slices are halved
 # and the clusters doubled (up to 16 CTAs) to keep as many CTAs on an SM; against the widest
 # slices that wins or ties for every output dtype but RMSNorm's bf16, a little behind there.
-def forward_tiling(n_cols: int, x_dtype, param_dtype=None) -> Tiling | None:
+# A float32 y beside 16-bit x doubles what a unit stores, and four units through registers then
+# spill: at most two (benchmarks/results/2026-11-28-h200-tune-norm-cuda-s37-fwd.json).
+def forward_tiling(n_cols: int, x_dtype, param_dtype=None, out_dtype=None) -> Tiling | None:
   width = jnp.dtype(x_dtype).itemsize
+  wider = lambda dtype: dtype is not None and jnp.dtype(dtype).itemsize > width
   if short := cuda.short_tiling(n_cols, SHORT_FORWARD_UNITS[width]):
     return short
   staged = None
   if n_cols * width >= STAGED_FROM_BYTES:
     units = STAGED_UNITS[width]
-    if param_dtype is not None and jnp.dtype(param_dtype).itemsize > width:
+    if wider(param_dtype) or wider(out_dtype):
       staged = cuda.tiling(n_cols, (units // 2,), max_threads=128, stages=1)
     staged = (staged or cuda.tiling(n_cols, (units,), max_cluster=8, max_threads=128, stages=1)
               or cuda.tiling(n_cols, (units,), max_threads=STAGED_THREADS, stages=1))
-  return staged or cuda.tiling(n_cols, FORWARD_UNITS[width])
+  units = FORWARD_UNITS[width]
+  return staged or cuda.tiling(n_cols, units[1:] if wider(out_dtype) else units)
 
 
 # A float32 dy beside 16-bit x (float32 parameters promote the output) triples a unit's
@@ -161,29 +166,36 @@ def _grid(n_groups: int, n_rows: int, t: Tiling, resident: int, waves: int = 1) 
   if not t.lanes:
     return cuda.persistent_clusters(resident, n_rows, waves)
   rows_at_once = t.threads // t.lanes
-  per_group = -(-resident // min(n_groups, MAX_GROUP_BLOCKS))
+  per_group = -(-resident * waves // min(n_groups, MAX_GROUP_BLOCKS))
   return max(1, min(per_group, -(-n_rows // rows_at_once)))
 
 
 # The forward's persistent grid in waves of resident clusters (benchmarks/tune.py norm_cuda
-# times them): LayerNorm, with twice RMSNorm's arithmetic a row, was faster at fewer.
+# times them): LayerNorm, with twice RMSNorm's arithmetic a row, was faster at fewer. Short
+# rows launch one wave: each group of lanes walks its rows with the next one in flight.
 FORWARD_WAVES = {"rms": cuda.GRID_WAVES, "layer": 2}
+SHORT_FORWARD_WAVES = 1
+
+
+def forward_waves(kind: str, t: Tiling) -> int:
+  return SHORT_FORWARD_WAVES if t.lanes else FORWARD_WAVES[kind]
 
 
 def forward(x, weight, bias, *, kind, eps, out_dtype, tiling: Tiling | None = None,
             waves: int | None = None):
   """``x (G, R, N)``, ``weight``/``bias`` ``(G, N)`` or None -> ``(y, mean | None, rstd)``.
-  A row tiling's persistent grid is ``waves`` (default ``FORWARD_WAVES[kind]``) times the
+  A row tiling's persistent grid is ``waves`` (default :func:`forward_waves`) times the
   clusters resident at once; the backward keeps one wave, as each of its clusters writes
   partial parameter gradients."""
   n_groups, n_rows, n_cols = x.shape
   has_weight, has_bias = weight is not None, bias is not None
   weight, bias = _params(x, weight, bias)
-  t = tiling or forward_tiling(n_cols, x.dtype, weight.dtype if has_weight or has_bias else None)
+  t = tiling or forward_tiling(n_cols, x.dtype, weight.dtype if has_weight or has_bias else None,
+                              out_dtype)
   t.check(n_cols)
   clusters = _grid(n_groups, n_rows, t,
                    resident_clusters("forward", kind, x.dtype, out_dtype, weight.dtype, t,
-                                     has_weight, has_bias), waves or FORWARD_WAVES[kind])
+                                     has_weight, has_bias), waves or forward_waves(kind, t))
   stat = jax.ShapeDtypeStruct((n_groups, n_rows), jnp.float32)
   y, mean, rstd = jax.ffi.ffi_call(
       "jaxfuse_norm_forward", (jax.ShapeDtypeStruct(x.shape, out_dtype), stat, stat))(

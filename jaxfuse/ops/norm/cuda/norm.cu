@@ -72,12 +72,21 @@ template <typename Flag> __device__ __forceinline__ constexpr bool on(Flag flag)
   else return Flag::value;
 }
 
-// Stores one unit of y, (x - mean) * rstd times the weight plus the bias of those present
-// (flags as with_params passes them), whose slices of the unit get_weight and get_bias fill.
+// Whether a thread computes unit k of y: where it holds it, or for a float32 y where its lane
+// pair does (store_paired's exchange takes both lanes).
+template <typename TY, typename Slice>
+__device__ __forceinline__ bool computes_output(const Slice& slice, int k) {
+  return Unit<TY>::kVectors == 2 ? slice.pair_holds(k) : slice.holds(k);
+}
+
+// Stores one unit of y (store_paired: where `held`, lane pairs exchanging halves where
+// `paired`), (x - mean) * rstd times the weight plus the bias of those present (flags as
+// with_params passes them), whose slices of the unit get_weight and get_bias fill.
 template <typename TX, typename TY, typename W, typename B, typename GetWeight, typename GetBias>
 __device__ __forceinline__ void store_normalized(const Unit<TX>& x, float mean, float rstd,
                                                  W weighted, B biased, GetWeight get_weight,
-                                                 GetBias get_bias, TY* out) {
+                                                 GetBias get_bias, TY* out, bool held,
+                                                 bool paired) {
   float v[kUnit], w[kUnit], b[kUnit];
   x.unpack(v);
   if (on(weighted)) get_weight(w); else fill(w, 1.f);
@@ -93,7 +102,7 @@ __device__ __forceinline__ void store_normalized(const Unit<TX>& x, float mean, 
   }
   Unit<TY> y;
   y.pack(v);
-  y.store_streaming(out);
+  store_paired(y, out, held, paired);
 }
 
 // A parameter unit in its storage type, kept as uint4 words in shared memory.
@@ -213,11 +222,12 @@ __global__ void __launch_bounds__(kStaged ? kStagedThreads : kThreads, kStaged ?
       with_params<kLayer, !kStaged>(has_weight, has_bias, [&](auto weighted, auto biased) {
 #pragma unroll
         for (int k = 0; k < V; ++k) {
-          if (!slice.holds(k)) continue;
+          if (!computes_output<TY>(slice, k)) continue;
           store_normalized(
               xs.now[k], mean, rstd, weighted, biased,
               [&](float (&w)[kUnit]) { w_slice.get(k, w); },
-              [&](float (&b)[kUnit]) { b_slice.get(k, b); }, y_row + slice.column(k));
+              [&](float (&b)[kUnit]) { b_slice.get(k, b); }, y_row + slice.column(k),
+              slice.holds(k), true);
         }
       });
       if (leader) {
@@ -411,10 +421,11 @@ __global__ void __launch_bounds__(kShortThreads)
         TY* const y_row = y + row * n;
 #pragma unroll
         for (int k = 0; k < V; ++k) {
-          if (!slice.holds(k)) continue;
+          if (!computes_output<TY>(slice, k)) continue;
           store_normalized(
               xs[k], mean, rstd, weighted, biased, [&](float (&wv)[kUnit]) { w[k].unpack(wv); },
-              [&](float (&bv)[kUnit]) { b[k].unpack(bv); }, y_row + slice.column(k));
+              [&](float (&bv)[kUnit]) { b[k].unpack(bv); }, y_row + slice.column(k),
+              slice.holds(k), lanes > 1);
         }
         if (slice.lane == 0) {
           if (kLayer) mean_out[row] = mean;
