@@ -233,10 +233,13 @@ def _norm_cuda(sweep):
 
   # Forward: rows through registers, or staged through one or two shared-memory stages beside
   # the parameter slices (measured slower: the parameters read from global memory at each row).
-  plans = {256: ([lanes(256, 4, 8), lanes(256, 1, 32), lanes(128, 2, 16), lanes(64, 1, 32)],
-                 [lanes(256, 1, 32), lanes(128, 2, 16), lanes(64, 1, 32)]),
-           512: ([lanes(256, 4, 16), lanes(128, 2, 32)], [lanes(128, 2, 32)]),
-           1024: ([lanes(128, 4, 32)], [T(1, 128, 1)]),
+  plans = {256: ([lanes(256, 2, 16), lanes(256, 1, 32), lanes(128, 2, 16), lanes(64, 1, 32)],
+                 [lanes(256, 2, 16), lanes(256, 4, 8), lanes(128, 4, 8), lanes(256, 1, 32),
+                  lanes(64, 1, 32)]),
+           512: ([lanes(256, 2, 32), lanes(128, 2, 32)],
+                 [lanes(256, 2, 32), lanes(256, 4, 16), lanes(128, 4, 16)]),
+           1024: ([lanes(128, 4, 32)],
+                  [T(1, 64, 2), T(1, 128, 1), lanes(128, 4, 32), lanes(64, 4, 32)]),
            # Where the Triton kernels lead: wider CTAs at fewer units, and rows split over two
            # to eight CTAs.
            2048: ([T(1, 128, 2), T(1, 256, 1), T(2, 64, 2), T(2, 32, 4)],

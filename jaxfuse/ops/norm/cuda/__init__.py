@@ -4,9 +4,9 @@ Same calling convention as the Triton kernels: ``x (G, R, N)``, parameters ``(G,
 row is split over a thread-block cluster of up to 16 CTAs that hold it in registers, so the
 forward reads x once and the backward reads x and dy once. A single Pallas program cannot hold
 a row of tens of thousands of elements and walks it twice; that second walk is what these
-kernels save. A short row (what 32 lanes hold: up to 1024 16-bit elements forward and 512
-backward, float32 512 and 256) is held by a group of lanes of one warp, many rows to a CTA,
-each thread loading its next row while it works on the current one.
+kernels save. A short row (what 32 lanes hold: up to 1024 16-bit elements, float32 512
+forward and 256 backward) is held by a group of lanes of one warp, many rows to a CTA, each
+thread loading its next row while it works on the current one.
 """
 
 from __future__ import annotations
@@ -38,10 +38,12 @@ STAGED_FROM_BYTES = 64 * 1024
 # Short rows (norm.cu), units per thread in order of preference, up to what fits beside the next
 # row. Measured with benchmarks/tune.py norm_cuda: two units on 16 lanes beat one on 32 lanes in
 # both directions on the H100, where four on 8 lanes tie with them forward; on the H200 four
-# units beat two forward (benchmarks/results/2026-11-28-h200-tune-norm-cuda-s37-fwd.json).
-# Where they beat the Triton kernels is the tuned tables' to say (jaxfuse/ops/norm/tuned/).
+# units beat two forward (benchmarks/results/2026-11-28-h200-tune-norm-cuda-s37-fwd.json) and
+# tie with them backward, where four on 32 lanes beat a CTA a row for 1024 16-bit elements
+# (...-s37-short-bwd.json). Where they beat the Triton kernels is the tuned tables' to say
+# (jaxfuse/ops/norm/tuned/).
 SHORT_FORWARD_UNITS = {2: (4, 2, 1), 4: (2, 1)}
-SHORT_BACKWARD_UNITS = {2: (2, 1), 4: (1,)}
+SHORT_BACKWARD_UNITS = {2: (2, 4, 1), 4: (1,)}
 _SUPPORTED = tuple(map(jnp.dtype, (jnp.float16, jnp.bfloat16, jnp.float32)))
 LIBRARY = cuda.Library(_SOURCE, _HANDLERS)
 
@@ -82,11 +84,13 @@ def forward_tiling(n_cols: int, x_dtype, param_dtype=None, out_dtype=None) -> Ti
 
 # A float32 dy beside 16-bit x (float32 parameters promote the output) triples a unit's
 # registers, so two units of both rows and the next ones spill: one unit a thread while a CTA
-# holds the row (benchmarks/tune.py norm_cuda's "f32 params" problems).
+# holds the row (benchmarks/tune.py norm_cuda's "f32 params" problems), and short rows of at
+# most two units, whose four-unit kernels were timed with 16-bit dy alone.
 def backward_tiling(n_cols: int, x_dtype, dy_dtype=None) -> Tiling | None:
   width = jnp.dtype(x_dtype).itemsize
   wide_dy = dy_dtype is not None and jnp.dtype(dy_dtype).itemsize > width
-  return (cuda.short_tiling(n_cols, SHORT_BACKWARD_UNITS[width])
+  short_units = tuple(u for u in SHORT_BACKWARD_UNITS[width] if not wide_dy or u <= 2)
+  return (cuda.short_tiling(n_cols, short_units)
           or (wide_dy and cuda.tiling(n_cols, (1,), max_cluster=1))
           or cuda.tiling(n_cols, BACKWARD_UNITS[width]))
 

@@ -636,9 +636,10 @@ size_t backward_smem(int threads, int units, int param_size, bool has_weight, bo
          (param_size * has_weight + sizeof(float) * (has_weight + has_bias));
 }
 
-// Short rows hold their row and the next one in registers: the forward in at most four 16-byte
-// vectors of x a thread, the backward, with two streams and its parameter sums, in two.
-constexpr int kShortForwardVectors = 4, kShortBackwardVectors = 2;
+// Short rows hold their row and the next one in registers: at most four 16-byte vectors of x a
+// thread (the backward's launch bounds leave it the registers of its two streams and parameter
+// sums beside them).
+constexpr int kShortForwardVectors = 4, kShortBackwardVectors = 4;
 
 // Calls f(kernel, dynamic shared memory bytes, short_rows) with the forward built for these
 // types and `units`: the short-row kernel when lanes > 0 (short_rows a std::true_type), else a
@@ -689,7 +690,8 @@ bool dispatch_backward(bool layer, int64_t cluster, int64_t units, int threads, 
                        F&& f) {
   constexpr int kVectors = Unit<TX>::kVectors;
   bool known = true;
-  const bool dispatched = dispatch_units<kBackwardUnits>(units, [&](auto v) {
+  constexpr int kMaxUnits = std::max(kBackwardUnits, kShortBackwardVectors);
+  const bool dispatched = dispatch_units<kMaxUnits>(units, [&](auto v) {
     constexpr int V = decltype(v)::value;
     if (lanes > 0) {
       if (threads > kShortThreads) known = false;
@@ -697,6 +699,8 @@ bool dispatch_backward(bool layer, int64_t cluster, int64_t units, int threads, 
         if (layer) f(norm_backward_short_kernel<TX, TDY, TP, true, V>, std::true_type{});
         else f(norm_backward_short_kernel<TX, TDY, TP, false, V>, std::true_type{});
       } else known = false;
+    } else if constexpr (V > kBackwardUnits) {
+      known = false;
     } else {
       with_clusters(cluster > 1, [&](auto clusters) {
         constexpr bool kClusters = decltype(clusters)::value;
