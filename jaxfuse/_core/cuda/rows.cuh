@@ -214,9 +214,10 @@ struct LaneSlice {
   }
   __device__ __forceinline__ int column(int k) const { return (k * lanes + lane) * kUnit; }
   __device__ __forceinline__ bool holds(int k) const { return column(k) < n; }
-  // As RowSlice's: with lanes > 1, lanes 2j and 2j + 1 hold adjacent units of one row.
+  // As RowSlice's: lanes 2j and 2j + 1 hold adjacent units of one row (a lane alone, lane 0,
+  // is its own pair).
   __device__ __forceinline__ bool pair_holds(int k) const {
-    return column(k) - (lanes > 1 ? lane & 1 : 0) * kUnit < n;
+    return column(k) - (lane & 1) * kUnit < n;
   }
 };
 
