@@ -575,7 +575,8 @@ SOFTMAX_ON_HOPPER = [
     (lambda: normalize("rms_norm", 8192, "float32"), ("xla", "triton", "triton")),
     (lambda: normalize("rms_norm", 128), ("xla", "triton", "triton")),
     (lambda: normalize("rms_norm", 16392), ("triton", "cuda", "cuda")),
-    (lambda: normalize("layer_norm", 12288), ("triton", "cuda", "cuda")),
+    (lambda: normalize("layer_norm", 12288), ("cuda", "cuda")),
+    (lambda: normalize("layer_norm", 8192), ("triton", "cuda", "cuda")),
     (lambda: normalize("layer_norm", 128), ("cuda", "cuda")),
     (lambda: normalize("layer_norm", 131072, rows=256), ("triton", "cuda", "cuda")),
     (lambda: normalize("layer_norm", 131072), ("cuda", "cuda")),
@@ -596,15 +597,25 @@ SOFTMAX_ON_HOPPER = [
     (lambda: cross_entropy(1024, rows=4096), ("triton", "triton")),
 ], ids=["rms f32 out", "layer f32 out", "layer f32 out past 16384", "layer f32 out at 65536",
         "layer f32 out past 65536", "layer f32", "layer", "layer short", "rms f32 evaluated",
-        "rms shortest", "rms 16392", "layer 12288", "layer shortest", "layer few long rows",
-        "layer long rows", "layer 256", "layer 256 many rows", "rms 512 many rows", "softmax 1024",
-        "softmax 2048", "softmax 12288", "softmax 16376", "softmax 16376 many rows",
+        "rms shortest", "rms 16392", "layer 12288", "layer 8192", "layer shortest",
+        "layer few long rows", "layer long rows", "layer 256", "layer 256 many rows",
+        "rms 512 many rows", "softmax 1024", "softmax 2048", "softmax 12288", "softmax 16376",
+        "softmax 16376 many rows",
         "softmax 50257", "softmax 50264", "softmax 65545", "cross-entropy", "cross-entropy rows",
         "cross-entropy few rows", "cross-entropy short rows"])
 def test_none_on_the_h200_takes_its_own_rows(gpu, chosen, call, expected):
   gpu.kind("NVIDIA H200")
   call()
   assert chosen() == expected
+
+
+def test_norm_none_without_triton_on_the_h200_takes_xla_for_short_evaluated_rms(gpu, chosen):
+  gpu.kind("NVIDIA H200")
+  gpu.without_triton()
+  normalize("rms_norm", 256)
+  assert chosen() == ("xla", "cuda", "cuda")
+  normalize("rms_norm", 512)
+  assert chosen() == ("cuda", "cuda")
 
 
 @pytest.mark.parametrize("rows,n,dtype,expected", [
