@@ -9,7 +9,8 @@
 // or for the forward's longest rows in a shared-memory stage (cp.async), which leaves the
 // registers free to hold twice as wide a slice of the current one. Per-thread state that lives
 // for a whole group (the parameter slices, the backward's weight-gradient sums) sits in shared
-// memory, leaving the registers to the rows: two 512-thread CTAs fit an SM.
+// memory, leaving the registers to the rows: two 512-thread CTAs fit an SM. A LayerNorm
+// backward of a row one CTA of at most 256 threads holds keeps that state in registers instead.
 //
 // Rows of at most 32 lanes' units go to the short-row kernels below instead, where a group of
 // lanes holds a row and a CTA many rows: a cluster kernel would give such a row a whole CTA and
@@ -272,6 +273,46 @@ __device__ __forceinline__ void unit_gradients(float (&x)[kUnit], const float (&
   }
 }
 
+// LayerNorm's arithmetic in two passes, each unit unpacked once, for a kernel that holds a
+// row's float32 terms and the parameter sums in registers. Pass one keeps x_hat and w * dy for
+// pass two, adds dy * x_hat and dy to the parameter sums (flags as with_params passes them),
+// and returns this thread's part of the row's sums of w * dy and of x_hat * w * dy.
+template <typename TX, typename TDY, typename TP, int V, typename Slice, typename W, typename B>
+__device__ __forceinline__ float2 layer_backward_pass_one(
+    const Unit<TX> (&xs)[V], const Unit<TDY> (&dys)[V], const Unit<TP> (&w)[V],
+    const Slice& slice, W weighted, B biased, float mean, float rstd, float (&x_hat)[V][kUnit],
+    float (&wdy)[V][kUnit], float (&dw)[V][kUnit], float (&db)[V][kUnit]) {
+  float2 partial = make_float2(0.f, 0.f);
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+    if (!slice.holds(k)) continue;
+    float xv[kUnit], dyv[kUnit], wv[kUnit];
+    xs[k].unpack(xv);
+    dys[k].unpack(dyv);
+    if (on(weighted)) w[k].unpack(wv); else fill(wv, 1.f);
+#pragma unroll
+    for (int e = 0; e < kUnit; ++e) {
+      x_hat[k][e] = (xv[e] - mean) * rstd;
+      wdy[k][e] = wv[e] * dyv[e];
+      if (on(weighted)) dw[k][e] = fmaf(dyv[e], x_hat[k][e], dw[k][e]);
+      if (on(biased)) db[k][e] += dyv[e];
+    }
+    partial.x += unit_sum([&](int e) { return wdy[k][e]; });
+    partial.y += unit_sum([&](int e) { return wdy[k][e] * x_hat[k][e]; });
+  }
+  return partial;
+}
+
+// ... and pass two, for one unit: dx = rstd * (w * dy - c1 - x_hat * c2), from the row's c1
+// and c2 (those sums over n).
+__device__ __forceinline__ void layer_backward_pass_two(const float (&x_hat)[kUnit],
+                                                        const float (&wdy)[kUnit], float rstd,
+                                                        float c1, float c2, float (&dx)[kUnit]) {
+  const float k1 = -c1 * rstd, k2 = -c2 * rstd;
+#pragma unroll
+  for (int e = 0; e < kUnit; ++e) dx[e] = fmaf(wdy[e], rstd, fmaf(x_hat[e], k2, k1));
+}
+
 // Each CTA owns one column slice of every row its cluster walks, so it sums its slice of
 // dweight and dbias over those rows and writes one float32 partial per (group, cluster);
 // sum_partials_kernel then sums them in a fixed order, so the gradients are deterministic.
@@ -358,6 +399,74 @@ __global__ void __launch_bounds__(kThreads, 2) norm_backward_kernel(
       }
     }
   }
+}
+
+// A LayerNorm row in one CTA of at most kHeldThreads threads: the weight slice and both
+// parameter sums sit in registers beside the row (two CTAs an SM), and each unit is unpacked
+// once a row. The kernel above keeps them in shared memory, which leaves it the registers of
+// four CTAs an SM and of 512-thread CTAs. A row's x and dy registers take the next row's loads
+// once pass one has read them, in flight through the row's reduction, pass two and stores.
+constexpr int kHeldThreads = 256;
+
+template <typename TX, typename TDY, typename TP, int V>
+__global__ void __launch_bounds__(kHeldThreads, 2) layer_norm_backward_held_kernel(
+    const TDY* __restrict__ dy, const TX* __restrict__ x, const TP* __restrict__ weight,
+    const float* __restrict__ mean_in, const float* __restrict__ rstd_in, TX* __restrict__ dx,
+    float* __restrict__ dweight_partial, float* __restrict__ dbias_partial, int64_t groups,
+    int64_t rows_per_group, int n, bool has_weight, bool has_bias) {
+  __shared__ ClusterScratch<float2> scratch;
+  const int64_t ctas = gridDim.x, me = blockIdx.x;
+  const RowSlice slice = RowSlice::mine<false>(V, n);
+  const float inv_n = 1.f / n;
+  int parity = 0;
+  with_params<true, true>(has_weight, has_bias, [&](auto weighted, auto biased) {
+    for (int64_t group = 0; group < groups; ++group) {
+      Unit<TP> w[V];
+      if (on(weighted)) load_row(weight + group * n, slice, true, w);
+      float dw[V][kUnit], db[V][kUnit];
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        fill(dw[k], 0.f);
+        fill(db[k], 0.f);
+      }
+      const int64_t offset = group * rows_per_group;
+      Unit<TX> xs[V];
+      Unit<TDY> dys[V];
+      load_row(x + (offset + me) * n, slice, me < rows_per_group, xs);
+      load_row(dy + (offset + me) * n, slice, me < rows_per_group, dys);
+      for (int64_t r = me; r < rows_per_group; r += ctas) {
+        const int64_t row = offset + r;
+        const float mean = mean_in[row], rstd = rstd_in[row];
+        float x_hat[V][kUnit], wdy[V][kUnit];
+        const float2 partial = layer_backward_pass_one(xs, dys, w, slice, weighted, biased, mean,
+                                                       rstd, x_hat, wdy, dw, db);
+        const bool more = r + ctas < rows_per_group;
+        load_row(x + (row + ctas) * n, slice, more, xs);
+        load_row(dy + (row + ctas) * n, slice, more, dys);
+        const float2 total =
+            cluster_reduce<false>(partial, make_float2(0.f, 0.f), Sum{}, scratch, parity);
+        parity ^= 1;
+        TX* const dx_row = dx + row * n;
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+          if (!slice.holds(k)) continue;
+          float out[kUnit];
+          layer_backward_pass_two(x_hat[k], wdy[k], rstd, total.x * inv_n, total.y * inv_n,
+                                  out);
+          Unit<TX> unit;
+          unit.pack(out);
+          unit.store_streaming(dx_row + slice.column(k));
+        }
+      }
+      const int64_t partial_row = (group * ctas + me) * n;
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        if (!slice.holds(k)) continue;
+        if (on(weighted)) store_float_unit(dweight_partial + partial_row + slice.column(k), dw[k]);
+        if (on(biased)) store_float_unit(dbias_partial + partial_row + slice.column(k), db[k]);
+      }
+    }
+  });
 }
 
 // ---- Short rows (rows.cuh LaneSlice): a group of lanes holds a row, a CTA many rows.
@@ -683,29 +792,39 @@ bool dispatch_forward(bool layer, int64_t cluster, int64_t units, int64_t stages
   return known && dispatched;
 }
 
-// Calls f(kernel, short_rows) with the backward built for these types and `units`, for short
-// rows (a std::true_type) when lanes > 0; false when none is built.
+// Calls f(kernel, dynamic shared memory bytes, short_rows) with the backward built for these
+// types and `units`, for short rows (a std::true_type) when lanes > 0; false when none is
+// built. A LayerNorm row in one CTA of at most kHeldThreads takes its held kernel;
+// RMSNorm's, with one parameter sum and no mean, ran slower there than in four CTAs an SM
+// (benchmarks/results/2026-11-29-h200-norm-cuda-s39-held-a.json against ...-shared-a.json).
 template <typename TX, typename TDY, typename TP, typename F>
 bool dispatch_backward(bool layer, int64_t cluster, int64_t units, int threads, int lanes,
-                       F&& f) {
+                       bool has_weight, bool has_bias, F&& f) {
   constexpr int kVectors = Unit<TX>::kVectors;
   bool known = true;
   constexpr int kMaxUnits = std::max(kBackwardUnits, kShortBackwardVectors);
+  const size_t smem = backward_smem(threads, static_cast<int>(units), sizeof(TP), has_weight,
+                                    has_bias, lanes);
   const bool dispatched = dispatch_units<kMaxUnits>(units, [&](auto v) {
     constexpr int V = decltype(v)::value;
     if (lanes > 0) {
       if (threads > kShortThreads) known = false;
       else if constexpr (V * kVectors <= kShortBackwardVectors) {
-        if (layer) f(norm_backward_short_kernel<TX, TDY, TP, true, V>, std::true_type{});
-        else f(norm_backward_short_kernel<TX, TDY, TP, false, V>, std::true_type{});
+        if (layer) f(norm_backward_short_kernel<TX, TDY, TP, true, V>, smem, std::true_type{});
+        else f(norm_backward_short_kernel<TX, TDY, TP, false, V>, smem, std::true_type{});
       } else known = false;
     } else if constexpr (V > kBackwardUnits) {
       known = false;
     } else {
+      const std::false_type short_rows;
+      if (layer && cluster == 1 && threads <= kHeldThreads) {
+        f(layer_norm_backward_held_kernel<TX, TDY, TP, V>, 0, short_rows);
+        return;
+      }
       with_clusters(cluster > 1, [&](auto clusters) {
         constexpr bool kClusters = decltype(clusters)::value;
-        if (layer) f(norm_backward_kernel<TX, TDY, TP, true, V, kClusters>, std::false_type{});
-        else f(norm_backward_kernel<TX, TDY, TP, false, V, kClusters>, std::false_type{});
+        if (layer) f(norm_backward_kernel<TX, TDY, TP, true, V, kClusters>, smem, short_rows);
+        else f(norm_backward_kernel<TX, TDY, TP, false, V, kClusters>, smem, short_rows);
       });
     }
   });
@@ -896,12 +1015,11 @@ ffi::Error NormBackwardImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuff
         using TP = decltype(tp);
         known &= dispatch_backward<TX, TDY, TP>(
             layer, cluster, units, static_cast<int>(threads), static_cast<int>(lanes),
-            [&](auto kernel, auto short_rows) {
+            has_weight != 0, has_bias != 0, [&](auto kernel, size_t smem, auto short_rows) {
               // A short-row kernel takes its lanes last.
               auto launch = [&](auto... last) {
                 err = launch_clustered(
-                  kernel, grid(t, dims[0]), threads, cluster,
-                  backward_smem(threads, units, sizeof(TP), has_weight, has_bias, lanes), stream,
+                  kernel, grid(t, dims[0]), threads, cluster, smem, stream,
                   static_cast<const TDY*>(dy.untyped_data()),
                   static_cast<const TX*>(x.untyped_data()),
                   static_cast<const TP*>(weight.untyped_data()),
@@ -1007,10 +1125,8 @@ extern "C" int jaxfuse_norm_clusters(int backward, int x_itemsize, int other_ite
         using TO = std::conditional_t<sizeof(decltype(to)) == sizeof(TX), TX, float>;
         using TP = std::conditional_t<sizeof(decltype(tp)) == sizeof(TX), TX, float>;
         if (backward) {
-          const size_t smem =
-              backward_smem(threads, units, sizeof(TP), has_weight, has_bias, lanes);
-          dispatch_backward<TX, TO, TP>(layer, cluster, units, threads, lanes,
-                                        [&](auto kernel, auto) {
+          dispatch_backward<TX, TO, TP>(layer, cluster, units, threads, lanes, has_weight,
+                                        has_bias, [&](auto kernel, size_t smem, auto) {
             clusters = max_active_clusters(kernel, threads, cluster, smem);
           });
         } else {
