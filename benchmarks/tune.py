@@ -299,10 +299,11 @@ def _norm_cuda(sweep):
             _, mean, rstd = cuda.forward(x, w, None, kind=kind, eps=1e-5, out_dtype=dy.dtype)
             data.append((x, dy, w, mean, rstd))
           fn = functools.partial(bwd, kind)
-          default = cuda.backward_tiling(n, jnp.bfloat16, data[0][1].dtype)
+          default = cuda.backward_tiling(n, jnp.bfloat16, data[0][1].dtype, kind)
           capped = [(t, k * sms) for t in (default, backward_variants[0])
                     for k in (1, 2, 4, 8, 16)]
-          variants = [default] + backward_variants + capped
+          # A float32 dy's rows also in the tiling of a 16-bit dy's.
+          variants = [default, cuda.backward_tiling(n, jnp.bfloat16)] + backward_variants + capped
         sweep.problem("norm_cuda", label, fn, list(dict.fromkeys(variants)), data, work)
 
 

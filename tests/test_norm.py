@@ -678,17 +678,21 @@ def test_short_tilings_cover_their_rows(n):
     assert all(t.lanes * u < n_units for u in choices if u < t.units)
 
 
+@pytest.mark.parametrize("kind", ["rms", "layer"])
 @pytest.mark.parametrize("n", [1024, 2048, 4096, 8192, 32768])
-def test_float32_dy_beside_16bit_x_takes_one_unit_while_a_cta_holds_the_row(n):
+def test_float32_dy_beside_16bit_x_takes_one_unit_while_a_cta_holds_the_row(n, kind):
   """Host-side rule, no GPU needed: the backward's float32 dy (float32 parameters promote the
-  output) holds one unit a thread where one CTA holds the row; else the tiling of x's dtype."""
+  output) holds one unit a thread where one CTA holds the row, or for LayerNorm two units where
+  a CTA of at most HELD_THREADS holds it; else the tiling of x's dtype."""
   from jaxfuse.ops.norm import cuda as cuda_kernels
-  wide = cuda_kernels.backward_tiling(n, jnp.bfloat16, jnp.float32)
-  plain = cuda_kernels.backward_tiling(n, jnp.bfloat16)
-  assert cuda_kernels.backward_tiling(n, jnp.bfloat16, jnp.bfloat16) == plain
+  wide = cuda_kernels.backward_tiling(n, jnp.bfloat16, jnp.float32, kind)
+  plain = cuda_kernels.backward_tiling(n, jnp.bfloat16, kind=kind)
+  assert cuda_kernels.backward_tiling(n, jnp.bfloat16, jnp.bfloat16, kind) == plain
   wide.check(n)
-  if n <= 512 * 8:
-    assert (wide.cluster, wide.units) == (1, 1)
+  if kind == "layer" and n <= cuda_kernels.HELD_THREADS * 2 * 8:
+    assert (wide.cluster, wide.units) == (1, 2) and wide.threads <= cuda_kernels.HELD_THREADS
+  elif n <= 512 * 8:
+    assert (wide.cluster, wide.units, wide.lanes) == (1, 1, 0)
   else:
     assert wide == plain
 

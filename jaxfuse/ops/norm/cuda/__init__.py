@@ -85,12 +85,20 @@ def forward_tiling(n_cols: int, x_dtype, param_dtype=None, out_dtype=None) -> Ti
 # A float32 dy beside 16-bit x (float32 parameters promote the output) triples a unit's
 # registers, so two units of both rows and the next ones spill: one unit a thread while a CTA
 # holds the row (benchmarks/tune.py norm_cuda's "f32 params" problems), and short rows of at
-# most two units, whose four-unit kernels were timed with 16-bit dy alone.
-def backward_tiling(n_cols: int, x_dtype, dy_dtype=None) -> Tiling | None:
+# most two units, whose four-unit kernels were timed with 16-bit dy alone. LayerNorm's kernel
+# for rows a CTA of at most HELD_THREADS holds (its parameter sums in registers, not beside the
+# next row's) keeps two units without spilling, and beat one unit in 512 threads
+# (benchmarks/results/2026-11-29-h200-tune-norm-cuda-s39-f32-dy.json). norm.cu's kHeldThreads.
+HELD_THREADS = 256
+
+
+def backward_tiling(n_cols: int, x_dtype, dy_dtype=None, kind: str = "rms") -> Tiling | None:
   width = jnp.dtype(x_dtype).itemsize
   wide_dy = dy_dtype is not None and jnp.dtype(dy_dtype).itemsize > width
   short_units = tuple(u for u in SHORT_BACKWARD_UNITS[width] if not wide_dy or u <= 2)
-  return (cuda.short_tiling(n_cols, short_units)
+  held = wide_dy and kind == "layer" and cuda.tiling(n_cols, (2,), max_cluster=1,
+                                                     max_threads=HELD_THREADS)
+  return (cuda.short_tiling(n_cols, short_units) or held
           or (wide_dy and cuda.tiling(n_cols, (1,), max_cluster=1))
           or cuda.tiling(n_cols, BACKWARD_UNITS[width]))
 
@@ -218,7 +226,7 @@ def backward(dy, x, weight, mean, rstd, *, kind, has_bias, bias_dtype=None,
   read less of (``benchmarks/tune.py norm_cuda`` times the trade)."""
   n_groups, n_rows, n_cols = x.shape
   has_weight = weight is not None
-  t = tiling or backward_tiling(n_cols, x.dtype, dy.dtype)
+  t = tiling or backward_tiling(n_cols, x.dtype, dy.dtype, kind)
   t.check(n_cols)
   (kernel_weight,) = _params(x, weight)
   resident = resident_clusters("backward", kind, x.dtype, dy.dtype, kernel_weight.dtype, t,
