@@ -413,7 +413,7 @@ def _tune(family: str, path: str | None, write: bool, only: list[str] | None,
   new_rows, ceilings = bench.run(cases, on_case=save, ceilings=ceilings)
   rows = earlier + new_rows
   print(report.table(rows, ceilings))
-  values = tune.derive(family, rows)
+  values = tune.derive(family, rows, kind)
   save(new_rows, ceilings, tuned_rows=values)
   print(f"saved {path}")
   return _tuned_rows(family, kind, rows, values, dict.fromkeys(values, [path]), write)
@@ -440,19 +440,21 @@ def _tune_from(family: str, paths: list[str], write: bool) -> int:
     return 2
   kept = list(rows.values())
   timed = [row for _, row in kept]
-  values = tune.derive(family, timed)
-  return _tuned_rows(family, kinds.pop(), timed, values, _sources(family, paths, kept, values),
+  kind = kinds.pop()
+  values = tune.derive(family, timed, kind)
+  return _tuned_rows(family, kind, timed, values, _sources(family, kind, paths, kept, values),
                      write)
 
 
-def _sources(family: str, paths: list[str], kept, values: dict) -> dict[str, list[str]]:
+def _sources(family: str, kind: str, paths: list[str], kept, values: dict
+             ) -> dict[str, list[str]]:
   """The runs each derived row cites: those whose kept rows (``(path, row)``, not timed
   again by a later run) alone derive it otherwise than no rows do; all runs with kept rows
   where none does (a row whose value is also its default)."""
   own = {path: [row for p, row in kept if p == path] for path in paths}
   holding = [path for path in paths if own[path]]
-  empty = tune.derive(family, [])
-  alone = {path: tune.derive(family, own[path]) for path in holding}
+  empty = tune.derive(family, [], kind)
+  alone = {path: tune.derive(family, own[path], kind) for path in holding}
   missing = object()
   return {name: [path for path in holding
                  if alone[path].get(name, missing) != empty.get(name, missing)] or holding

@@ -254,6 +254,41 @@ def test_each_family_reads_its_rows_from_a_tuning_run():
       "rms/forward": None, "rms/step": 1024, "layer/forward": 8192, "layer/step": 1024}
 
 
+def test_norm_thresholds_leave_out_the_points_the_tables_rules_decide(monkeypatch):
+  """A tuning point whose calls a rule of the GPU's table decides (here LayerNorm's training
+  step of 256-512 features at 2^26 elements, on CUDA) never reaches the thresholds, so its
+  times do not move them; CUDA's start without Triton still reaches down past it."""
+  from jaxfuse._core import tune
+  from jaxfuse.ops.norm import bench as norm_bench
+  rule = {"when": {"op": "layer", "use": ["forward", "backward"], "max_length": 512,
+                   "min_elements": 2**26}, "use": "cuda"}
+  monkeypatch.setattr(tuned, "read_table",
+                      lambda family, stem: {"rules": {"value": [rule], "source": []}})
+  # Triton's forward wins up to 4096; its step loses three-fold at 256-512, wins at 1024-4096;
+  # CUDA wins at 8192 and beats XLA everywhere.
+  times = {"triton": lambda n: (1.0, 6.0 if n <= 512 else 1.0),
+           "cuda": lambda n: (2.0 if n <= 4096 else 0.5, 2.0 if n <= 512 else
+                              1.5 if n <= 4096 else 0.5),
+           "xla": lambda n: (4.0, 4.0)}
+  rows = [_timed(op, f"{2**26 // n}x{n} bfloat16", n, impl, *time(n))
+          for op in ("rms_norm", "layer_norm") for n in (256, 512, 1024, 4096, 8192)
+          for impl, time in times.items()]
+  ruled = tune.ruled_by("norm", "Some GPU")
+  # LayerNorm's rows of 256 and 512 features, three implementations each: their steps alone.
+  assert [ruled(row, use) for row in rows[15:21] for use in ("forward", "step")] == [False,
+                                                                                     True] * 6
+  assert not any(ruled(row, use) for row in rows[:15] + rows[21:] for use in ("forward", "step"))
+  blind = norm_bench.tuned_rows(rows)
+  derived = norm_bench.tuned_rows(rows, ruled)
+  assert blind["triton_max_features"] == {"rms/forward": 4096, "rms/step": 0,
+                                          "layer/forward": 4096, "layer/step": 0}
+  assert derived["triton_max_features"] == {"rms/forward": 4096, "rms/step": 0,
+                                            "layer/forward": 4096, "layer/step": 4096}
+  assert derived["cuda_from_without_triton"] == dict.fromkeys(
+      ("rms/forward", "rms/step", "layer/forward", "layer/step"), 256)
+  assert tune.derive("norm", rows, "Some GPU") == derived
+
+
 def test_a_part_run_picks_cases_by_the_start_of_their_labels():
   from jaxfuse import cli
   from jaxfuse.ops.attention import bench as attention_bench

@@ -12,7 +12,10 @@ ran out of GPU memory is a point left untimed. The command saves the run (in
 the checkout's ``benchmarks/results/``, after each case), and with ``--write`` puts the rows,
 each citing it, into ``jaxfuse/ops/<family>/tuned/<this GPU>.json`` over the rows it had. A
 family's ``rules`` (measured exceptions on dtype, element count and the like) are not derived:
-they stay as the table has them.
+they stay as the table has them. A family whose bench module also says what calls a tuning
+point stands for (``tune_facts(row, use)``: the facts its dispatch matches rules on) derives
+its thresholds without the points the GPU's rules decide, which those thresholds never reach:
+its ``tuned_rows(rows, ruled)`` leaves out a point where ``ruled(row, use)``.
 """
 
 from __future__ import annotations
@@ -106,10 +109,12 @@ def least_regret_prefix(points: Sequence[tuple[int, float, float]]) -> int | Non
                        lambda limit, size: limit is not None and size <= limit)
 
 
-def least_regret_suffix(points: Sequence[tuple[int, float, float]]) -> int | None:
+def least_regret_suffix(points: Sequence[tuple[int, float, float]],
+                        sizes: Iterable[int] | None = None) -> int | None:
   """The size from which the first implementation is used (the second below it) at the least
-  regret; None: the second everywhere."""
-  sizes = sorted({size for size, _, _ in points})
+  regret; None: the second everywhere. ``sizes``: where it may start (the points' sizes by
+  default); a tie goes to the least."""
+  sizes = sorted(set(sizes) if sizes is not None else {size for size, _, _ in points})
   return _least_regret(points, [*sizes, None],
                        lambda start, size: start is not None and size >= start)
 
@@ -219,9 +224,26 @@ def derive_names(family: str) -> list[str]:
   return list(bench_module.tuned_rows(rows))
 
 
-def derive(family: str, rows: Sequence[Row]) -> dict[str, Any]:
-  """The table rows ``family``'s bench module reads from a tuning run's ``rows``."""
-  derived = family_module(family, "bench").tuned_rows(rows)
+def ruled_by(family: str, kind: str | None) -> Callable[[Row, str], bool] | None:
+  """Whether one of the ``rules`` of ``kind``'s ``family`` table decides a tuning row's calls
+  for a use (``'forward'``: evaluated; ``'step'``: either direction of a training step); None
+  for a family without ``tune_facts``."""
+  facts_of = getattr(family_module(family, "bench"), "tune_facts", None)
+  if facts_of is None:
+    return None
+  table = (tuned.read_table(family, tuned.device_file(kind)) or {}) if kind else {}
+  rules = table.get("rules", {}).get("value", [])
+  return lambda row, use: any(tuned.matches(rule["when"], facts)
+                              for facts in facts_of(row, use) for rule in rules)
+
+
+def derive(family: str, rows: Sequence[Row], kind: str | None = None) -> dict[str, Any]:
+  """The table rows ``family``'s bench module reads from a tuning run's ``rows`` on ``kind``
+  (whose table's rules it leaves alone: see :func:`ruled_by`)."""
+  bench_module = family_module(family, "bench")
+  ruled = ruled_by(family, kind)
+  derived = (bench_module.tuned_rows(rows) if ruled is None
+             else bench_module.tuned_rows(rows, ruled))
   unknown = set(derived) - set(family_module(family, "api")._untuned())
   if unknown:
     raise ValueError(f"{family}'s tuned_rows gave rows its api does not read: {sorted(unknown)}")

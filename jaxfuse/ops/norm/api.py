@@ -201,6 +201,20 @@ def _normalize(op, kind, x, weight, bias, eps, normalized_ndim, out_dtype, imple
   return _norm_jit(x, weight, bias, st)
 
 
+def dispatch_facts(kind: str, n: int, rows: int, x_dtype, out_dtype) -> dict:
+  """What the tuned table's rules match a call on (besides its use: :func:`use_facts`)."""
+  return dict(op=kind, length=n, rows=rows, elements=rows * n,
+              itemsize=jnp.dtype(x_dtype).itemsize, out_itemsize=jnp.dtype(out_dtype).itemsize,
+              cuda_short_rows=(jnp.dtype(x_dtype).itemsize == 2 and jnp.dtype(out_dtype) == x_dtype
+                               and getattr(cuda_kernels.backward_tiling(n, x_dtype), "lanes",
+                                           0) > 0))
+
+
+def use_facts(use: str) -> dict:
+  """The rules' facts of one use (``op.USES``): it, and the direction it runs."""
+  return dict(use=use, direction="backward" if use == "backward" else "forward")
+
+
 def _plan(op_name, kind, implementation, n, rows, x_dtype, out_dtype, param_dtypes, what):
   """The call's plan for ``rows`` rows of ``n`` features: the named implementation, or by
   measurement for ``None`` among those that run here (see :func:`_fastest`)."""
@@ -211,19 +225,10 @@ def _plan(op_name, kind, implementation, n, rows, x_dtype, out_dtype, param_dtyp
       op_name, "triton",
       lambda: registry.triton_unavailable() or triton.unsupported((1, rows, n)))
 
-  @functools.cache
-  def facts():
-    return dict(op=kind, length=n, rows=rows, elements=rows * n,
-                itemsize=jnp.dtype(x_dtype).itemsize, out_itemsize=jnp.dtype(out_dtype).itemsize,
-                cuda_short_rows=(jnp.dtype(x_dtype).itemsize == 2
-                                 and jnp.dtype(out_dtype) == x_dtype
-                                 and getattr(cuda_kernels.backward_tiling(n, x_dtype), "lanes",
-                                             0) > 0))
+  facts = functools.cache(lambda: dispatch_facts(kind, n, rows, x_dtype, out_dtype))
 
   def fastest(use):
-    direction = "backward" if use == "backward" else "forward"
-    return _fastest(dict(facts(), direction=direction, use=use), op.timed_as(use), cuda_runs,
-                    triton_runs)
+    return _fastest(dict(facts(), **use_facts(use)), op.timed_as(use), cuda_runs, triton_runs)
 
   chosen = op.resolve_plan(op_name, implementation, _BACKENDS, _preference(), fastest)
   if implementation == "cuda" and (reason := cuda_refusal()):

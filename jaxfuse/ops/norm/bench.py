@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jaxfuse._core import cuda, registry, tune
 from jaxfuse._core.bench import DEFAULT, Case, implementation_arg
 from jaxfuse.ops.norm import cuda as cuda_kernels
-from jaxfuse.ops.norm.api import layer_norm, rms_norm
+from jaxfuse.ops.norm.api import dispatch_facts, layer_norm, rms_norm, use_facts
 
 # The CUDA libraries this family's cases run, loaded (built on a cold cache) side by side before
 # any is timed.
@@ -144,38 +144,51 @@ def _rows_of(label: str) -> int:
   return int(label.split("x")[0])
 
 
-def _few_rows_points(rows, op: str, use: str):
-  """``((rows, length), XLA's time, the faster kernel's time)`` of ``op``'s few-rows cases."""
+def tune_facts(row, use: str) -> list[dict]:
+  """The dispatch facts (``api.dispatch_facts``) of the calls a tuning row's ``use`` times:
+  an evaluated forward, or both directions of a training step."""
+  x_dtype = jnp.dtype(row.label.split()[1])
+  base = dispatch_facts(row.op.split("_")[0], row.size, _rows_of(row.label), x_dtype, x_dtype)
+  return [dict(base, **use_facts(u))
+          for u in (("evaluated",) if use == "forward" else ("forward", "backward"))]
+
+
+def _few_rows_points(rows, use: str):
+  """``((rows, length), XLA's time, the faster kernel's time)`` of one norm's few-rows cases."""
   return sorted(((_rows_of(row.label), row.size), mine, theirs) for row, mine, theirs
-                in tune.times_by_case([r for r in rows if r.op == op], use, "xla",
-                                      ("triton", "cuda")))
+                in tune.times_by_case(rows, use, "xla", ("triton", "cuda")))
 
 
-def tuned_rows(rows) -> dict:
+def tuned_rows(rows, ruled=lambda row, use: False) -> dict:
   """Per norm, for the evaluated forward and the training step: the longest rows up to which
   Triton's kernels beat CUDA's at the least regret (0: CUDA wherever it runs), the length from
   which CUDA's beat XLA's fusions where Triton is gone (None: never), and the bands of lengths
   in which XLA beats the faster kernel per row count of :data:`FEW_ROWS` (see
-  :func:`tune.winning_bands`). Each only where the run timed its grid."""
+  :func:`tune.winning_bands`). Each only where the run timed its grid, and without the points
+  a rule of the table decides (``ruled(row, use)``: see :func:`tune.ruled_by`)."""
   rows = [r for r in rows if r.op in {op for op, _, _ in OPS}]
   few = [r for r in rows if _rows_of(r.label) in FEW_ROWS]
   many = [r for r in rows if _rows_of(r.label) not in FEW_ROWS]
+  free = lambda some, op, use: [r for r in some if r.op == op and not ruled(r, use)]
 
   def per_norm_and_use(value):
     return {f"{op.split('_')[0]}/{use}": value(op, use) for op, _, _ in OPS
             for use in ("forward", "step")}
 
   def times(op, use, first, second):
-    return tune.times_by_size([r for r in many if r.op == op], use, first, second)
+    return tune.times_by_size(free(many, op, use), use, first, second)
 
   out = {}
   if many:
     out["triton_max_features"] = per_norm_and_use(
         lambda op, use: tune.least_regret_prefix(times(op, use, "triton", "cuda")) or 0)
   if all(any(r.op == op and r.implementation == "xla" for r in many) for op, _, _ in OPS):
+    # CUDA may start at any length timed, ruled or not: where rules decide the least lengths
+    # of the grid, the least length free of them that CUDA wins reaches down past them.
     out["cuda_from_without_triton"] = per_norm_and_use(
-        lambda op, use: tune.least_regret_suffix(times(op, use, "cuda", "xla")))
+        lambda op, use: tune.least_regret_suffix(times(op, use, "cuda", "xla"),
+                                                 {r.size for r in many if r.op == op}))
   if few:
     out["xla_few_rows"] = per_norm_and_use(
-        lambda op, use: tune.winning_bands(_few_rows_points(few, op, use)))
+        lambda op, use: tune.winning_bands(_few_rows_points(free(few, op, use), use)))
   return out
