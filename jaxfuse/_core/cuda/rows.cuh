@@ -478,6 +478,12 @@ template <typename S> struct ClusterScratch {
   S slot[2][kMaxCluster];
 };
 
+// A CTA alone of at most this many warps sums their values in every thread, behind one
+// barrier; in larger CTAs that fold cost more than warp 0 folding once behind a second barrier
+// (benchmarks/results/2026-11-29-h200-without-triton-norm-s40.json folded in every CTA, s40b
+// up to this bound).
+constexpr int kFoldEverywhereWarps = 4;
+
 // Reduces `value` over all threads of all CTAs of the cluster with `op` (which must accept its
 // `identity`); every thread of every CTA returns the same bits.
 template <bool kClusters, typename S, typename Op>
@@ -487,6 +493,15 @@ __device__ __forceinline__ S cluster_reduce(S value, S identity, Op op,
   const ClusterOf<kClusters> cluster;
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) value = op(value, shuffle(value, offset, true));
+  if (!kClusters && warps <= kFoldEverywhereWarps) {
+    // The slots that carry CTAs' values between a cluster carry the warps' here; every
+    // thread folds them in one order, so all get the same bits.
+    if (lane == 0) scratch.slot[parity][warp] = value;
+    __syncthreads();
+    S total = scratch.slot[parity][0];
+    for (int w = 1; w < warps; ++w) total = op(total, scratch.slot[parity][w]);
+    return total;
+  }
   if (lane == 0) scratch.warp[warp] = value;
   __syncthreads();
   if (warp == 0) {

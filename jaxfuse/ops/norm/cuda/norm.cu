@@ -657,9 +657,11 @@ __global__ void __launch_bounds__(kShortThreads) norm_backward_short_kernel(
 // each column's sum and its load latency.
 constexpr int kSumThreads = 256;
 // Slices enough for four partials a thread, up to 64: strips of at least four units, whose
-// rows a warp still reads as whole 128-byte lines. Past 256 partials a thread sums more, four
-// loads in flight at a time.
-constexpr int kPartsPerThread = 4, kMaxSumSlices = 64;
+// rows a warp still reads as whole 128-byte lines. Past 256 partials a thread sums more, with
+// eight loads in flight at a time, so that the partials of two CTAs an SM (a little over 256)
+// arrive in one round trip, not two (benchmarks/results/2026-11-29-h200-norm-cuda-s40-sum1.json
+// against -sum0.json).
+constexpr int kPartsPerThread = 4, kMaxSumSlices = 64, kSumLoads = 8;
 
 int sum_slices(int64_t parts) {
   int slices = 1;
@@ -693,17 +695,17 @@ __global__ void __launch_bounds__(kSumThreads)
     fill(sums, 0.f);
     if (column < n) {
       const float* first = param_partials + group * parts * n + column;
-      // kPartsPerThread loads in flight at once, added in the order of the partials (zeros
-      // past the last add nothing).
-      for (int64_t p = slice; p < parts; p += kPartsPerThread * slices) {
-        Unit<float> batch[kPartsPerThread];
+      // kSumLoads loads in flight at once, added in the order of the partials (zeros past
+      // the last add nothing).
+      for (int64_t p = slice; p < parts; p += kSumLoads * slices) {
+        Unit<float> batch[kSumLoads];
 #pragma unroll
-        for (int b = 0; b < kPartsPerThread; ++b) {
+        for (int b = 0; b < kSumLoads; ++b) {
           if (p + b * slices < parts) batch[b].load_streaming(first + (p + b * slices) * n);
           else batch[b].zero();
         }
 #pragma unroll
-        for (int b = 0; b < kPartsPerThread; ++b) {
+        for (int b = 0; b < kSumLoads; ++b) {
           float v[kUnit];
           batch[b].unpack(v);
 #pragma unroll
