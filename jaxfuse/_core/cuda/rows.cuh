@@ -494,8 +494,8 @@ __device__ __forceinline__ S cluster_reduce(S value, S identity, Op op,
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) value = op(value, shuffle(value, offset, true));
   if (!kClusters && warps <= kFoldEverywhereWarps) {
-    // The slots that carry CTAs' values between a cluster carry the warps' here; every
-    // thread folds them in one order, so all get the same bits.
+    // The slots that carry a cluster's CTA values carry the warps' here; every thread folds
+    // them in one order, so all get the same bits.
     if (lane == 0) scratch.slot[parity][warp] = value;
     __syncthreads();
     S total = scratch.slot[parity][0];
