@@ -294,7 +294,13 @@ struct WholeRows {
   __device__ __forceinline__ int held_end(int n) const { return n; }
 };
 
-template <typename T, typename Ends> struct FeedBase {
+// A stepped feed (kStepped) keeps where its next fetch's row starts as a pointer stepped once a
+// row, fetches going in row order: the norm forward, held to 64 registers, rebuilt
+// `base + r * n` as a 64-bit product under each unit's load predicate. The softmax kernels keep
+// the product, which the compiler rematerializes from their parameters: a live pointer made
+// them spill more (benchmarks/PERFORMANCE.md, session 40).
+template <typename T, typename Ends, bool kStepped> struct FeedBase {
+  static constexpr bool kSteppedRows = false;
   const T* base;
   int64_t rows;
   int n;
@@ -303,6 +309,8 @@ template <typename T, typename Ends> struct FeedBase {
   Ends ends;
 
   __device__ __forceinline__ int64_t row(int64_t i) const { return walk.first + i * walk.step; }
+  // Where row r, the next one fetched, starts.
+  __device__ __forceinline__ const T* row_start(int64_t r) const { return base + r * n; }
   // The end of the row of `now`, between a load and the next refill.
   __device__ __forceinline__ int held_end() const { return ends.held_end(n); }
   // The slice of the next fetched row that is read.
@@ -313,10 +321,22 @@ template <typename T, typename Ends> struct FeedBase {
   }
 };
 
+template <typename T, typename Ends> struct FeedBase<T, Ends, true> : FeedBase<T, Ends, false> {
+  static constexpr bool kSteppedRows = true;
+  const T* ahead;
+  int64_t ahead_step;
+
+  __device__ __forceinline__ const T* row_start(int64_t) {
+    const T* start = ahead;
+    ahead += ahead_step;
+    return start;
+  }
+};
+
 // Rows through registers. With kPrefetch a thread loads row i + 1 while it works on row i,
 // which doubles its registers; without, the CTAs of other clusters on the SM hide the loads.
-template <typename T, int V, bool kPrefetch, typename Ends>
-struct RegisterFeed : FeedBase<T, Ends> {
+template <typename T, int V, bool kPrefetch, typename Ends, bool kStepped = false>
+struct RegisterFeed : FeedBase<T, Ends, kStepped> {
   static constexpr bool kStaged = false;
   Unit<T> now[V], next[V];
 
@@ -338,7 +358,7 @@ struct RegisterFeed : FeedBase<T, Ends> {
  private:
   __device__ __forceinline__ void fetch(int64_t i, Unit<T> (&units)[V]) {
     const int64_t r = this->row(i);
-    load_row(this->base + r * this->n, this->next_read(), r < this->rows, units);
+    load_row(this->row_start(r), this->next_read(), r < this->rows, units);
   }
 };
 
@@ -368,8 +388,8 @@ __device__ __forceinline__ void wait_copies(int pending) {
 // thread's copies visible to itself, and a stage is refilled only after the reduction has
 // consumed every register read from it. Layout: vector j of unit k of stage s of thread t at
 // ((s * V + k) * kVectors + j) * threads + t, so a warp's shared accesses are consecutive.
-template <typename T, int V, typename Ends = WholeRows>
-struct StagedFeed : FeedBase<T, Ends> {
+template <typename T, int V, typename Ends = WholeRows, bool kStepped = false>
+struct StagedFeed : FeedBase<T, Ends, kStepped> {
   static constexpr bool kStaged = true;
   static constexpr int kVectors = Unit<T>::kVectors;
   Unit<T> now[V];
@@ -412,8 +432,9 @@ struct StagedFeed : FeedBase<T, Ends> {
   __device__ __forceinline__ void copy(int64_t i, int s) {
     const RowSlice read = this->next_read();
     const int64_t r = this->row(i);
+    // Rows past the last come only after it: a stepped feed need not step over them.
     if (r >= this->rows) return;
-    const T* row = this->base + r * this->n;
+    const T* row = this->row_start(r);
 #pragma unroll
     for (int k = 0; k < V; ++k) {
       if (!read.holds(k)) continue;
@@ -429,9 +450,11 @@ struct StagedFeed : FeedBase<T, Ends> {
 template <typename T, int V, int kStreams>
 constexpr bool kPrefetchFits = V * Unit<T>::kVectors * kStreams <= 4;
 
-template <typename T, int V, bool kStaged, int kStreams, typename Ends = WholeRows>
-using RowFeed = std::conditional_t<kStaged, StagedFeed<T, V, Ends>,
-                                   RegisterFeed<T, V, kPrefetchFits<T, V, kStreams>, Ends>>;
+template <typename T, int V, bool kStaged, int kStreams, typename Ends = WholeRows,
+          bool kStepped = false>
+using RowFeed =
+    std::conditional_t<kStaged, StagedFeed<T, V, Ends, kStepped>,
+                       RegisterFeed<T, V, kPrefetchFits<T, V, kStreams>, Ends, kStepped>>;
 
 // A feed of the rows of `base` (rows x n) that this thread's cluster walks; a staged feed uses
 // `stages` stages of the CTA's dynamic shared memory from `shared` on.
@@ -446,6 +469,10 @@ __device__ __forceinline__ Feed feed_of(const T* base, int64_t rows, int n, cons
   feed.walk = walk;
   feed.slice = slice;
   feed.ends = ends;
+  if constexpr (Feed::kSteppedRows) {
+    feed.ahead = base + walk.first * n;
+    feed.ahead_step = walk.step * n;
+  }
   // Between a load and its refill, a staged feed has fetched `stages` rows past the held one,
   // a register feed one.
   feed.ends.lag(Feed::kStaged ? stages : 1);

@@ -168,12 +168,14 @@ __global__ void __launch_bounds__(kStaged ? kStagedThreads : kThreads, kStaged ?
   for (int64_t group = 0; group < groups; ++group) {
     if (has_weight) w_slice.load(weight + group * n, slice, V);
     if (has_bias) b_slice.load(bias + group * n, slice, V);
-    auto xs = feed_of<RowFeed<TX, V, kStaged, 1>>(x + group * rows_per_group * n,
-                                                  rows_per_group, n, walk, slice, staging,
-                                                  stages);
+    auto xs = feed_of<RowFeed<TX, V, kStaged, 1, WholeRows, true>>(
+        x + group * rows_per_group * n, rows_per_group, n, walk, slice, staging, stages);
     xs.start();
+    // Stepped once a row, as the feed's row start, not rebuilt at each unit's store.
+    TY* y_row = y + (group * rows_per_group + walk.first) * n;
+    const int64_t y_step = walk.step * n;
     int64_t i = 0;
-    for (int64_t r = walk.first; r < rows_per_group; r += walk.step, ++i) {
+    for (int64_t r = walk.first; r < rows_per_group; r += walk.step, ++i, y_row += y_step) {
       xs.load(i);
       Stat partial;
       if constexpr (kLayer) {
@@ -219,7 +221,6 @@ __global__ void __launch_bounds__(kStaged ? kStagedThreads : kThreads, kStaged ?
       }
 
       const int64_t row = group * rows_per_group + r;
-      TY* const y_row = y + row * n;
       with_params<kLayer, !kStaged>(has_weight, has_bias, [&](auto weighted, auto biased) {
 #pragma unroll
         for (int k = 0; k < V; ++k) {
