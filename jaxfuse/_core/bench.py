@@ -281,7 +281,7 @@ def _run(cases, implementations, time_it, on_case, ceilings):
 def _references(case, inputs):
   """The float64 references' checked rows (forward, training step) and the step's floors."""
   with x64():
-    wide = _upcast(inputs)
+    wide = jax.jit(_upcast)(inputs)
     # One program each, as the timed ones are: op by op, each primitive would compile apart.
     ref_fwd = jax.tree.map(lambda a: np.asarray(_sample(a)), jax.jit(case.forward("xla"))(*wide))
     ref_train = floors = None
@@ -305,7 +305,9 @@ def _cache_resident(case) -> bool:
 def _run_case(case, impls, ceilings, time_it, progress):
   progress.show(f"{case.op} {case.label}: inputs and float64 references")
   key = jax.random.key(zlib.crc32(f"{case.op} {case.label}".encode()))
-  inputs = case.make_inputs(key)
+  # One program makes each set: op by op, each random draw and its scaling would compile apart.
+  make_inputs = jax.jit(case.make_inputs)
+  inputs = make_inputs(key)
   try:
     references, reference_failure = _references(case, inputs), None
   except Exception as e:  # noqa: BLE001  (a case without a reference fails, it is not timed)
@@ -317,7 +319,7 @@ def _run_case(case, impls, ceilings, time_it, progress):
   if time_it and not reference_failure:
     in_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(inputs))
     n_sets = copies_for(case.forward_work if case.unit == "GB/s" else 2 * in_bytes)
-    sets += [case.make_inputs(jax.random.fold_in(key, i)) for i in range(1, n_sets)]
+    sets += [make_inputs(jax.random.fold_in(key, i)) for i in range(1, n_sets)]
     if case.unit == "GB/s":
       timing, _ = measure(jax.jit(lambda a, *_: -a), sets)
       size_copy = 2 * inputs[0].size * inputs[0].dtype.itemsize / (timing.span_ms * 1e-3) / 1e9
