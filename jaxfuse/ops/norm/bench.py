@@ -86,7 +86,7 @@ def cases(quick: bool = False) -> list[Case]:
     sizes, mixed_sizes = ((256, 2048), ()) if quick else (GPU_SIZES, GPU_MIXED_SIZES)
     impls, check_only = ("xla", "triton", "cuda", DEFAULT), ()
   else:
-    # 1000 features once, through the mixed-precision cases of the whole run.
+    # The whole run times 1000 features once: in its mixed-precision cases, not its plain ones.
     rows, (sizes, mixed_sizes) = 64, ((1000,), ()) if quick else ((256, 4097), (1000,))
     impls, check_only = ("xla",), ("triton",)
   dtype = jnp.bfloat16
