@@ -233,12 +233,13 @@ def _norm_cuda(sweep):
 
   # Forward: rows through registers, or staged through one or two shared-memory stages beside
   # the parameter slices (measured slower: the parameters read from global memory at each row).
-  plans = {256: ([lanes(256, 2, 16), lanes(256, 1, 32), lanes(128, 2, 16), lanes(64, 1, 32)],
+  plans = {256: ([lanes(256, 2, 16), lanes(256, 1, 32), lanes(128, 2, 16), lanes(64, 1, 32),
+                  lanes(128, 4, 8), lanes(64, 4, 8)],
                  [lanes(256, 2, 16), lanes(256, 4, 8), lanes(128, 4, 8), lanes(256, 1, 32),
                   lanes(64, 1, 32)]),
            512: ([lanes(256, 2, 32), lanes(128, 2, 32)],
                  [lanes(256, 2, 32), lanes(256, 4, 16), lanes(128, 4, 16)]),
-           1024: ([lanes(128, 4, 32)],
+           1024: ([lanes(128, 4, 32), lanes(64, 4, 32)],
                   [T(1, 64, 2), T(1, 128, 1), lanes(128, 4, 32), lanes(64, 4, 32)]),
            # Where the Triton kernels lead: wider CTAs at fewer units, and rows split over two
            # to eight CTAs.
@@ -289,7 +290,7 @@ def _norm_cuda(sweep):
         if direction == "fwd":
           fn, data = functools.partial(fwd, kind), sets
           default = cuda.forward_tiling(n, jnp.bfloat16, sets[0][2].dtype, sets[0][1].dtype)
-          short = [v for v in forward_variants if v.lanes][:1]
+          short = [v for v in forward_variants if v.lanes]
           variants = [default] + forward_variants + [
               knob for t in [default] + short
               for knob in _other_waves(t, cuda.forward_waves(kind, t))]
