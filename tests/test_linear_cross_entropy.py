@@ -224,6 +224,18 @@ def test_a_label_of_no_class_makes_its_loss_nan(rng, impl):
     assert_close(jax.grad(loss)(x, labels, reduction), jax.grad(kept)(x, reduction))
 
 
+def test_uint8_labels_of_256_classes_count_as_int32_ones(rng, impl):
+  # In uint8 the class count 256 wraps to 0: compared there, no label would be a class.
+  x, weight, bias, labels = make(rng, (5,), 4, 256, jnp.float32)
+  loss = lambda x, kind: jaxfuse.linear_cross_entropy(
+      x, weight, labels.astype(kind), bias=bias, reduction="none", implementation=impl)
+  narrow, vjp = jax.vjp(lambda x: loss(x, jnp.uint8), x)
+  wide, wide_vjp = jax.vjp(lambda x: loss(x, jnp.int32), x)
+  assert np.array_equal(np.asarray(narrow), np.asarray(wide))
+  cotangent = jnp.asarray(rng.random(5), jnp.float32)
+  assert np.array_equal(np.asarray(vjp(cotangent)[0]), np.asarray(wide_vjp(cotangent)[0]))
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_no_tokens_give_a_zero_loss(rng, reduction):
   _, weight, bias, _ = make(rng, (6,), 4, 9, jnp.float32)

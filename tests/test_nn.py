@@ -327,6 +327,21 @@ def test_cross_entropy_loss_is_optax(rng):
                   nn.cross_entropy_loss(logits, labels, z_loss=0.01, reduction="sum"))
 
 
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.uint8, jnp.int16])
+@pytest.mark.parametrize("ignore_index", [None, -100])
+def test_cross_entropy_loss_masks_rows_of_narrow_labels(rng, dtype, ignore_index):
+  # A masked row takes ignore_index (or int32's least) as its label, which wraps in a narrow
+  # dtype: it must stay out of the loss and the count all the same.
+  logits = random(rng, (4, 5), jnp.float32)
+  labels = np.asarray(rng.integers(0, 5, (4,)), np.int32)
+  where = jnp.asarray([True, False, True, True])
+  loss = lambda kind, reduction: nn.cross_entropy_loss(
+      logits, jnp.asarray(labels, kind), where=where, ignore_index=ignore_index,
+      reduction=reduction)
+  for reduction in ("none", "mean"):
+    assert np.array_equal(np.asarray(loss(dtype, reduction)), np.asarray(loss(jnp.int32, reduction)))
+
+
 def test_cross_entropy_loss_rejects_bad_inputs():
   logits = jnp.ones((4, 5))
   with pytest.raises(ValueError, match="where"):

@@ -409,6 +409,37 @@ def test_cross_entropy_never_narrows_a_wide_label_into_range(rng):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [jnp.uint8, jnp.int8, jnp.int16, jnp.uint16])
+def test_cross_entropy_narrow_labels_count_as_int32_ones(rng, impl, dtype):
+  # 256 classes: a uint8 label is always below the class count, which in uint8 wraps to 0;
+  # ignore_index -100 would wrap to a class (156) in uint8 too.
+  logits = random(rng, (6, 256), jnp.float32)
+  labels = np.asarray(rng.integers(0, min(256, jnp.iinfo(dtype).max + 1), (6,)), np.int32)
+  labels[2] = 255 if jnp.iinfo(dtype).max >= 255 else -100
+  for ignore_index in (None, -100, int(labels[0])):
+    ce = lambda l, kind: jaxfuse.softmax_cross_entropy(
+        l, jnp.asarray(labels, kind), ignore_index=ignore_index, reduction="none",
+        implementation=impl)
+    narrow, vjp = jax.vjp(lambda l: ce(l, dtype), logits)
+    wide, wide_vjp = jax.vjp(lambda l: ce(l, jnp.int32), logits)
+    assert np.array_equal(np.asarray(narrow), np.asarray(wide), equal_nan=True)
+    cotangent = jnp.asarray(rng.random(6), jnp.float32)
+    assert np.array_equal(np.asarray(vjp(cotangent)[0]), np.asarray(wide_vjp(cotangent)[0]))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_cross_entropy_of_no_rows(impl, reduction):
+  # As XLA's empty reductions: a zero loss ('mean' counts no rows) and an empty gradient.
+  ce = lambda l: jaxfuse.softmax_cross_entropy(l, jnp.zeros((2, 0), jnp.int32),
+                                               reduction=reduction, implementation=impl)
+  logits = jnp.ones((2, 0, 7), jnp.float32)
+  loss, grad = jax.value_and_grad(lambda l: jnp.sum(ce(l)))(logits)
+  assert ce(logits).shape == ((2, 0) if reduction == "none" else ())
+  assert float(loss) == 0.0 and grad.shape == logits.shape
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_cross_entropy_ignore_index_may_be_a_class(rng, impl, reduction):
   logits = random(rng, (2, 9, 32), jnp.float32)

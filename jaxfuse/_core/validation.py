@@ -50,6 +50,13 @@ def check_positive_float(op: str, name: str, value) -> float:
   return value
 
 
+def static_bool(op: str, name: str, value) -> bool:
+  """A Python bool known at trace time (a string such as ``"False"`` would read as true)."""
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{op}: {name} must be a bool, got {value!r}")
+  return bool(value)
+
+
 def static_int(op: str, name: str, value) -> int:
   """A Python int (not a bool) known at trace time."""
   if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
@@ -100,8 +107,16 @@ def cross_entropy_options(op: str, ignore_index, label_smoothing, z_loss, reduct
   return ignore_index, label_smoothing, z_loss
 
 
+def comparable_labels(labels):
+  """Integer ``labels`` in a dtype that holds a class count and ``ignore_index``: compared in
+  a narrower one those bounds wrap (uint8 labels are never ``< 256``, and ``-100`` becomes
+  ``156``)."""
+  return labels.astype(jnp.int32) if jnp.iinfo(labels.dtype).bits < 32 else labels
+
+
 def counted_labels(labels, classes: int, ignore_index):
   """The rows that count: labels in ``[0, classes)`` other than ``ignore_index``."""
+  labels = comparable_labels(labels)
   valid = (labels >= 0) & (labels < classes)
   return valid if ignore_index is None else valid & (labels != ignore_index)
 
@@ -119,6 +134,7 @@ def check_lengths_range(op: str, name: str, lengths, longest: int, bound: str):
 def int32_labels(labels, classes: int, ignore_index):
   """``labels`` as the kernels take them (int32) and the rows whose label is neither a class
   nor ``ignore_index``; a wider label is never narrowed into range (it is flagged first)."""
+  labels = comparable_labels(labels)
   stray = ~counted_labels(labels, classes, None)
   if ignore_index is not None:
     stray &= labels != ignore_index

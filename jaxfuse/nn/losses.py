@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfuse._core.validation import check_array, cross_entropy_options, describe
+from jaxfuse._core.validation import (check_array, comparable_labels, cross_entropy_options,
+                                      describe)
 from jaxfuse.ops.softmax.api import log_softmax, softmax_cross_entropy
 
 
@@ -51,7 +52,7 @@ def cross_entropy_loss(logits, labels, *, where=None, ignore_index: int | None =
       # a label of no class would make the loss NaN.
       if ignore_index is None:
         ignore_index = int(np.iinfo(np.int32).min)
-      labels = jnp.where(where, labels, ignore_index)
+      labels = jnp.where(where, comparable_labels(labels), ignore_index)
     return softmax_cross_entropy(logits, labels, ignore_index=ignore_index,
                                  label_smoothing=label_smoothing, z_loss=z_loss,
                                  reduction=reduction, implementation=implementation)

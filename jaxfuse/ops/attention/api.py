@@ -13,8 +13,8 @@ import numpy as np
 from jaxfuse._core import op, registry, tuned
 from jaxfuse._core.batching import fold_into_batch, mapped_axis_first
 from jaxfuse._core.sharding import parallel_call
-from jaxfuse._core.validation import (check_array, check_lengths_range, describe, static_float,
-                                      static_int)
+from jaxfuse._core.validation import (check_array, check_lengths_range, describe, static_bool,
+                                      static_float, static_int)
 from jaxfuse.ops.attention import mosaic, reference, triton
 from jaxfuse.ops.attention.reference import MaskSpec
 
@@ -92,8 +92,12 @@ def attention(query, key, value, bias=None, mask=None, *, scale: float | None = 
   if s == 0:
     raise ValueError(f"{OP}: key and value have no positions (S = 0): each query's softmax "
                      f"would be over nothing; got key {describe(k)}")
+  if h == 0:
+    raise ValueError(f"{OP}: query and key have no features (H = 0): every score would be 0; "
+                     f"got query {describe(q)}")
   if kh == 0 or n % kh:
     raise ValueError(f"{OP}: the key/value heads ({kh}) must divide the query heads ({n})")
+  is_causal = static_bool(OP, "is_causal", is_causal)
   scale = 1.0 / math.sqrt(h) if scale is None else _float("scale", scale)
   causal_offset, window = _band(_int("causal_offset", causal_offset),
                                 _window(local_window_size), t, s)
@@ -109,10 +113,12 @@ def attention(query, key, value, bias=None, mask=None, *, scale: float | None = 
   kv_len = _lengths("key_value_seq_lengths", key_value_seq_lengths, b, s)
   bias = None if bias is None else _broadcastable("bias", bias, (b, n, t, s), floating=True)
   mask = None if mask is None else _broadcastable("mask", mask, (b, n, t, s), floating=False)
-  spec = MaskSpec(bool(is_causal), causal_offset, window, logits_soft_cap)
+  spec = MaskSpec(is_causal, causal_offset, window, logits_soft_cap)
   call = _Call(spec, scale, precision, bias is not None, mask is not None, q_seg is not None,
                q_len is not None, kv_len is not None, return_lse, q.dtype)
   plan = _resolve(implementation, call, (q, k, v, bias, mask, q_len, kv_len))
+  if 0 in (b, t, n, v.shape[3]):  # an empty output: XLA's reference, as the kernels take no grid
+    plan = op.Plan("xla", "xla", "xla")
   out, lse = _attention_jit(q, k, v, bias, mask, q_seg, kv_seg, q_len, kv_len, plan, call)
   if not batched:
     out, lse = out[0], None if lse is None else lse[0]
@@ -144,7 +150,12 @@ def _int(name, value):
 def _window(window):
   if window is None:
     return None
-  pair = (window, window) if isinstance(window, (int, np.integer)) else tuple(window)
+  if isinstance(window, (int, np.integer)):
+    pair = (window, window)
+  elif isinstance(window, (tuple, list, np.ndarray)):
+    pair = tuple(window)
+  else:
+    raise TypeError(f"{OP}: local_window_size must be an int or (left, right), got {window!r}")
   if len(pair) != 2:
     raise ValueError(f"{OP}: local_window_size must be an int or (left, right), got {window!r}")
   left, right = (_int("local_window_size", w) for w in pair)

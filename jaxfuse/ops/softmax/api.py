@@ -15,7 +15,7 @@ from jaxfuse._core.op import resolve_plan, timed_as
 from jaxfuse._core.sharding import parallel_call
 from jaxfuse._core.validation import (check_array, counted_labels, cross_entropy_options,
                                       describe, int32_labels, poison_stray_rows,
-                                      reduction_scale, static_float, static_int)
+                                      reduction_scale, static_bool, static_float, static_int)
 from jaxfuse.ops.softmax import cuda as cuda_kernels
 from jaxfuse.ops.softmax import reference, triton
 
@@ -126,8 +126,7 @@ def _softmax_entry(op, log, x, axis, scale, mask, is_causal, causal_offset, impl
   axis %= x.ndim
   scale = static_float(op, "scale", scale)
   causal_offset = static_int(op, "causal_offset", causal_offset)
-  if not isinstance(is_causal, (bool, np.bool_)):
-    raise TypeError(f"{op}: is_causal must be a bool, got {is_causal!r}")
+  is_causal = static_bool(op, "is_causal", is_causal)
   if is_causal and x.ndim < 2:
     raise ValueError(f"{op}: is_causal needs the last two axes (query, key); x is {describe(x)}")
   if causal_offset and not is_causal:
@@ -366,6 +365,8 @@ class _CrossEntropyStatic:
 @functools.partial(jax.jit, static_argnums=(2,))
 def _cross_entropy_jit(logits, labels, st):
   vocab = logits.shape[-1]
+  if labels.size == 0:  # no rows: XLA's empty reductions give the defined loss, a grid none
+    st = dataclasses.replace(st, plan=op.Plan("xla", "xla", "xla"))
   labels, stray = int32_labels(labels, vocab, st.ignore_index)
   valid = counted_labels(labels, vocab, st.ignore_index)
   if "xla" in st.plan:
