@@ -428,6 +428,22 @@ def test_cross_entropy_narrow_labels_count_as_int32_ones(rng, impl, dtype):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("vocab", [37, 16421])  # one tile; chunks past the Triton tile
+def test_cross_entropy_of_float64_logits_is_float64(rng, impl, vocab):
+  logits = np.asarray(rng.normal(size=(3, vocab)) * 3)
+  labels = np.asarray(rng.integers(0, vocab, (3,)), np.int32)
+  loss_ref, grad_ref = ce_reference(logits, labels, np.ones(3, bool), smoothing=0.1)
+  with x64():
+    ce = lambda l, reduction: jaxfuse.softmax_cross_entropy(
+        l, jnp.asarray(labels), label_smoothing=0.1, reduction=reduction, implementation=impl)
+    rows, vjp = jax.vjp(lambda l: ce(l, "none"), jnp.asarray(logits))
+    assert rows.dtype == jnp.float64 and ce(jnp.asarray(logits), "mean").dtype == jnp.float64
+    np.testing.assert_allclose(np.asarray(rows), loss_ref, rtol=1e-12)
+    np.testing.assert_allclose(np.asarray(vjp(jnp.ones(3, jnp.float64))[0]), grad_ref,
+                               rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_cross_entropy_of_no_rows(impl, reduction):
   # As XLA's empty reductions: a zero loss ('mean' counts no rows) and an empty gradient.

@@ -13,9 +13,10 @@ from jaxfuse._core import op, registry, tuned
 from jaxfuse._core.batching import fold_into_batch
 from jaxfuse._core.op import resolve_plan, timed_as
 from jaxfuse._core.sharding import parallel_call
-from jaxfuse._core.validation import (check_array, counted_labels, cross_entropy_options,
-                                      describe, int32_labels, poison_stray_rows,
-                                      reduction_scale, static_bool, static_float, static_int)
+from jaxfuse._core.validation import (check_array, compute_dtype, counted_labels,
+                                      cross_entropy_options, describe, int32_labels,
+                                      poison_stray_rows, reduction_scale, static_bool,
+                                      static_float, static_int)
 from jaxfuse.ops.softmax import cuda as cuda_kernels
 from jaxfuse.ops.softmax import reference, triton
 
@@ -465,7 +466,7 @@ class _CrossEntropyKernels:
       def local(logits, labels, *extra):
         shape = labels.shape
         flat = [logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)]
-        flat += [e.reshape(-1).astype(jnp.float32) for e in extra]
+        flat += [e.reshape(-1).astype(compute_dtype(logits.dtype)) for e in extra]
         if mode == "grad":
           kwargs = dict(lse=flat[2], row_scale=flat[3])
         elif mode == "fused":

@@ -378,7 +378,7 @@ def cross_entropy_blocks(n_rows: int, vocab: int, mode: str = "fused") -> Blocks
 
 
 def _cross_entropy_kernel(*refs, n_rows, vocab, blocks, label_smoothing, z_loss, mode,
-                          ignore_index, uniform_scale):
+                          ignore_index, uniform_scale, cdt):
   """mode 'loss': loss and lse. 'fused': loss and the gradient, scaled per row (one scale for
   every row when ``uniform_scale``). 'grad': only the gradient, from a saved lse."""
   logits_ref, labels_ref, *refs = refs
@@ -397,7 +397,7 @@ def _cross_entropy_kernel(*refs, n_rows, vocab, blocks, label_smoothing, z_loss,
     cols = j * bc + jnp.arange(bc, dtype=jnp.int32)
     mask = row_ok[:, None] & (cols < vocab)[None, :]
     x = _load(logits_ref, (rows[:, None], cols[None, :]), mask, _NEG_INF, evict)
-    return x.astype(jnp.float32) * _LOG2E, cols, mask
+    return x.astype(cdt) * _LOG2E, cols, mask
 
   @pl.loop(0, n_steps)
   def _(i):
@@ -423,8 +423,8 @@ def _cross_entropy_kernel(*refs, n_rows, vocab, blocks, label_smoothing, z_loss,
         return (m, s) + tuple(t + jnp.where(mask, x, 0.0) for t in carry[2:])
 
       shape = (br, bc)
-      init = (jnp.full(shape, _NEG_INF, jnp.float32), jnp.zeros(shape, jnp.float32)) + (
-          (jnp.zeros(shape, jnp.float32),) if label_smoothing else ())
+      init = (jnp.full(shape, _NEG_INF, cdt), jnp.zeros(shape, cdt)) + (
+          (jnp.zeros(shape, cdt),) if label_smoothing else ())
       evict = "evict_last" if grad_ref is not None else None
       m, s, *total = pipelined_loop(n_chunks, lambda j: tile(rows, row_ok, j, evict),
                                     first_walk, init)
@@ -432,7 +432,7 @@ def _cross_entropy_kernel(*refs, n_rows, vocab, blocks, label_smoothing, z_loss,
     if mode != "grad":
       lse = jnp.where(m == _NEG_INF, 0.0, m) * _LN2 + jnp.log(s)
       picked = plgpu.load(logits_ref.at[rows, jnp.where(valid, labels, 0)],
-                          mask=row_ok & valid, other=0.0).astype(jnp.float32)
+                          mask=row_ok & valid, other=0.0).astype(cdt)
       loss = lse - (1.0 - label_smoothing) * picked
       if label_smoothing:
         loss = loss - (label_smoothing * _LN2 / vocab) * jnp.sum(total[0], axis=1)
@@ -472,14 +472,15 @@ def cross_entropy(logits, labels, *, label_smoothing, z_loss, ignore_index=None,
   n_rows, vocab = logits.shape
   _check_extents("softmax_cross_entropy", logits.shape)
   blocks = blocks or cross_entropy_blocks(n_rows, vocab, mode)
-  row = jax.ShapeDtypeStruct((n_rows,), jnp.float32)
+  cdt = compute_dtype(logits.dtype)
+  row = jax.ShapeDtypeStruct((n_rows,), cdt)
   grad = jax.ShapeDtypeStruct(logits.shape, logits.dtype)
   out_shape = {"loss": [row, row], "fused": [row, grad], "grad": grad}[mode]
   inputs = [logits, labels] + ([lse] if mode == "grad" else []) + (
       [row_scale] if mode != "loss" else [])
   kernel = functools.partial(_cross_entropy_kernel, n_rows=n_rows, vocab=vocab, blocks=blocks,
                              label_smoothing=label_smoothing, z_loss=z_loss, mode=mode,
-                             ignore_index=ignore_index,
+                             ignore_index=ignore_index, cdt=cdt,
                              uniform_scale=row_scale is not None and row_scale.shape[0] == 1)
   target = max(1, min(pl.cdiv(n_rows, blocks.block_rows),
                       blocks.programs or registry.num_multiprocessors()))
