@@ -47,11 +47,16 @@ class Plan:
 
 def resolve_plan(op: str, implementation: str | None,
                  backends: Mapping[str, registry.Availability], preference: Sequence[str],
-                 fastest: Callable[[str], str] | None = None) -> Plan:
+                 fastest: Callable[[str], str] | None = None, *, empty: bool = False) -> Plan:
   """Validates ``implementation`` for ``op`` (see :func:`registry.resolve`) and plans the call:
   the named implementation for every use; for ``None`` the first of ``preference`` that runs,
-  or on a GPU ``fastest(use)`` per use where the family measured one."""
-  if implementation is None and fastest is not None and registry.platform() == "gpu":
+  or on a GPU ``fastest(use)`` per use where the family measured one. ``empty``: the call has
+  no rows or no outputs, which XLA's reference gives as defined and a kernel would launch no
+  grid for: every use takes 'xla' once a named implementation is validated."""
+  if empty:
+    registry.resolve(op, implementation, backends, preference)
+    chosen = Plan("xla", "xla", "xla")
+  elif implementation is None and fastest is not None and registry.platform() == "gpu":
     chosen = Plan(*(fastest(use) for use in USES))
   else:
     impl = registry.resolve(op, implementation, backends, preference)

@@ -116,9 +116,8 @@ def attention(query, key, value, bias=None, mask=None, *, scale: float | None = 
   spec = MaskSpec(is_causal, causal_offset, window, logits_soft_cap)
   call = _Call(spec, scale, precision, bias is not None, mask is not None, q_seg is not None,
                q_len is not None, kv_len is not None, return_lse, q.dtype)
-  plan = _resolve(implementation, call, (q, k, v, bias, mask, q_len, kv_len))
-  if 0 in (b, t, n, v.shape[3]):  # an empty output: XLA's reference, as the kernels take no grid
-    plan = op.Plan("xla", "xla", "xla")
+  plan = _resolve(implementation, call, (q, k, v, bias, mask, q_len, kv_len),
+                  empty=0 in (b, t, n, v.shape[3]))
   out, lse = _attention_jit(q, k, v, bias, mask, q_seg, kv_seg, q_len, kv_len, plan, call)
   if not batched:
     out, lse = out[0], None if lse is None else lse[0]
@@ -348,9 +347,10 @@ def _first_by_table(call, arrays, use: str) -> str:
   return "cudnn"
 
 
-def _resolve(implementation, call, arrays) -> op.Plan:
+def _resolve(implementation, call, arrays, empty=False) -> op.Plan:
   """The call's plan: a named implementation runs every use; None may find one fastest when
-  only evaluated and another when differentiated (forward and backward alike)."""
+  only evaluated and another when differentiated (forward and backward alike). ``empty``: no
+  output elements (see :func:`op.resolve_plan`)."""
   checks = {"triton": _triton_unsupported,
             "cudnn": functools.partial(_cudnn_unsupported, arrays=arrays),
             "mosaic": functools.partial(_mosaic_unsupported, arrays=arrays)}
@@ -373,7 +373,8 @@ def _resolve(implementation, call, arrays) -> op.Plan:
   def fastest(use):
     return registry.resolve(OP, None, backends, preference(op.timed_as(use)))
 
-  return op.resolve_plan(OP, implementation, backends, preference("step"), fastest)
+  return op.resolve_plan(OP, implementation, backends, preference("step"), fastest,
+                         empty=empty)
 
 
 @functools.partial(jax.jit, static_argnums=(9, 10))

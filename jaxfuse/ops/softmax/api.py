@@ -346,7 +346,8 @@ def softmax_cross_entropy(logits, labels, *, ignore_index: int | None = None,
     row = "cross_entropy_loss" if use == "evaluated" else "cross_entropy"
     return _fastest(op, use, row, vocab, logits, cuda_refusal, (labels.size, vocab))
 
-  plan = resolve_plan(op, implementation, _BACKENDS, _preference(), fastest)
+  plan = resolve_plan(op, implementation, _BACKENDS, _preference(), fastest,
+                      empty=labels.size == 0)
   if implementation == "cuda" and (reason := cuda_refusal()):
     raise NotImplementedError(f"{op}(implementation='cuda') cannot take logits "
                               f"{describe(logits)}: {reason}")
@@ -366,8 +367,6 @@ class _CrossEntropyStatic:
 @functools.partial(jax.jit, static_argnums=(2,))
 def _cross_entropy_jit(logits, labels, st):
   vocab = logits.shape[-1]
-  if labels.size == 0:  # no rows: XLA's empty reductions give the defined loss, a grid none
-    st = dataclasses.replace(st, plan=op.Plan("xla", "xla", "xla"))
   labels, stray = int32_labels(labels, vocab, st.ignore_index)
   valid = counted_labels(labels, vocab, st.ignore_index)
   if "xla" in st.plan:
