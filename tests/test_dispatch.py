@@ -556,7 +556,8 @@ SOFTMAX_ON_HOPPER = [
 # The H200's own rows over the H100's: XLA for rows with float32 outputs past 16384 (CUDA's
 # evaluated LayerNorm of 16-bit rows up to 65536 with float32 outputs), and for
 # RMSNorm's evaluated forward of float32 rows from 5120 and of 16-bit rows up to 128; CUDA's
-# RMSNorm step and LayerNorm of 16-bit rows up to 512 from 2^26 elements; Triton's
+# RMSNorm step and LayerNorm of 16-bit rows up to 512 from 2^26 elements, and LayerNorm's
+# backward of 16-bit short rows from 2^22 elements; Triton's
 # evaluated RMSNorm up to 24576 and LayerNorm's step up to 8192; CUDA's LayerNorm of 16-bit
 # rows up to 128 and Triton's evaluated one of few rows past 65536; the softmax's evaluated
 # forward from 8192 (Triton's up to 2^23 elements of rows up to 16384), a differentiated
@@ -571,7 +572,8 @@ SOFTMAX_ON_HOPPER = [
     (lambda: normalize("layer_norm", 65544, param_dtype="float32"), ("xla", "xla")),
     (lambda: normalize("layer_norm", 32768, "float32"), ("xla", "xla")),
     (lambda: normalize("layer_norm", 32768), ("cuda", "cuda")),
-    (lambda: normalize("layer_norm", 512), ("cuda", "cuda")),
+    (lambda: normalize("layer_norm", 512), ("cuda", "triton")),
+    (lambda: normalize("layer_norm", 512, rows=8192), ("cuda", "cuda")),
     (lambda: normalize("rms_norm", 8192, "float32"), ("xla", "triton", "triton")),
     (lambda: normalize("rms_norm", 128), ("xla", "triton", "triton")),
     (lambda: normalize("rms_norm", 16392), ("triton", "cuda", "cuda")),
@@ -581,6 +583,7 @@ SOFTMAX_ON_HOPPER = [
     (lambda: normalize("layer_norm", 131072, rows=256), ("triton", "cuda", "cuda")),
     (lambda: normalize("layer_norm", 131072), ("cuda", "cuda")),
     (lambda: normalize("layer_norm", 256), ("triton", "triton")),
+    (lambda: normalize("layer_norm", 256, rows=16384), ("triton", "cuda")),
     (lambda: normalize("layer_norm", 256, rows=262144), ("cuda", "cuda")),
     (lambda: normalize("rms_norm", 512, rows=131072), ("triton", "cuda", "cuda")),
     (lambda: softmax(1024), ("triton", "cuda", "cuda")),
@@ -596,9 +599,11 @@ SOFTMAX_ON_HOPPER = [
     (lambda: cross_entropy(131072, rows=32), ("xla", "xla")),
     (lambda: cross_entropy(1024, rows=4096), ("triton", "triton")),
 ], ids=["rms f32 out", "layer f32 out", "layer f32 out past 16384", "layer f32 out at 65536",
-        "layer f32 out past 65536", "layer f32", "layer", "layer short", "rms f32 evaluated",
+        "layer f32 out past 65536", "layer f32", "layer", "layer short", "layer short many rows",
+        "rms f32 evaluated",
         "rms shortest", "rms 16392", "layer 12288", "layer 8192", "layer shortest",
-        "layer few long rows", "layer long rows", "layer 256", "layer 256 many rows",
+        "layer few long rows", "layer long rows", "layer 256", "layer 256 more rows",
+        "layer 256 many rows",
         "rms 512 many rows", "softmax 1024", "softmax 2048", "softmax 12288", "softmax 16376",
         "softmax 16376 many rows",
         "softmax 50257", "softmax 50264", "softmax 65545", "cross-entropy", "cross-entropy rows",

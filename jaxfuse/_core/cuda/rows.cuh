@@ -204,13 +204,13 @@ struct RowSlice {
 
 // Short rows: a row of at most 32 * V units is held by a group of `lanes` lanes of one warp (a
 // power of two), lane j holding units k * lanes + j. A warp holds 32 / lanes rows at once, and a
-// row's statistics take log2(lanes) shuffles and no barrier, where a CTA per row would pay a
+// row's statistics take a warp's shuffles and no barrier, where a CTA per row would pay a
 // barrier and leave most of its threads without work.
 struct LaneSlice {
   int lanes, lane, n;
 
   __device__ __forceinline__ static LaneSlice mine(int lanes, int n) {
-    return {lanes, static_cast<int>(threadIdx.x) % lanes, n};
+    return {lanes, static_cast<int>(threadIdx.x) & (lanes - 1), n};
   }
   __device__ __forceinline__ int column(int k) const { return (k * lanes + lane) * kUnit; }
   __device__ __forceinline__ bool holds(int k) const { return column(k) < n; }
@@ -266,9 +266,11 @@ struct RowWalk {
     return {blockIdx.x / ctas, gridDim.x / ctas};
   }
   // Short rows: the groups of `lanes` lanes of every CTA, in order, take consecutive rows.
+  // `lanes` is a power of two: shifts, not divisions.
   __device__ __forceinline__ static RowWalk of_lanes(int lanes) {
-    const int64_t per_cta = blockDim.x / lanes;
-    return {blockIdx.x * per_cta + threadIdx.x / lanes, gridDim.x * per_cta};
+    const int shift = __ffs(lanes) - 1;
+    const int64_t per_cta = blockDim.x >> shift;
+    return {blockIdx.x * per_cta + (threadIdx.x >> shift), gridDim.x * per_cta};
   }
 };
 
@@ -561,8 +563,13 @@ struct Sum {
 // The sum over a group of `lanes` lanes (a power of two, aligned in its warp) as a butterfly:
 // every lane of the group gets the same bits. Every lane of the warp must take part.
 template <typename S> __device__ __forceinline__ S lane_group_sum(S value, int lanes) {
-  for (int offset = lanes / 2; offset > 0; offset /= 2)
-    value = Sum{}(value, shuffle(value, offset, true));
+  // Every width a warp has, unrolled: each step shuffles and keeps the sum where it lies
+  // within the group, with neither a loop nor a branch around the shuffles.
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    const S summed = Sum{}(value, shuffle(value, offset, true));
+    if (offset < lanes) value = summed;
+  }
   return value;
 }
 

@@ -488,21 +488,30 @@ __global__ void __launch_bounds__(kShortThreads)
   const LaneSlice slice = LaneSlice::mine(lanes, n);
   const RowWalk walk = RowWalk::of_lanes(lanes);
   // Rows of one warp differ by its groups' places in it; the warp walks while any is a row.
-  const int64_t place = (threadIdx.x % 32) / lanes;
+  const int64_t place = (threadIdx.x % 32) >> (__ffs(lanes) - 1);
+  const int64_t stride = walk.step * n;
   const float inv_n = 1.f / n;
   with_params<kLayer, true>(has_weight, has_bias, [&](auto weighted, auto biased) {
     constexpr bool kWeighted = decltype(weighted)::value, kBiased = decltype(biased)::value;
     for (int64_t group = blockIdx.y; group < groups; group += gridDim.y) {
+      // Every group has the same rows: a warp without one in this group has none in any.
+      if (walk.first - place >= rows_per_group) break;
       Unit<TP> w[V], b[V];
       if constexpr (kWeighted) load_row(weight + group * n, slice, true, w);
       if constexpr (kBiased) load_row(bias + group * n, slice, true, b);
-      const TX* xg = x + group * rows_per_group * n;
-      Unit<TX> xs[V], next[V];
-      load_row(xg + walk.first * n, slice, walk.first < rows_per_group, next);
-      for (int64_t r = walk.first; r - place < rows_per_group; r += walk.step) {
-#pragma unroll
-        for (int k = 0; k < V; ++k) xs[k] = next[k];
-        load_row(xg + (r + walk.step) * n, slice, r + walk.step < rows_per_group, next);
+      // Pointers stepped once a row: the loads and stores then add constant unit offsets to
+      // them, where `base + row * n` would be a 64-bit product a unit.
+      const int64_t first = group * rows_per_group + walk.first;
+      const TX* x_row = x + first * n;
+      TY* y_row = y + first * n;
+      float* mean_at = mean_out + first;
+      float* rstd_at = rstd_out + first;
+      int64_t r = walk.first;
+      // Normalizes row r from xs while the next row it walks loads into `next`; returns
+      // whether the warp walks on.
+      auto row = [&](Unit<TX>(&xs)[V], Unit<TX>(&next)[V]) {
+        load_row(x_row + stride, slice, r + walk.step < rows_per_group, next);
+        x_row += stride;
         // LayerNorm: the mean, then M2 about it, both exact over the row in registers.
         float sum = 0.f;
 #pragma unroll
@@ -526,22 +535,32 @@ __global__ void __launch_bounds__(kShortThreads)
           square = lane_group_sum(square, lanes);
         }
         const float rstd = rsqrtf(square * inv_n + eps);
-        if (r >= rows_per_group) continue;
-        const int64_t row = group * rows_per_group + r;
-        TY* const y_row = y + row * n;
+        if (r < rows_per_group) {
 #pragma unroll
-        for (int k = 0; k < V; ++k) {
-          if (!computes_output<TY>(slice, k)) continue;
-          store_normalized(
-              xs[k], mean, rstd, weighted, biased, [&](float (&wv)[kUnit]) { w[k].unpack(wv); },
-              [&](float (&bv)[kUnit]) { b[k].unpack(bv); }, y_row + slice.column(k),
-              slice.holds(k), lanes > 1);
+          for (int k = 0; k < V; ++k) {
+            if (!computes_output<TY>(slice, k)) continue;
+            store_normalized(
+                xs[k], mean, rstd, weighted, biased, [&](float (&wv)[kUnit]) { w[k].unpack(wv); },
+                [&](float (&bv)[kUnit]) { b[k].unpack(bv); }, y_row + slice.column(k),
+                slice.holds(k), lanes > 1);
+          }
+          if (slice.lane == 0) {
+            if (kLayer) *mean_at = mean;
+            *rstd_at = rstd;
+          }
         }
-        if (slice.lane == 0) {
-          if (kLayer) mean_out[row] = mean;
-          rstd_out[row] = rstd;
-        }
-      }
+        y_row += stride;
+        mean_at += walk.step;
+        rstd_at += walk.step;
+        r += walk.step;
+        return r - place < rows_per_group;
+      };
+      Unit<TX> xs[V], next[V];
+      load_row(x_row, slice, r < rows_per_group, next);
+      do {
+#pragma unroll
+        for (int k = 0; k < V; ++k) xs[k] = next[k];
+      } while (row(xs, next));
     }
   });
 }
@@ -559,9 +578,11 @@ __global__ void __launch_bounds__(kShortThreads) norm_backward_short_kernel(
   extern __shared__ float4 group_sums[];  // [CTA's lane group][its row's columns]
   const LaneSlice slice = LaneSlice::mine(lanes, n);
   const RowWalk walk = RowWalk::of_lanes(lanes);
-  const int64_t place = (threadIdx.x % 32) / lanes;
-  const int lane_groups = blockDim.x / lanes, width = V * lanes * kUnit;
-  float4* my_sums = group_sums + (threadIdx.x / lanes) * (width / 4);
+  const int shift = __ffs(lanes) - 1;
+  const int64_t place = (threadIdx.x % 32) >> shift;
+  const int lane_groups = blockDim.x >> shift, width = V * lanes * kUnit;
+  float4* my_sums = group_sums + (threadIdx.x >> shift) * (width / 4);
+  const int64_t stride = walk.step * n;
   const float inv_n = 1.f / n;
   with_params<kLayer, true>(has_weight, has_bias, [&](auto weighted, auto biased) {
     constexpr bool kWeighted = decltype(weighted)::value, kBiased = decltype(biased)::value;
@@ -579,20 +600,30 @@ __global__ void __launch_bounds__(kShortThreads) norm_backward_short_kernel(
         fill(dw[k], 0.f);
         fill(db[k], 0.f);
       }
-      const int64_t offset = group * rows_per_group;
+      // Pointers stepped once a row, as in the forward.
+      const int64_t first = group * rows_per_group + walk.first;
+      const TX* x_next = x + first * n;
+      const TDY* dy_next = dy + first * n;
+      const float* mean_next = mean_in + first;
+      const float* rstd_next = rstd_in + first;
+      TX* dx_row = dx + first * n;
       Unit<TX> xs[V], next_xs[V];
       Unit<TDY> dys[V], next_dys[V];
       float mean, rstd, next_mean, next_rstd;
       // Row r and its statistics (zeros past the last row) into the next buffers.
       auto fetch = [&](int64_t r) {
         const bool valid = r < rows_per_group;
-        load_row(x + (offset + r) * n, slice, valid, next_xs);
-        load_row(dy + (offset + r) * n, slice, valid, next_dys);
-        next_mean = kLayer && valid ? mean_in[offset + r] : 0.f;
-        next_rstd = valid ? rstd_in[offset + r] : 0.f;
+        load_row(x_next, slice, valid, next_xs);
+        load_row(dy_next, slice, valid, next_dys);
+        next_mean = kLayer && valid ? *mean_next : 0.f;
+        next_rstd = valid ? *rstd_next : 0.f;
+        x_next += stride;
+        dy_next += stride;
+        mean_next += walk.step;
+        rstd_next += walk.step;
       };
       fetch(walk.first);
-      for (int64_t r = walk.first; r - place < rows_per_group; r += walk.step) {
+      for (int64_t r = walk.first; r - place < rows_per_group; r += walk.step, dx_row += stride) {
 #pragma unroll
         for (int k = 0; k < V; ++k) {
           xs[k] = next_xs[k];
@@ -605,7 +636,6 @@ __global__ void __launch_bounds__(kShortThreads) norm_backward_short_kernel(
         const float2 partial = thread_row_sums<kLayer>(xs, dys, slice, weight_of, mean, rstd);
         const float2 total = lane_group_sum(partial, lanes);
         const float c1 = kLayer ? total.x * inv_n : 0.f, c2 = total.y * inv_n;
-        TX* const dx_row = dx + (offset + r) * n;
 #pragma unroll
         for (int k = 0; k < V; ++k) {
           if (!slice.holds(k)) continue;
