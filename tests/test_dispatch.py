@@ -553,7 +553,8 @@ SOFTMAX_ON_HOPPER = [
 ]
 
 
-# The H200's own rows over the H100's: XLA for rows with float32 outputs past 16384 (CUDA's
+# The H200's own rows over the H100's: Triton's LayerNorm of float32 rows up to 5120, past its
+# step limit measured on 16-bit rows; XLA for rows with float32 outputs past 16384 (CUDA's
 # evaluated LayerNorm of 16-bit rows up to 65536 with float32 outputs), and for
 # RMSNorm's evaluated forward of float32 rows from 5120 and of 16-bit rows up to 128; CUDA's
 # RMSNorm step and LayerNorm of 16-bit rows up to 512 from 2^26 elements, and LayerNorm's
@@ -571,6 +572,7 @@ SOFTMAX_ON_HOPPER = [
     (lambda: normalize("layer_norm", 65536, param_dtype="float32"), ("cuda", "xla", "xla")),
     (lambda: normalize("layer_norm", 65544, param_dtype="float32"), ("xla", "xla")),
     (lambda: normalize("layer_norm", 32768, "float32"), ("xla", "xla")),
+    (lambda: normalize("layer_norm", 5120, "float32"), ("triton", "triton")),
     (lambda: normalize("layer_norm", 32768), ("cuda", "cuda")),
     (lambda: normalize("layer_norm", 512), ("cuda", "triton")),
     (lambda: normalize("layer_norm", 512, rows=8192), ("cuda", "cuda")),
@@ -599,7 +601,7 @@ SOFTMAX_ON_HOPPER = [
     (lambda: cross_entropy(131072, rows=32), ("xla", "xla")),
     (lambda: cross_entropy(1024, rows=4096), ("triton", "triton")),
 ], ids=["rms f32 out", "layer f32 out", "layer f32 out past 16384", "layer f32 out at 65536",
-        "layer f32 out past 65536", "layer f32", "layer", "layer short", "layer short many rows",
+        "layer f32 out past 65536", "layer f32", "layer f32 5120", "layer", "layer short", "layer short many rows",
         "rms f32 evaluated",
         "rms shortest", "rms 16392", "layer 12288", "layer 8192", "layer shortest",
         "layer few long rows", "layer long rows", "layer 256", "layer 256 more rows",
