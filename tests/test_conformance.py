@@ -1,7 +1,8 @@
 """Every op under every implementation behaves as a JAX function: jit gives the eager bits,
 gradients agree with XLA's, vmap over a leading or an inner axis is the loop of calls,
-``jax.checkpoint`` changes nothing, a batch-sharded input is never all-gathered, and a
-non-float input is refused naming the argument.
+``jax.checkpoint`` changes nothing, second derivatives are XLA's or a named refusal, a
+batch-sharded input is never all-gathered, and a non-float input is refused naming the
+argument.
 
 The CPU runs 'xla' and the Pallas Triton kernels (interpreted); a GPU adds 'cuda', 'mosaic' and
 'cudnn' (tests marked ``gpu``). Per-family tests check the values against float64.
@@ -37,6 +38,7 @@ class Op:
   batch: tuple = (P("batch"),)
   tolerance: float = 2e-5
   sixteen_bit: tuple[str, ...] = ()  # implementations that take 16-bit inputs only
+  xla_twice: bool = True  # whether 'xla' takes second derivatives
 
 
 def _normal(rng, shape, scale=1.0):
@@ -109,7 +111,8 @@ OPS = [
     Op("linear_cross_entropy", _lce_args,
        lambda impl, x, w, y: jaxfuse.linear_cross_entropy(x, w, y, reduction="none",
                                                          implementation=impl),
-       ("xla",) + GPU, wrt=(0, 1), inner_axis=None, batch=(P("batch"), None, P("batch"))),
+       ("xla",) + GPU, wrt=(0, 1), inner_axis=None, batch=(P("batch"), None, P("batch")),
+       xla_twice=False),
     Op("gelu_mlp", _mlp_args,
        lambda impl, *a: jaxfuse.gelu_mlp(*a, implementation=impl), ("xla",),
        wrt=(0, 1, 2, 3, 4), inner_axis=None, batch=(P("batch"), None, None, None, None)),
@@ -177,6 +180,32 @@ def test_gradients_agree_with_xla_and_survive_checkpoint(rng, op, impl):
                            argnums=tuple(range(len(wrt)))))(*wrt)
   for g, r in zip(grads, remat):
     assert np.array_equal(np.asarray(g), np.asarray(r))
+
+
+@pytest.mark.parametrize("op,impl", CASES)
+def test_second_derivatives_agree_with_xla_or_are_refused_by_name(rng, op, impl):
+  # A kernel's backward is a kernel too: differentiating it again either works as XLA's does
+  # or is a NotImplementedError that says so, never an error from inside JAX.
+  args = _args(op, impl, rng)
+  wide = tuple(a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a
+               for a in args)
+
+  def second(impl, args):
+    first = jax.grad(_loss(op, impl, args))
+    return jax.grad(lambda a: jnp.sum(first(a).astype(jnp.float32) ** 2))(args[op.wrt[0]])
+
+  if not op.xla_twice:
+    with pytest.raises(NotImplementedError, match="differentiable once"):
+      second(impl, args)
+    return
+  expected = second("xla", wide)
+  assert np.all(np.isfinite(np.asarray(expected)))
+  try:
+    got = second(impl, args)
+  except NotImplementedError as error:
+    assert impl != "xla" and "differentiable once" in str(error)
+    return
+  _close(got, expected, 10 * (2e-2 if impl in op.sixteen_bit else op.tolerance))
 
 
 def _stack_along(args, op, axis, copies=3):

@@ -79,7 +79,38 @@ def differentiable(primal: Callable, forward: Callable, backward: Callable, *,
   gradient (the call's static configuration).
   """
   function = jax.custom_vjp(primal, nondiff_argnums=tuple(static))
-  function.defvjp(forward, backward)
+  function.defvjp(_differentiated_again(forward, tuple(static)),
+                  _differentiated_again(backward, tuple(range(len(static)))))
+  return function
+
+
+def _differentiated_again(fn: Callable, static: tuple[int, ...]) -> Callable:
+  """``fn``, whose own derivative (a second-order gradient differentiates a VJP's forward and
+  backward) is JAX's where its calls have one, as an XLA implementation's do, and otherwise a
+  ``NotImplementedError`` that says so, where JAX would fail inside a kernel call's
+  differentiation with a bare assertion."""
+  static = tuple(sorted(static))
+  function = jax.custom_jvp(fn, nondiff_argnums=static)
+
+  def derivative(*args):
+    *config, primals, tangents = args
+
+    def call(*arrays):
+      arguments = list(arrays)
+      for position, value in zip(static, config):  # ascending: each lands where it was
+        arguments.insert(position, value)
+      return fn(*arguments)
+
+    try:
+      return jax.jvp(call, primals, tangents)
+    except (AssertionError, NotImplementedError) as error:
+      raise NotImplementedError(
+          "jaxfuse: this call is differentiable once: its gradient runs kernels or sharding "
+          "rules of its own, which JAX cannot differentiate again (implementation='xla' takes "
+          "second derivatives of the norms, softmaxes, attention, the MLP and the recurrent "
+          "layers)") from error
+
+  function.defjvp(derivative)
   return function
 
 
