@@ -101,9 +101,12 @@ def _differentiated_again(fn: Callable, static: tuple[int, ...]) -> Callable:
         arguments.insert(position, value)
       return fn(*arguments)
 
+    # The call traced once already, so what fails here is JAX's differentiation of a kernel:
+    # Pallas's assertion, an FFI call's ValueError, a primitive's missing rule, a custom_vjp's
+    # TypeError.
     try:
       return jax.jvp(call, primals, tangents)
-    except (AssertionError, NotImplementedError) as error:
+    except (AssertionError, NotImplementedError, TypeError, ValueError) as error:
       raise NotImplementedError(
           "jaxfuse: this call is differentiable once: its gradient runs kernels or sharding "
           "rules of its own, which JAX cannot differentiate again (implementation='xla' takes "

@@ -379,12 +379,13 @@ def _resolve(implementation, call, arrays, empty=False) -> op.Plan:
 
 @functools.partial(jax.jit, static_argnums=(9, 10))
 def _attention_jit(q, k, v, bias, mask, q_seg, kv_seg, q_len, kv_len, plan, call):
-  if plan.evaluated == plan.forward:
+  if plan.evaluated == plan.forward != "cudnn":
     return _implementation(plan.forward, q, k, v, bias, mask, q_seg, kv_seg, q_len, kv_len,
                            call)
-  # They differ only as cuDNN and 'mosaic': no bias or mask (Mosaic takes none), no segments
-  # and no lse (cuDNN takes none).
-  return _by_use(call, plan, q, k, v, q_len, kv_len), None
+  # cuDNN's and 'mosaic''s plans: no segments and no lse (cuDNN takes none), no bias or mask
+  # where Mosaic runs (it takes none). cuDNN's derivatives, JAX's own, go through the op layer
+  # too, which refuses by name to differentiate its backward again.
+  return _by_use(call, plan, q, k, v, bias, mask, q_len, kv_len), None
 
 
 def _implementation(impl, q, k, v, bias, mask, q_seg, kv_seg, q_len, kv_len, call):
@@ -396,13 +397,13 @@ def _implementation(impl, q, k, v, bias, mask, q_seg, kv_seg, q_len, kv_len, cal
   return _flash(q, k, v, (q_seg, kv_seg, q_len, kv_len), (impl, call))
 
 
-def _unmasked(call, impl, q, k, v, q_len, kv_len):
-  return _implementation(impl, q, k, v, None, None, None, None, q_len, kv_len, call)[0]
+def _without_segments(call, impl, q, k, v, bias, mask, q_len, kv_len):
+  return _implementation(impl, q, k, v, bias, mask, None, None, q_len, kv_len, call)[0]
 
 
 # The output of plan.evaluated, differentiated as plan.forward: the fastest for inference and
-# for training where those differ.
-_by_use = op.by_use(_unmasked, static=1, differentiated=3)
+# for training where those differ. Gradients flow to q, k, v and bias.
+_by_use = op.by_use(_without_segments, static=1, differentiated=4)
 
 
 # ``kernel`` is (implementation, call): 'triton' or 'mosaic' and the static configuration.
