@@ -527,10 +527,10 @@ def test_gpu_cuda_refuses_rows_it_cannot_hold(rng, n):
 @pytest.mark.gpu
 @pytest.mark.parametrize("n", [264, 488])
 def test_gpu_default_layer_norm_backward_takes_cuda_for_short_rows(rng, n):
-  """LayerNorm's default backward is the CUDA short-row kernel (on every table and without
-  one); RMSNorm's stays with Triton where it runs. The step matches float64 on poisoned
-  memory."""
-  x = random(rng, (999, n), jnp.bfloat16)
+  """LayerNorm's default backward of many short rows (past 2^22 elements, where the H200's
+  table takes it too) is the CUDA short-row kernel (on every table and without one); RMSNorm's
+  stays with Triton where it runs. The step matches float64 on poisoned memory."""
+  x = random(rng, (16384, n), jnp.bfloat16)
   w, b = params(rng, "layer", (n,), jnp.bfloat16)
   dy = random(rng, x.shape, jnp.bfloat16)
 

@@ -87,6 +87,10 @@ constexpr int kMaxThreads = 1024;
 
 // ---- Units: 8 elements in storage type, moved as one (2-byte types) or two (float) uint4.
 
+// Whether a kernel's input is read once, or read again soon by another kernel (a norm's x,
+// which its backward reads in a training step, while the rows may still be in L2).
+enum class Reuse { kOnce, kAgain };
+
 template <typename T> struct Unit {
   static constexpr int kVectors = sizeof(T) * kUnit / 16;
   uint4 raw[kVectors];
@@ -99,6 +103,11 @@ template <typename T> struct Unit {
   __device__ __forceinline__ void load_streaming(const T* p) {
 #pragma unroll
     for (int i = 0; i < kVectors; ++i) raw[i] = __ldcs(reinterpret_cast<const uint4*>(p) + i);
+  }
+  // Data read again soon: loads at L2's normal priority, so the lines may still be there.
+  __device__ __forceinline__ void load_kept(const T* p) {
+#pragma unroll
+    for (int i = 0; i < kVectors; ++i) raw[i] = __ldg(reinterpret_cast<const uint4*>(p) + i);
   }
   __device__ __forceinline__ void store_streaming(T* p) const {
 #pragma unroll
@@ -247,13 +256,14 @@ __device__ __forceinline__ void store_paired(const Unit<T>& unit, T* out, bool h
 }
 
 // A thread's units of one row (zeros for units past the row's end, or for no row at all).
-template <typename T, int V, typename Slice>
+template <Reuse kReuse = Reuse::kOnce, typename T, int V, typename Slice>
 __device__ __forceinline__ void load_row(const T* row, const Slice& slice, bool valid,
                                          Unit<T> (&units)[V]) {
 #pragma unroll
   for (int k = 0; k < V; ++k) {
-    if (valid && slice.holds(k)) units[k].load_streaming(row + slice.column(k));
-    else units[k].zero();
+    if (!valid || !slice.holds(k)) units[k].zero();
+    else if constexpr (kReuse == Reuse::kAgain) units[k].load_kept(row + slice.column(k));
+    else units[k].load_streaming(row + slice.column(k));
   }
 }
 
@@ -337,7 +347,8 @@ template <typename T, typename Ends> struct FeedBase<T, Ends, true> : FeedBase<T
 
 // Rows through registers. With kPrefetch a thread loads row i + 1 while it works on row i,
 // which doubles its registers; without, the CTAs of other clusters on the SM hide the loads.
-template <typename T, int V, bool kPrefetch, typename Ends, bool kStepped = false>
+template <typename T, int V, bool kPrefetch, typename Ends, bool kStepped = false,
+          Reuse kReuse = Reuse::kOnce>
 struct RegisterFeed : FeedBase<T, Ends, kStepped> {
   static constexpr bool kStaged = false;
   Unit<T> now[V], next[V];
@@ -360,7 +371,7 @@ struct RegisterFeed : FeedBase<T, Ends, kStepped> {
  private:
   __device__ __forceinline__ void fetch(int64_t i, Unit<T> (&units)[V]) {
     const int64_t r = this->row(i);
-    load_row(this->row_start(r), this->next_read(), r < this->rows, units);
+    load_row<kReuse>(this->row_start(r), this->next_read(), r < this->rows, units);
   }
 };
 
@@ -452,11 +463,12 @@ struct StagedFeed : FeedBase<T, Ends, kStepped> {
 template <typename T, int V, int kStreams>
 constexpr bool kPrefetchFits = V * Unit<T>::kVectors * kStreams <= 4;
 
+// Staged copies (cp.async.cg) keep L2's normal priority whatever kReuse says.
 template <typename T, int V, bool kStaged, int kStreams, typename Ends = WholeRows,
-          bool kStepped = false>
-using RowFeed =
-    std::conditional_t<kStaged, StagedFeed<T, V, Ends, kStepped>,
-                       RegisterFeed<T, V, kPrefetchFits<T, V, kStreams>, Ends, kStepped>>;
+          bool kStepped = false, Reuse kReuse = Reuse::kOnce>
+using RowFeed = std::conditional_t<
+    kStaged, StagedFeed<T, V, Ends, kStepped>,
+    RegisterFeed<T, V, kPrefetchFits<T, V, kStreams>, Ends, kStepped, kReuse>>;
 
 // A feed of the rows of `base` (rows x n) that this thread's cluster walks; a staged feed uses
 // `stages` stages of the CTA's dynamic shared memory from `shared` on.

@@ -168,7 +168,7 @@ __global__ void __launch_bounds__(kStaged ? kStagedThreads : kThreads, kStaged ?
   for (int64_t group = 0; group < groups; ++group) {
     if (has_weight) w_slice.load(weight + group * n, slice, V);
     if (has_bias) b_slice.load(bias + group * n, slice, V);
-    auto xs = feed_of<RowFeed<TX, V, kStaged, 1, WholeRows, true>>(
+    auto xs = feed_of<RowFeed<TX, V, kStaged, 1, WholeRows, true, Reuse::kAgain>>(
         x + group * rows_per_group * n, rows_per_group, n, walk, slice, staging, stages);
     xs.start();
     // Stepped once a row, as the feed's row start, not rebuilt at each unit's store.
@@ -510,7 +510,7 @@ __global__ void __launch_bounds__(kShortThreads)
       // Normalizes row r from xs while the next row it walks loads into `next`; returns
       // whether the warp walks on.
       auto row = [&](Unit<TX>(&xs)[V], Unit<TX>(&next)[V]) {
-        load_row(x_row + stride, slice, r + walk.step < rows_per_group, next);
+        load_row<Reuse::kAgain>(x_row + stride, slice, r + walk.step < rows_per_group, next);
         x_row += stride;
         // LayerNorm: the mean, then M2 about it, both exact over the row in registers.
         float sum = 0.f;
@@ -556,7 +556,7 @@ __global__ void __launch_bounds__(kShortThreads)
         return r - place < rows_per_group;
       };
       Unit<TX> xs[V], next[V];
-      load_row(x_row, slice, r < rows_per_group, next);
+      load_row<Reuse::kAgain>(x_row, slice, r < rows_per_group, next);
       do {
 #pragma unroll
         for (int k = 0; k < V; ++k) xs[k] = next[k];
