@@ -499,8 +499,10 @@ __global__ void __launch_bounds__(kThreads, 2)
   // are unchecked; the rest see the padding, the row's end and the bias.
   const int unchecked_end = args.bias == nullptr ? classes / step * step : 0;
   // Calls visit(base, units, whole) at each step of `row`, its units loaded by `load` (none
-  // past the row's end): the unchecked steps first, then the rest.
-  auto walk = [&](const T* row, auto load, auto&& visit) {
+  // past the row's end): the unchecked steps first, then the rest; `backwards`, the same steps
+  // from the row's end, whose lines the forward walk loaded last and L2 most likely still holds
+  // where the rows in flight outgrow it.
+  auto walk = [&](const T* row, auto load, auto&& visit, auto backwards) {
     auto at = [&](int base, auto whole) {
       Unit<T> u[kUnits];
 #pragma unroll
@@ -510,9 +512,19 @@ __global__ void __launch_bounds__(kThreads, 2)
       }
       visit(base, u, whole);
     };
-    int base = 0;
-    for (; base < unchecked_end; base += step) at(base, std::true_type{});
-    for (; base < n; base += step) at(base, std::false_type{});
+    if constexpr (decltype(backwards)::value) {
+      if (unchecked_end < n) {
+        for (int base = unchecked_end + (n - 1 - unchecked_end) / step * step;
+             base >= unchecked_end; base -= step) {
+          at(base, std::false_type{});
+        }
+      }
+      for (int base = unchecked_end - step; base >= 0; base -= step) at(base, std::true_type{});
+    } else {
+      int base = 0;
+      for (; base < unchecked_end; base += step) at(base, std::true_type{});
+      for (; base < n; base += step) at(base, std::false_type{});
+    }
   };
   // The logits of the unit at `column` with the bias added; -inf past the classes or the row.
   auto logits_of = [&](const Unit<T>& u, int column, float (&v)[kUnit], auto whole) {
@@ -564,7 +576,7 @@ __global__ void __launch_bounds__(kThreads, 2)
         }
       }
       m = to;
-    });
+    }, std::false_type{});
     const float3 part = make_float3(m, sum, total);
     const float3 stats = smoothing ? cluster_max_sum<false, true>(part, scratch, parity)
                                    : cluster_max_sum<false, false>(part, scratch, parity);
@@ -619,7 +631,7 @@ __global__ void __launch_bounds__(kThreads, 2)
           out.pack(v);
           out.store_streaming(grad + r * n + column);
         }
-      });
+      }, std::true_type{});
     }
   }
 }
