@@ -5,6 +5,7 @@ anywhere; one test compiles a tiny source with a real nvcc where one is installe
 
 import importlib
 import os
+import shutil
 import pkgutil
 import stat
 import subprocess
@@ -102,6 +103,17 @@ def test_cache_key_covers_what_goes_into_the_binary(tmp_path, toolchain, source,
     assert build.cache_key(source, "sm_90", toolchain) != before
   finally:
     build._compiler_versions.cache_clear()
+
+
+def test_a_copy_of_the_sources_elsewhere_shares_the_cache(tmp_path, toolchain, source,
+                                                         monkeypatch):
+  before = build.cache_key(source, "sm_90", toolchain)
+  copy = tmp_path / "elsewhere" / "jaxfuse" / "_core" / "cuda"
+  shutil.copytree(build._HERE, copy)
+  monkeypatch.setattr(build, "_HERE", copy)
+  assert build.cache_key(source, "sm_90", toolchain) == before
+  (copy / "rows.cuh").write_text("// changed\n")
+  assert build.cache_key(source, "sm_90", toolchain) != before
 
 
 @pytest.mark.parametrize("options,expected", [

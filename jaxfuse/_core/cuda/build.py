@@ -250,12 +250,17 @@ NO_CUDNN = ("cuDNN 9 was not found (pip install nvidia-cudnn-cu13, which 'jax[cu
 def cache_key(source: Path, arch: str, toolchain: Toolchain, extra: tuple[str, ...] = ()) -> str:
   """A digest of everything the built library depends on."""
   digest = hashlib.sha256()
-  headers = sorted({*source.parent.glob("*.cuh"), *source.parent.glob("*.h"),
-                    *_HERE.glob("*.cuh")})
+  # Headers by name and contents in an order of their names, and the command without this
+  # tree's path: a copy of the same sources elsewhere (an installed package, another checkout)
+  # shares the cache.
+  by_name = lambda paths: sorted(paths, key=lambda path: path.name)
+  headers = dict.fromkeys(by_name([*source.parent.glob("*.cuh"), *source.parent.glob("*.h")])
+                          + by_name(_HERE.glob("*.cuh")))
   for path in (source, *headers):
     digest.update(path.name.encode())
     digest.update(path.read_bytes())
-  flags = _command(toolchain, Path(source.name), arch, "OUT", extra)
+  flags = [("-I<jaxfuse>" if flag == f"-I{_HERE}" else flag)
+           for flag in _command(toolchain, Path(source.name), arch, "OUT", extra)]
   digest.update("\0".join(flags).encode())
   digest.update(_ffi_headers_digest().encode())
   digest.update(_compiler_versions(toolchain).encode())
