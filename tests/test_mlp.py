@@ -8,6 +8,8 @@ import pytest
 from jax.test_util import check_grads
 
 import jaxfuse
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 from jaxfuse._core.testing import assert_close, random, x64
 
 SHAPES = [(2, 5, 8), (8, 32), (32,), (32, 7), (7,)]
@@ -47,6 +49,27 @@ def test_mixed_dtypes_promote_and_each_gradient_keeps_its_operands_dtype(rng):
   # jit and vmap over a leading axis compose with the custom backward.
   batched = jax.jit(jax.vmap(lambda x: jaxfuse.gelu_mlp(x, *args[1:])))(args[0])
   np.testing.assert_allclose(batched, out, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=str)
+def test_a_batch_sharded_step_never_gathers(rng, axis_type):
+  """Rows sharded over two devices: the weight gradients' products over the rows are summed
+  across them (with an explicit mesh too, where JAX asks those products for their output's
+  sharding), and each gradient is sharded as its operand."""
+  if len(jax.devices()) < 2:
+    pytest.skip("needs two devices")
+  args = [random(rng, s, jnp.float32, scale=0.5) for s in [(4, 6, 8)] + SHAPES[1:]]
+  step = jax.jit(jax.grad(lambda *a: jnp.sum(jaxfuse.gelu_mlp(*a) ** 2), tuple(range(5))))
+  single = step(*args)
+  mesh = jax.make_mesh((2,), ("batch",), axis_types=(axis_type,))
+  placed = [jax.device_put(a, NamedSharding(mesh, P("batch") if i == 0 else P()))
+            for i, a in enumerate(args)]
+  compiled = step.lower(*placed).compile()
+  assert "all-gather" not in compiled.as_text()
+  grads = compiled(*placed)
+  assert grads[0].sharding.spec[:1] == ("batch",)
+  for g, e in zip(grads, single):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("change,error,match", [
