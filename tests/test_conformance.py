@@ -231,21 +231,24 @@ def test_vmap_over_a_leading_or_an_inner_axis_is_the_loop(rng, op, impl, axis):
     _close(batched[i], op.call(impl, *one), 1e-6)
 
 
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=str)
 @pytest.mark.parametrize("op,impl", CASES)
-def test_a_batch_sharded_input_is_never_gathered(rng, op, impl):
+def test_a_batch_sharded_input_is_never_gathered(rng, op, impl, axis_type):
   devices = jax.devices()
   if len(devices) < 2:
     pytest.skip("needs two devices")
-  mesh = jax.make_mesh((2,), ("batch",), axis_types=(AxisType.Auto,))
+  mesh = jax.make_mesh((2,), ("batch",), axis_types=(axis_type,))
   args = _args(op, impl, rng)
   specs = op.batch + (None,) * (len(args) - len(op.batch))
-  placed = tuple(a if spec is None else jax.device_put(a, NamedSharding(mesh, spec))
+  # Every argument on the mesh (replicated where it carries no batch), as an explicit mesh asks.
+  placed = tuple(jax.device_put(a, NamedSharding(mesh, P() if spec is None else spec))
                  for a, spec in zip(args, specs))
-  step = jax.jit(jax.grad(_loss(op, impl, placed), argnums=tuple(range(len(op.wrt)))))
+  grads = lambda args: jax.jit(jax.grad(_loss(op, impl, args),
+                                        argnums=tuple(range(len(op.wrt)))))
   wrt = [placed[i] for i in op.wrt]
-  hlo = step.lower(*wrt).compile().as_text()
+  hlo = grads(placed).lower(*wrt).compile().as_text()
   assert "all-gather" not in hlo
-  for g, e in zip(step(*wrt), step(*[args[i] for i in op.wrt])):
+  for g, e in zip(grads(placed)(*wrt), grads(args)(*[args[i] for i in op.wrt])):
     _close(g, e, 1e-5)
 
 
