@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxfuse._core import op, registry
+from jaxfuse._core.sharding import replicated_sharding
 from jaxfuse._core.validation import check_array, describe
 
 OP = "gelu_mlp"
@@ -92,24 +93,14 @@ def _mlp_bwd(st, residuals, dy):
   # the activation and dh in one elementwise pass over the product.
   accumulate = jnp.promote_types(jnp.float32, dh.dtype)
   ones = jnp.ones((1, rows(dh).shape[0]), dh.dtype)
-  db1 = jnp.dot(ones, rows(dh), preferred_element_type=accumulate,
-                out_sharding=_explicit_sharding(b1, leading=1))[0]
+  # Products over the rows, which may be sharded: on an explicit mesh they name their output's
+  # sharding (replicated), as JAX asks there.
+  over_rows = replicated_sharding(x)
+  db1 = jnp.dot(ones, rows(dh), preferred_element_type=accumulate, out_sharding=over_rows)[0]
   db2 = jnp.sum(rows(dy), axis=0, dtype=accumulate)
-  dw1 = jnp.matmul(rows(x).T, rows(dh), out_sharding=_explicit_sharding(w1))
-  dw2 = jnp.matmul(rows(activation).T, rows(dy), out_sharding=_explicit_sharding(w2))
+  dw1 = jnp.matmul(rows(x).T, rows(dh), out_sharding=over_rows)
+  dw2 = jnp.matmul(rows(activation).T, rows(dy), out_sharding=over_rows)
   return dh @ w1.T, dw1, db1.astype(b1.dtype), dw2, db2.astype(dy.dtype)
-
-
-def _explicit_sharding(weight, leading: int = 0):
-  """The weight's sharding (with ``leading`` unsharded axes before its own) where its mesh is
-  explicit, for its gradient's product over the rows, which may be sharded: JAX asks such a
-  contraction for its output's sharding there. Else None: XLA's choice."""
-  sharding = getattr(jax.typeof(weight), "sharding", None)
-  mesh = getattr(sharding, "mesh", None)
-  if mesh is None or jax.sharding.AxisType.Explicit not in tuple(getattr(mesh, "axis_types", ())):
-    return None
-  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*(None,) * leading,
-                                                                     *sharding.spec))
 
 
 _mlp = op.differentiable(_mlp, _mlp_fwd, _mlp_bwd, static=(5,))
