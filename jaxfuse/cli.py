@@ -26,6 +26,7 @@ FAMILIES = {
     "linear_cross_entropy": "jaxfuse.ops.linear_cross_entropy.bench",
     "attention": "jaxfuse.ops.attention.bench",
     "rnn": "jaxfuse.ops.rnn.bench",
+    "mlp": "jaxfuse.ops.mlp.bench",
 }
 # The copy kernels the ceilings time, beside the families' own CUDA libraries.
 COPIES = "jaxfuse._core.cuda.copies"
@@ -563,7 +564,8 @@ def _build(arch: str | None) -> int:
     if number < library.min_arch:
       continue
     if library.flags() is None:
-      print(f"jaxfuse build: {library.source.name} left out: {build.NO_CUDNN}", file=sys.stderr)
+      print(f"jaxfuse build: {library.source.name} left out: {build.VENDORS[library.vendor][1]}",
+            file=sys.stderr)
     else:
       libraries.append(library)
   # Each build is an nvcc process: they run side by side.

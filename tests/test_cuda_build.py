@@ -53,7 +53,7 @@ def toolchain(tmp_path, monkeypatch):
   monkeypatch.setenv("JAXFUSE_CACHE", str(tmp_path / "cache"))
   monkeypatch.setenv("FAKE_NVCC_LOG", str(tmp_path / "compiles"))
   monkeypatch.delenv("JAXFUSE_BUILD_TIMEOUT", raising=False)
-  monkeypatch.setattr(build, "_cudnn_flags", lambda: ("-lcudnn",))
+  monkeypatch.setattr(build, "_vendor_flags", lambda vendor: (f"-l{vendor}",))
   return build.Toolchain(nvcc)
 
 
@@ -251,23 +251,32 @@ def test_cli_build_builds_every_library(tmp_path, toolchain, monkeypatch, capsys
   assert _compiles(tmp_path) == len(cli.cuda_libraries())
 
 
-def test_cli_build_leaves_out_what_links_cudnn_without_it(tmp_path, toolchain, monkeypatch,
-                                                          capsys):
+@pytest.mark.parametrize("missing,source,message", [
+    ("cudnn", "rnn_cudnn.cu", "cuDNN 9 was not found"),
+    ("cublaslt", "gelu_gemm.cu", "cuBLASLt was not found")])
+def test_cli_build_leaves_out_what_links_a_vendor_library_it_lacks(tmp_path, toolchain,
+                                                                   monkeypatch, capsys, missing,
+                                                                   source, message):
   monkeypatch.setattr(build, "_toolchain", lambda: toolchain)
-  monkeypatch.setattr(build, "_cudnn_flags", lambda: None)
+  monkeypatch.setattr(build, "_vendor_flags",
+                      lambda vendor: None if vendor == missing else (f"-l{vendor}",))
   assert cli.main(["build", "--arch", "sm_90"]) == 0
-  assert "rnn_cudnn.cu left out: cuDNN 9 was not found" in capsys.readouterr().err
+  assert f"{source} left out: {message}" in capsys.readouterr().err
   assert _compiles(tmp_path) == len(cli.cuda_libraries()) - 1
 
 
-def test_cudnn_is_found_in_the_wheel_jax_brings(tmp_path):
-  home = tmp_path / "nvidia" / "cudnn"
+@pytest.mark.parametrize("layout,library", [("nvidia/cudnn", "libcudnn.so.9"),
+                                            ("nvidia/cu13", "libcublasLt.so.13"),
+                                            ("nvidia/cublas", "libcublasLt.so.12")])
+def test_vendor_libraries_are_found_in_the_wheels_jax_brings(tmp_path, layout, library):
+  home = tmp_path / layout
   (home / "include").mkdir(parents=True)
   (home / "lib").mkdir()
-  (home / "include" / "cudnn.h").write_text("")
-  (home / "lib" / "libcudnn.so.9").write_text("")
-  flags = build.find_cudnn([tmp_path])
-  assert flags[:3] == (f"-I{home / 'include'}", f"-L{home / 'lib'}", "-l:libcudnn.so.9")
+  (home / "include" / ("cudnn.h" if "cudnn" in library else "cublasLt.h")).write_text("")
+  (home / "lib" / library).write_text("")
+  find = build.find_cudnn if "cudnn" in library else build.find_cublaslt
+  flags = find([tmp_path])
+  assert flags[:3] == (f"-I{home / 'include'}", f"-L{home / 'lib'}", f"-l:{library}")
   assert f"-rpath={home / 'lib'}" in flags
 
 

@@ -49,10 +49,10 @@ class Machine:
     monkeypatch.setattr(registry, "device_kind", lambda: H100)
     self.capability((9, 0))
     monkeypatch.setattr(build, "_toolchain", lambda: build.Toolchain("/fake/bin/nvcc"))
-    monkeypatch.setattr(build, "_cudnn_flags", lambda: ("-lcudnn",))
+    monkeypatch.setattr(build, "_vendor_flags", lambda vendor: (f"-l{vendor}",))
     for module in (norm_cuda, softmax_cuda, rnn_cuda, rnn_cudnn):
       library = build.Library(module.LIBRARY.source, module.LIBRARY.handlers,
-                              module.LIBRARY.min_arch, module.LIBRARY.cudnn)
+                              module.LIBRARY.min_arch, module.LIBRARY.vendor)
       # The rules only ask whether a library loads; loading would run nvcc.
       monkeypatch.setattr(library, "_load", lambda: None)
       monkeypatch.setattr(module, "LIBRARY", library)

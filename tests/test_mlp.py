@@ -79,7 +79,7 @@ def test_a_batch_sharded_step_never_gathers(rng, axis_type):
     (dict(b2=(7, 1)), ValueError, "b2"),
     (dict(x_dtype=jnp.int32), TypeError, "x"),
     (dict(approximate=1), TypeError, "approximate"),
-    (dict(implementation="cuda"), NotImplementedError, "gelu_mlp has no 'cuda'"),
+    (dict(implementation="mosaic"), NotImplementedError, "gelu_mlp has no 'mosaic'"),
     (dict(implementation="nope"), ValueError, "implementation"),
 ], ids=str)
 def test_bad_inputs_are_named(change, error, match):
@@ -115,3 +115,117 @@ def test_the_layer_is_flaxs_two_linears(rng):
   grad = lambda model: nnx.grad(lambda m: jnp.sum(m(x) ** 2))(model)
   for a, b in zip(jax.tree.leaves(grad(ours)), jax.tree.leaves(grad(theirs))):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the CPU's refusal")
+def test_cuda_is_refused_by_name_without_a_gpu():
+  arrays = [jnp.ones(s, jnp.bfloat16) for s in SHAPES]
+  with pytest.raises(NotImplementedError, match="implementation='cuda'.*cannot run here"):
+    jaxfuse.gelu_mlp(*arrays, implementation="cuda")
+
+
+# (leading axes of x, model width, hidden width): odd row counts, widths that are multiples of
+# 8 (16-byte rows, cuBLASLt's epilogues need them), GPT-2's MLP.
+CUDA_SHAPES = [((1,), 64, 256), ((3, 7), 72, 200), ((1000,), 128, 512), ((4097,), 768, 3072)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("lead,width,hidden", CUDA_SHAPES, ids=str)
+def test_gpu_cuda_epilogues_match_float64(rng, dtype, lead, width, hidden):
+  """The GELU in cuBLASLt's epilogues: the output and every gradient against float64 by the
+  worst row, through the two epilogue calls."""
+  shapes = [(*lead, width), (width, hidden), (hidden,), (hidden, width), (width,)]
+  scales = [1.0, width ** -0.5, 0.5, hidden ** -0.5, 0.5]
+  with x64():
+    args = [random(rng, s, jnp.float64, scale=c) for s, c in zip(shapes, scales)]
+    dy = random(rng, (*lead, width), jnp.float64)
+    want, plain_vjp = jax.vjp(plain, *args)
+    want_grads = plain_vjp(dy)
+    cast = [a.astype(dtype) for a in args]
+    fused = lambda *a: jaxfuse.gelu_mlp(*a, implementation="cuda")
+    got, vjp = jax.vjp(fused, *cast)
+    grads = jax.jit(vjp)(dy.astype(dtype))
+    assert got.dtype == jnp.dtype(dtype) and got.shape == want.shape
+    assert_close(got, want, factor=8, name="y")
+    for g, e, a, name in zip(grads, want_grads, cast, ("dx", "dw1", "db1", "dw2", "db2")):
+      assert g.dtype == a.dtype and g.shape == a.shape
+      # dw2's row f is one activation times dy where there is one row: a relative error over
+      # the hidden features (its columns) is what the pre-activation's rounding bounds.
+      assert_close(g, e, factor=16, name=name, axis=0 if name[1:] in ("b1", "b2", "w2") else -1)
+  lowered = jax.jit(jax.grad(lambda *a: jnp.sum(fused(*a).astype(jnp.float32)),
+                             tuple(range(5)))).lower(*cast).as_text()
+  assert "jaxfuse_gelu_gemm_forward" in lowered and "jaxfuse_gelu_gemm_backward" in lowered
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("change,match", [
+    (dict(approximate=False), "tanh approximation"),
+    (dict(dtype=jnp.float32), "float16 and bfloat16"),
+    (dict(hidden=36), "multiples of 8"),
+], ids=str)
+def test_gpu_cuda_refusals_are_named_and_none_passes_over_them(change, match):
+  hidden, dtype = change.get("hidden", 64), change.get("dtype", jnp.bfloat16)
+  arrays = [jnp.ones(s, dtype) for s in [(4, 32), (32, hidden), (hidden,), (hidden, 32), (32,)]]
+  approximate = change.get("approximate", True)
+  with pytest.raises(NotImplementedError, match=match):
+    jaxfuse.gelu_mlp(*arrays, approximate=approximate, implementation="cuda")
+  assert jaxfuse.gelu_mlp(*arrays, approximate=approximate).shape == (4, 32)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_composes_with_jit_vmap_and_empty_rows(rng):
+  args = [random(rng, s, jnp.bfloat16, scale=0.5)
+          for s in [(3, 5, 64), (64, 128), (128,), (128, 64), (64,)]]
+  fused = lambda x: jaxfuse.gelu_mlp(x, *args[1:], implementation="cuda")
+  # One call a mapped example: cuBLASLt may choose another algorithm for fewer rows.
+  np.testing.assert_allclose(jax.jit(jax.vmap(fused))(args[0]).astype(np.float32),
+                             fused(args[0]).astype(np.float32), rtol=2e-2, atol=2e-2)
+  assert fused(args[0][:, :0]).shape == (3, 0, 64)
+
+
+def _stand_in_forward(x, w1, b1, training):
+  pre = (jnp.dot(x, w1, preferred_element_type=jnp.float32) + b1).astype(x.dtype)
+  activation = jax.nn.gelu(pre.astype(jnp.float32), approximate=True).astype(x.dtype)
+  return (activation, pre) if training else (activation,)
+
+
+def _stand_in_backward(dy, w2, pre):
+  da = jnp.dot(dy, w2.T, preferred_element_type=jnp.float32)
+  _, gelu_vjp = jax.vjp(lambda h: jax.nn.gelu(h, approximate=True), pre.astype(jnp.float32))
+  (dh,) = gelu_vjp(da)
+  return (dh.astype(dy.dtype),)
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=str)
+def test_the_cuda_path_around_its_kernels_matches_the_plain_composition(rng, monkeypatch,
+                                                                        axis_type):
+  """The 'cuda' implementation's VJP, sharding and batching with XLA stand-ins for the two
+  cuBLASLt calls (same contracts): values and gradients as the plain composition's, rows
+  sharded over two devices without a gather, vmap one example at a time."""
+  if len(jax.devices()) < 2:
+    pytest.skip("needs two devices")
+  from jaxfuse.ops.mlp import api, cuda
+  monkeypatch.setattr(api, "_BACKENDS", dict(api._BACKENDS, cuda=lambda: None))
+  monkeypatch.setattr(cuda, "_forward", _stand_in_forward)
+  monkeypatch.setattr(cuda, "_backward", _stand_in_backward)
+  shapes = [(4, 6, 16), (16, 40), (40,), (40, 16), (16,)]
+  args = [random(rng, s, jnp.bfloat16, scale=0.5) for s in shapes]
+  fused = lambda *a: jaxfuse.gelu_mlp(*a, implementation="cuda")
+  loss = lambda f: lambda *a: jnp.sum(f(*a).astype(jnp.float32) ** 2)
+  wide = [a.astype(jnp.float32) for a in args]
+  want, want_grads = plain(*wide), jax.grad(loss(plain), tuple(range(5)))(*wide)
+  step = jax.jit(jax.grad(loss(fused), tuple(range(5))))
+  assert_close(fused(*args), want, factor=8, name="y")
+  for g, e, name in zip(step(*args), want_grads, ("dx", "dw1", "db1", "dw2", "db2")):
+    assert_close(g, e, factor=16, name=name, axis=0 if name.startswith("db") else -1)
+  mesh = jax.make_mesh((2,), ("batch",), axis_types=(axis_type,))
+  placed = [jax.device_put(a, NamedSharding(mesh, P("batch") if i == 0 else P()))
+            for i, a in enumerate(args)]
+  assert "all-gather" not in step.lower(*placed).compile().as_text()
+  for g, e in zip(step(*placed), step(*args)):
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(e, np.float32),
+                               rtol=2e-2, atol=2e-2)
+  batched = jax.jit(jax.vmap(lambda x: fused(x, *args[1:])))(args[0])
+  np.testing.assert_allclose(np.asarray(batched, np.float32),
+                             np.asarray(fused(*args), np.float32), rtol=2e-2, atol=2e-2)

@@ -238,13 +238,38 @@ def find_cudnn(site_dirs=None) -> tuple[str, ...] | None:
   return None
 
 
-@functools.cache
-def _cudnn_flags() -> tuple[str, ...] | None:
-  return find_cudnn()
-
-
 NO_CUDNN = ("cuDNN 9 was not found (pip install nvidia-cudnn-cu13, which 'jax[cuda13]' brings, "
             "or a cuDNN under CUDA_HOME)")
+
+# cuBLASLt as the CUDA 13 and 12 wheels lay it out (the library under its versioned name only).
+_CUBLAS_WHEELS = (("nvidia/cu13", "libcublasLt.so.13"), ("nvidia/cublas", "libcublasLt.so.12"))
+
+
+def find_cublaslt(site_dirs=None) -> tuple[str, ...] | None:
+  """nvcc's flags to compile and link against cuBLASLt: the wheel that ``jax[cuda13]`` (or
+  ``cuda12``) brings, which XLA itself loads, else a toolkit's; None: not found."""
+  for root in (_site_dirs() if site_dirs is None else [Path(d) for d in site_dirs]):
+    for home, library in _CUBLAS_WHEELS:
+      home = root / home
+      if (home / "include" / "cublasLt.h").is_file() and (home / "lib" / library).exists():
+        return (f"-I{home / 'include'}", f"-L{home / 'lib'}", f"-l:{library}", "-Xlinker",
+                f"-rpath={home / 'lib'}")
+  for toolkit in (os.environ.get("CUDA_HOME"), DEFAULT_TOOLKIT):
+    if toolkit and (Path(toolkit) / "include" / "cublasLt.h").is_file():
+      return (f"-I{Path(toolkit) / 'include'}", "-lcublasLt")
+  return None
+
+
+NO_CUBLASLT = ("cuBLASLt was not found (pip install nvidia-cublas, which 'jax[cuda13]' brings, "
+               "or a CUDA toolkit under CUDA_HOME)")
+
+# The vendor libraries a family may link: how to find each, and what to say when it is missing.
+VENDORS = {"cudnn": (find_cudnn, NO_CUDNN), "cublaslt": (find_cublaslt, NO_CUBLASLT)}
+
+
+@functools.cache
+def _vendor_flags(vendor: str) -> tuple[str, ...] | None:
+  return VENDORS[vendor][0]()
 
 
 def cache_key(source: Path, arch: str, toolchain: Toolchain, extra: tuple[str, ...] = ()) -> str:
@@ -344,15 +369,17 @@ def build(source: Path, arch: str, toolchain: Toolchain | None = None,
 
 class Library:
   """One CUDA source of a kernel family and the FFI targets its handlers register, built for
-  architectures from ``min_arch`` (90: tested on Hopper only), linked against cuDNN where
-  ``cudnn``."""
+  architectures from ``min_arch`` (90: tested on Hopper only), linked against ``vendor`` (a
+  key of :data:`VENDORS`) where given."""
 
   def __init__(self, source: Path, handlers: Mapping[str, str], min_arch: int = 80,
-               cudnn: bool = False):
+               vendor: str | None = None):
+    if vendor is not None and vendor not in VENDORS:
+      raise ValueError(f"vendor must be one of {sorted(VENDORS)} or None, got {vendor!r}")
     self.source = Path(source)
     self.handlers = dict(handlers)
     self.min_arch = min_arch
-    self.cudnn = cudnn
+    self.vendor = vendor
     self._library: ctypes.CDLL | None = None
     self._failure: str | None = None
     self._lock = threading.Lock()
@@ -367,7 +394,7 @@ class Library:
       return (f"{self.source.name} is built for sm_{self.min_arch} or newer, not "
               f"{gpu_arch()}")
     if self.flags() is None:
-      return NO_CUDNN
+      return VENDORS[self.vendor][1]
     with self._lock:
       if self._library is None and self._failure is None:
         try:
@@ -377,9 +404,9 @@ class Library:
     return self._failure
 
   def flags(self) -> tuple[str, ...] | None:
-    """nvcc's flags beside the common ones; None where cuDNN, which this library links, was
-    not found."""
-    return _cudnn_flags() if self.cudnn else ()
+    """nvcc's flags beside the common ones; None where the vendor library it links was not
+    found."""
+    return _vendor_flags(self.vendor) if self.vendor else ()
 
   def load(self) -> ctypes.CDLL:
     """The loaded library, its handlers registered; NotImplementedError saying why not."""

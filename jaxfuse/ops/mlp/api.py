@@ -5,7 +5,9 @@ A training step of the plain expression keeps the GELU's output (as wide as the 
 four times the model's width in a transformer) from the forward to the backward. This one
 recomputes it in the pass of the backward that takes the GELU's gradient, where XLA fuses the
 two, so it is never held between the passes: less temporary memory for one more elementwise
-pass over the product.
+pass over the product. With ``implementation='cuda'`` the bias, the GELU and its derivative run
+in cuBLASLt's product epilogues instead (:mod:`jaxfuse.ops.mlp.cuda`), which hold the GELU's
+input in place of the product.
 """
 
 from __future__ import annotations
@@ -16,12 +18,20 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxfuse._core import op, registry
+from jaxfuse._core import op, registry, tuned
 from jaxfuse._core.sharding import replicated_sharding
 from jaxfuse._core.validation import check_array, describe
+from jaxfuse.ops.mlp import cuda
 
 OP = "gelu_mlp"
-_BACKENDS = {"xla": registry.xla_available}
+_BACKENDS = {"xla": registry.xla_available, "cuda": cuda.unavailable}
+
+
+def _untuned() -> dict:
+  """The order None tries the implementations in, for an evaluated call (by the forward's
+  time) and a differentiated one (by the training step's). A GPU without a table keeps XLA
+  first: the epilogues win only where a run measured it."""
+  return {"forward_order": ("xla", "cuda"), "step_order": ("xla", "cuda")}
 
 
 def gelu_mlp(x, w1, b1, w2, b2, *, approximate: bool = True,
@@ -34,7 +44,10 @@ def gelu_mlp(x, w1, b1, w2, b2, *, approximate: bool = True,
     w1: ``(D, F)`` (``flax.nnx.Linear``'s kernel layout); ``b1``: ``(F,)``.
     w2: ``(F, E)``; ``b2``: ``(E,)``.
     approximate: the tanh approximation (``jax.nn.gelu``'s default) or the exact erf GELU.
-    implementation: ``'xla'`` or ``None`` (the same: XLA's products and fusions).
+    implementation: ``'xla'`` (XLA's products and fusions), ``'cuda'`` (the GELU, its bias and
+      its derivative inside cuBLASLt's products: float16 and bfloat16, the tanh GELU, widths
+      that are multiples of 8) or ``None``: the fastest this GPU's tuned table measured, for
+      an evaluated call and for a training step apart (``'xla'`` where untuned).
 
   Returns:
     ``(..., E)`` in the operands' promoted dtype (as ``jnp`` promotes them); gradients come
@@ -53,8 +66,20 @@ def gelu_mlp(x, w1, b1, w2, b2, *, approximate: bool = True,
       raise ValueError(f"{OP}: {name} must be ({width},), got {describe(bias)}")
   if not isinstance(approximate, bool):
     raise TypeError(f"{OP}: approximate must be a bool, got {approximate!r}")
-  plan = op.resolve_plan(OP, implementation, _BACKENDS, ("xla",))
   dtype = jnp.result_type(*arrays.values())
+  refusal = lambda: cuda.unsupported(dtype, x.shape[-1], w1.shape[1], w2.shape[1], approximate)
+  # None passes over the cuBLASLt products where they cannot take these widths; naming them
+  # raises.
+  backends = (_BACKENDS if implementation is not None
+              else dict(_BACKENDS, cuda=lambda: cuda.unavailable() or refusal()))
+  table = tuned.rows("mlp", _untuned)
+  order = lambda use: tuple(table[f"{op.timed_as(use)}_order"])
+  plan = op.resolve_plan(
+      OP, implementation, backends, order("forward"),
+      lambda use: registry.resolve(OP, None, backends, order(use)), empty=x.size == 0)
+  if implementation == "cuda" and x.size and (reason := refusal()):
+    raise NotImplementedError(f"{OP}(implementation='cuda') cannot take x {describe(x)}, w1 "
+                              f"{describe(w1)} and w2 {describe(w2)}: {reason}")
   # The casts' own gradients return each operand's gradient in its dtype.
   return _gelu_mlp_jit(*(a.astype(dtype) for a in arrays.values()),
                        _Static(approximate, plan))
@@ -71,36 +96,65 @@ def _gelu_mlp_jit(x, w1, b1, w2, b2, st):
   return _mlp(x, w1, b1, w2, b2, st)
 
 
+def _rows(a):
+  return a.reshape(-1, a.shape[-1])
+
+
 def _mlp(x, w1, b1, w2, b2, st):
+  if st.plan.evaluated == "cuda":
+    (activation,) = cuda.forward(_rows(x), w1, b1, training=False)
+    return (activation @ w2 + b2).reshape(*x.shape[:-1], w2.shape[1])
   return jax.nn.gelu(x @ w1 + b1, approximate=st.approximate) @ w2 + b2
 
 
 def _mlp_fwd(x, w1, b1, w2, b2, st):
+  if st.plan.forward == "cuda":
+    # The pre-activation is held (the epilogue's derivative reads it), the activation not.
+    activation, pre = cuda.forward(_rows(x), w1, b1, training=True)
+    out = (activation @ w2 + b2).reshape(*x.shape[:-1], w2.shape[1])
+    return out, (x, pre, w1, b1, w2)
   product = x @ w1  # held without the bias: the forward then writes the activation alone
   out = jax.nn.gelu(product + b1, approximate=st.approximate) @ w2 + b2
   return out, (x, product, w1, b1, w2)
 
 
 def _mlp_bwd(st, residuals, dy):
+  if st.plan.backward == "cuda":
+    return _cuda_bwd(residuals, dy)
   x, product, w1, b1, w2 = residuals
   # The barrier keeps XLA from merging this GELU with the forward's (common subexpression
   # elimination), which would hold the forward's activation instead of recomputing it.
   activation, gelu_vjp = jax.vjp(functools.partial(jax.nn.gelu, approximate=st.approximate),
                                  jax.lax.optimization_barrier(product) + b1)
   (dh,) = gelu_vjp(dy @ w2.T)
-  rows = lambda a: a.reshape(-1, a.shape[-1])
   # dh's bias gradient as a product with ones, not a sum: with no reduction in it, XLA computes
   # the activation and dh in one elementwise pass over the product.
   accumulate = jnp.promote_types(jnp.float32, dh.dtype)
-  ones = jnp.ones((1, rows(dh).shape[0]), dh.dtype)
+  ones = jnp.ones((1, _rows(dh).shape[0]), dh.dtype)
   # Products over the rows, which may be sharded: on an explicit mesh they name their output's
   # sharding (replicated), as JAX asks there.
   over_rows = replicated_sharding(x)
-  db1 = jnp.dot(ones, rows(dh), preferred_element_type=accumulate, out_sharding=over_rows)[0]
-  db2 = jnp.sum(rows(dy), axis=0, dtype=accumulate)
-  dw1 = jnp.matmul(rows(x).T, rows(dh), out_sharding=over_rows)
-  dw2 = jnp.matmul(rows(activation).T, rows(dy), out_sharding=over_rows)
+  db1 = jnp.dot(ones, _rows(dh), preferred_element_type=accumulate, out_sharding=over_rows)[0]
+  db2 = jnp.sum(_rows(dy), axis=0, dtype=accumulate)
+  dw1 = jnp.matmul(_rows(x).T, _rows(dh), out_sharding=over_rows)
+  dw2 = jnp.matmul(_rows(activation).T, _rows(dy), out_sharding=over_rows)
   return dh @ w1.T, dw1, db1.astype(b1.dtype), dw2, db2.astype(dy.dtype)
 
 
 _mlp = op.differentiable(_mlp, _mlp_fwd, _mlp_bwd, static=(5,))
+
+
+def _cuda_bwd(residuals, dy):
+  x, pre, w1, b1, w2 = residuals
+  dy = _rows(dy)
+  dh = cuda.backward(dy, w2, pre)
+  # The activation again, for w2's gradient: one pass over the pre-activation.
+  activation = jax.nn.gelu(pre, approximate=True)
+  accumulate = jnp.promote_types(jnp.float32, dy.dtype)
+  db1 = jnp.sum(dh, axis=0, dtype=accumulate)
+  db2 = jnp.sum(dy, axis=0, dtype=accumulate)
+  dx = (dh @ w1.T).reshape(x.shape)
+  over_rows = replicated_sharding(x)
+  dw1 = jnp.matmul(_rows(x).T, dh, out_sharding=over_rows)
+  dw2 = jnp.matmul(activation.T, dy, out_sharding=over_rows)
+  return dx, dw1, db1.astype(b1.dtype), dw2, db2.astype(dy.dtype)

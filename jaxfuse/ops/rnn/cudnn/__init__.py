@@ -32,7 +32,7 @@ from jaxfuse._core import cuda
 _SOURCE = Path(__file__).with_name("rnn_cudnn.cu")
 _HANDLERS = {"jaxfuse_cudnn_rnn_forward": "JaxfuseCudnnRnnForward",
              "jaxfuse_cudnn_rnn_backward": "JaxfuseCudnnRnnBackward"}
-LIBRARY = cuda.Library(_SOURCE, _HANDLERS, cudnn=True)
+LIBRARY = cuda.Library(_SOURCE, _HANDLERS, vendor="cudnn")
 _CELLS = {"lstm": 0, "gru": 1}
 _DTYPES = {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.float16): 1, jnp.dtype(jnp.bfloat16): 2}
 # cudnnMathType_t: the default lets float32 products take TF32 (as cuDNN and torch do), FMA
