@@ -55,13 +55,17 @@ def unsupported(dtype, inputs: int, hidden: int, outputs: int, approximate: bool
 
 @functools.cache
 def _workspace(mode: int, dtype, rows: int, inner: int, features: int) -> int:
-  """The bytes cuBLASLt asks for one product, its algorithm chosen once per shape."""
+  """The bytes cuBLASLt asks for one product on any of this process's GPUs, its algorithm
+  chosen once per shape and GPU (a sharded call runs the same product on each)."""
   function = LIBRARY.load().jaxfuse_gelu_gemm_workspace
-  function.argtypes = [ctypes.c_int64] * 5 + [ctypes.POINTER(ctypes.c_uint64), ctypes.c_char_p,
-                                               ctypes.c_int64]
+  function.argtypes = [ctypes.c_int64] * 5 + [
+      ctypes.POINTER(ctypes.c_int64), ctypes.c_int64, ctypes.POINTER(ctypes.c_uint64),
+      ctypes.c_char_p, ctypes.c_int64]
+  ids = [d.local_hardware_id for d in jax.local_devices() if d.platform == "gpu"]
+  devices = (ctypes.c_int64 * len(ids))(*ids)
   bytes_, error = ctypes.c_uint64(0), ctypes.create_string_buffer(512)
-  if function(mode, _DTYPES[jnp.dtype(dtype)], rows, inner, features, ctypes.byref(bytes_),
-              error, len(error)):
+  if function(mode, _DTYPES[jnp.dtype(dtype)], rows, inner, features, devices, len(ids),
+              ctypes.byref(bytes_), error, len(error)):
     raise NotImplementedError(f"the 'cuda' gelu_mlp: {error.value.decode()}")
   return bytes_.value
 

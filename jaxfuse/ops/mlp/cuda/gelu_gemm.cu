@@ -11,6 +11,7 @@
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <initializer_list>
@@ -301,21 +302,33 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseGeluGemmBackward, jaxfuse::BackwardImpl,
                                   .Attr<int64_t>("features"),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
-// For the Python side, at trace time: the workspace bytes of one product on the current device
-// (choosing its algorithm and making the device's handle, before any handler runs). Returns 0,
-// or nonzero with a NUL-terminated message in `error`.
+// For the Python side, at trace time: the workspace bytes of one product, the most any of the
+// `count` devices in `devices` asks (choosing its algorithm on each and making each device's
+// handle before any handler runs). Returns 0, or nonzero with a NUL-terminated message in
+// `error`. The calling thread's current device is restored.
 extern "C" int jaxfuse_gelu_gemm_workspace(int64_t mode, int64_t dtype, int64_t rows,
-                                           int64_t inner, int64_t features, uint64_t* bytes,
-                                           char* error, int64_t error_size) {
+                                           int64_t inner, int64_t features,
+                                           const int64_t* devices, int64_t count,
+                                           uint64_t* bytes, char* error, int64_t error_size) {
   const jaxfuse::Problem p{mode, dtype, features, rows, inner};
-  cublasLtHandle_t handle = nullptr;
-  cublasLtMatmulAlgo_t algo;
-  size_t workspace = 0;
-  const xla::ffi::Error status = jaxfuse::plan(p, &handle, &algo, &workspace);
-  if (status.success()) {
-    *bytes = workspace;
-    return 0;
+  int current = 0;
+  xla::ffi::Error status = xla::ffi::Error::Success();
+  if (const cudaError_t err = cudaGetDevice(&current); err != cudaSuccess)
+    status = jaxfuse::internal("cudaGetDevice", cudaGetErrorString(err));
+  *bytes = 0;
+  for (int64_t i = 0; i < count && status.success(); ++i) {
+    if (const cudaError_t err = cudaSetDevice(static_cast<int>(devices[i])); err != cudaSuccess) {
+      status = jaxfuse::internal("cudaSetDevice", cudaGetErrorString(err));
+      break;
+    }
+    cublasLtHandle_t handle = nullptr;
+    cublasLtMatmulAlgo_t algo;
+    size_t workspace = 0;
+    status = jaxfuse::plan(p, &handle, &algo, &workspace);
+    *bytes = std::max<uint64_t>(*bytes, workspace);
   }
+  cudaSetDevice(current);
+  if (status.success()) return 0;
   if (error != nullptr && error_size > 0)
     std::snprintf(error, static_cast<size_t>(error_size), "%s", status.message().c_str());
   return 1;
