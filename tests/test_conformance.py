@@ -249,8 +249,10 @@ def test_a_batch_sharded_input_is_never_gathered(rng, op, impl, axis_type):
   wrt = [placed[i] for i in op.wrt]
   hlo = grads(placed).lower(*wrt).compile().as_text()
   assert "all-gather" not in hlo
+  # Gradients summed over the batch's shards may round once more in 16 bits: a unit roundoff.
+  tolerance = 2.0 ** -8 if impl in op.sixteen_bit else 1e-5
   for g, e in zip(grads(placed)(*wrt), grads(args)(*[args[i] for i in op.wrt])):
-    _close(g, e, 1e-5)
+    _close(g, e, tolerance)
 
 
 @pytest.mark.parametrize("op,impl", CASES)

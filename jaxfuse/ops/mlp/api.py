@@ -136,12 +136,21 @@ def _mlp_bwd(st, residuals, dy):
   over_rows = replicated_sharding(x)
   db1 = jnp.dot(ones, _rows(dh), preferred_element_type=accumulate, out_sharding=over_rows)[0]
   db2 = jnp.sum(_rows(dy), axis=0, dtype=accumulate)
-  dw1 = jnp.matmul(_rows(x).T, _rows(dh), out_sharding=over_rows)
-  dw2 = jnp.matmul(_rows(activation).T, _rows(dy), out_sharding=over_rows)
+  dw1 = _product_over_rows(_rows(x), _rows(dh), over_rows)
+  dw2 = _product_over_rows(_rows(activation), _rows(dy), over_rows)
   return dh @ w1.T, dw1, db1.astype(b1.dtype), dw2, db2.astype(dy.dtype)
 
 
 _mlp = op.differentiable(_mlp, _mlp_fwd, _mlp_bwd, static=(5,))
+
+
+def _product_over_rows(a, b, sharding):
+  """``a.T @ b`` for rows ``a`` (M, K) and ``b`` (M, N), summed in float32 (float64 for
+  float64) across row shards too and rounded once to the operands' dtype: a batch-sharded
+  step gives a single device's gradient to within that one rounding."""
+  accumulate = jnp.promote_types(jnp.float32, a.dtype)
+  return jnp.matmul(a.T, b, preferred_element_type=accumulate,
+                    out_sharding=sharding).astype(a.dtype)
 
 
 def _cuda_bwd(residuals, dy):
@@ -155,6 +164,6 @@ def _cuda_bwd(residuals, dy):
   db2 = jnp.sum(dy, axis=0, dtype=accumulate)
   dx = (dh @ w1.T).reshape(x.shape)
   over_rows = replicated_sharding(x)
-  dw1 = jnp.matmul(_rows(x).T, dh, out_sharding=over_rows)
-  dw2 = jnp.matmul(activation.T, dy, out_sharding=over_rows)
+  dw1 = _product_over_rows(_rows(x), dh, over_rows)
+  dw2 = _product_over_rows(activation, dy, over_rows)
   return dx, dw1, db1.astype(b1.dtype), dw2, db2.astype(dy.dtype)
