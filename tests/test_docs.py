@@ -63,14 +63,15 @@ def _readme_snippets() -> list[str]:
 
 def _snippet_inputs(index: int) -> dict:
   """The names each README snippet takes as given (small, random, on this device)."""
-  keys = iter(jax.random.split(jax.random.key(index), 16))
+  keys = iter(jax.random.split(jax.random.key(index), 24))
   normal = lambda *shape: jax.random.normal(next(keys), shape, jnp.float32)
   if index == 1:  # the ops at a glance
     i, h = 8, 16
     return dict(
         x=normal(4, 64), weight=1 + normal(64), bias=normal(64), logits=normal(4, 50),
         labels=jnp.arange(4), h=normal(4, 16), w_out=normal(16, 50), q=normal(2, 128, 4, 64),
-        k=normal(2, 128, 4, 64), v=normal(2, 128, 4, 64),
+        k=normal(2, 128, 4, 64), v=normal(2, 128, 4, 64), w1=normal(64, 256) / 8,
+        b1=normal(256), w2=normal(256, 64) / 16, b2=normal(64),
         ids=jnp.repeat(jnp.arange(2), 64)[None].repeat(2, 0),  # two documents a row
         seq=normal(3, 5, i), h_0=normal(4, 3, h), c_0=normal(4, 3, h), I=i, H=h,
         weights=jaxfuse.init_lstm_weights(next(keys), i, h, 2, True),
