@@ -21,6 +21,8 @@ from jaxfuse._core.cuda import build
 from jaxfuse._core.testing import x64
 from jaxfuse.ops.attention import api as attention_api
 from jaxfuse.ops.linear_cross_entropy import api as linear_cross_entropy_api
+from jaxfuse.ops.mlp import api as mlp_api
+from jaxfuse.ops.mlp import cuda as mlp_cuda
 from jaxfuse.ops.norm import api as norm_api
 from jaxfuse.ops.norm import cuda as norm_cuda
 from jaxfuse.ops.rnn import api as rnn_api
@@ -50,7 +52,7 @@ class Machine:
     self.capability((9, 0))
     monkeypatch.setattr(build, "_toolchain", lambda: build.Toolchain("/fake/bin/nvcc"))
     monkeypatch.setattr(build, "_vendor_flags", lambda vendor: (f"-l{vendor}",))
-    for module in (norm_cuda, softmax_cuda, rnn_cuda, rnn_cudnn):
+    for module in (norm_cuda, softmax_cuda, rnn_cuda, rnn_cudnn, mlp_cuda):
       library = build.Library(module.LIBRARY.source, module.LIBRARY.handlers,
                               module.LIBRARY.min_arch, module.LIBRARY.vendor)
       # The rules only ask whether a library loads; loading would run nvcc.
@@ -144,6 +146,9 @@ def chosen(monkeypatch):
   spy(softmax_api, "_cross_entropy_jit",
       lambda *args: (args[-1].plan.forward, args[-1].plan.evaluated))
   spy(linear_cross_entropy_api, "_linear_cross_entropy_jit", lambda *args: one(args[-1].plan))
+  spy(mlp_api, "_gelu_mlp_jit",
+      lambda *args: (args[-1].plan.evaluated, args[-1].plan.forward, args[-1].plan.backward),
+      lambda x, *rest: x)
   spy(attention_api, "_attention_jit", lambda *args: (args[-2].evaluated, args[-2].forward),
       lambda *args: (None, None))
   # The RNN picks among three calls, which return its output and final state; the weights
@@ -185,6 +190,14 @@ def linear_cross_entropy(vocab, dtype="bfloat16", *, implementation=None):
   x, weight = Array((64, 128), jnp.dtype(dtype)), Array((128, vocab), jnp.dtype(dtype))
   return jaxfuse.linear_cross_entropy(x, weight, Array((64,), jnp.int32),
                                       implementation=implementation)
+
+
+def gelu_mlp(hidden=3072, dtype="bfloat16", *, approximate=True, implementation=None):
+  shapes = [(64, 768), (768, hidden), (hidden,), (hidden, 768), (768,)]
+  # Traced: the call casts its operands to their promoted dtype before its jitted entry.
+  return jax.eval_shape(lambda *arrays: jaxfuse.gelu_mlp(
+      *arrays, approximate=approximate, implementation=implementation),
+      *(Array(s, jnp.dtype(dtype)) for s in shapes))
 
 
 def recurrent(cell, hidden, dtype="bfloat16", *, batch=64, layers=1, bidirectional=False,
@@ -881,6 +894,34 @@ def test_linear_cross_entropy_cuda_refuses(gpu, chosen, vocab, dtype, reason):
                      match=rf"linear_cross_entropy\(implementation='cuda'\) cannot take x .*"
                            rf"{reason}"):
     linear_cross_entropy(vocab, dtype, implementation="cuda")
+
+
+# ------------------------------------------------------------------------------------ MLP
+
+def test_gelu_mlp_none_on_the_h200_takes_the_epilogues_for_inference_only(gpu, chosen):
+  gpu.kind("NVIDIA H200")
+  gelu_mlp()
+  assert chosen() == ("cuda", "xla", "xla")
+
+
+@pytest.mark.parametrize("call", [
+    dict(dtype="float32"), dict(approximate=False), dict(hidden=36), dict(hidden=0)], ids=str)
+def test_gelu_mlp_none_passes_over_what_the_epilogues_refuse(gpu, chosen, call):
+  gpu.kind("NVIDIA H200")
+  gelu_mlp(**call)
+  assert chosen() == ("xla", "xla", "xla")
+
+
+def test_gelu_mlp_none_keeps_xla_on_a_gpu_without_a_table(gpu, chosen):
+  gelu_mlp()
+  assert chosen() == ("xla", "xla", "xla")
+
+
+@pytest.mark.parametrize("call,reason", [
+    (dict(hidden=0), "positive multiples of 8"), (dict(approximate=False), "tanh")], ids=str)
+def test_gelu_mlp_cuda_refuses_by_name(gpu, chosen, call, reason):
+  with pytest.raises(NotImplementedError, match=rf"gelu_mlp\(implementation='cuda'\).*{reason}"):
+    gelu_mlp(implementation="cuda", **call)
 
 
 # ------------------------------------------------------------------------------------ RNN

@@ -163,14 +163,18 @@ def test_gpu_cuda_epilogues_match_float64(rng, dtype, lead, width, hidden):
     (dict(approximate=False), "tanh approximation"),
     (dict(dtype=jnp.float32), "float16 and bfloat16"),
     (dict(hidden=36), "multiples of 8"),
+    (dict(hidden=0), "positive multiples of 8"),
 ], ids=str)
-def test_gpu_cuda_refusals_are_named_and_none_passes_over_them(change, match):
+def test_gpu_cuda_refusals_are_named_and_none_passes_over_them(rng, change, match):
   hidden, dtype = change.get("hidden", 64), change.get("dtype", jnp.bfloat16)
-  arrays = [jnp.ones(s, dtype) for s in [(4, 32), (32, hidden), (hidden,), (hidden, 32), (32,)]]
+  arrays = [random(rng, s, dtype, scale=0.5)
+            for s in [(4, 32), (32, hidden), (hidden,), (hidden, 32), (32,)]]
   approximate = change.get("approximate", True)
   with pytest.raises(NotImplementedError, match=match):
     jaxfuse.gelu_mlp(*arrays, approximate=approximate, implementation="cuda")
-  assert jaxfuse.gelu_mlp(*arrays, approximate=approximate).shape == (4, 32)
+  np.testing.assert_array_equal(
+      jaxfuse.gelu_mlp(*arrays, approximate=approximate),
+      jaxfuse.gelu_mlp(*arrays, approximate=approximate, implementation="xla"))
 
 
 @pytest.mark.gpu

@@ -242,7 +242,8 @@ NO_CUDNN = ("cuDNN 9 was not found (pip install nvidia-cudnn-cu13, which 'jax[cu
             "or a cuDNN under CUDA_HOME)")
 
 # cuBLASLt as the CUDA 13 and 12 wheels lay it out (the library under its versioned name only).
-_CUBLAS_WHEELS = (("nvidia/cu13", "libcublasLt.so.13"), ("nvidia/cublas", "libcublasLt.so.12"))
+_CUBLAS_WHEELS = (("nvidia/cu13", "libcublasLt.so.13"), ("nvidia/cu12", "libcublasLt.so.12"),
+                  ("nvidia/cublas", "libcublasLt.so.12"))
 
 
 def find_cublaslt(site_dirs=None) -> tuple[str, ...] | None:
@@ -256,7 +257,9 @@ def find_cublaslt(site_dirs=None) -> tuple[str, ...] | None:
                 f"-rpath={home / 'lib'}")
   for toolkit in (os.environ.get("CUDA_HOME"), DEFAULT_TOOLKIT):
     if toolkit and (Path(toolkit) / "include" / "cublasLt.h").is_file():
-      return (f"-I{Path(toolkit) / 'include'}", "-lcublasLt")
+      lib = Path(toolkit) / "lib64"
+      return (f"-I{Path(toolkit) / 'include'}", f"-L{lib}", "-lcublasLt", "-Xlinker",
+              f"-rpath={lib}")
   return None
 
 

@@ -46,8 +46,9 @@ def gelu_mlp(x, w1, b1, w2, b2, *, approximate: bool = True,
     approximate: the tanh approximation (``jax.nn.gelu``'s default) or the exact erf GELU.
     implementation: ``'xla'`` (XLA's products and fusions), ``'cuda'`` (the GELU, its bias and
       its derivative inside cuBLASLt's products: float16 and bfloat16, the tanh GELU, widths
-      that are multiples of 8) or ``None``: the fastest this GPU's tuned table measured, for
-      an evaluated call and for a training step apart (``'xla'`` where untuned).
+      that are positive multiples of 8) or ``None``: the fastest this GPU's tuned table
+      measured, for an evaluated call and for a training step apart (``'xla'`` where
+      untuned).
 
   Returns:
     ``(..., E)`` in the operands' promoted dtype (as ``jnp`` promotes them); gradients come
@@ -68,8 +69,8 @@ def gelu_mlp(x, w1, b1, w2, b2, *, approximate: bool = True,
     raise TypeError(f"{OP}: approximate must be a bool, got {approximate!r}")
   dtype = jnp.result_type(*arrays.values())
   refusal = lambda: cuda.unsupported(dtype, x.shape[-1], w1.shape[1], w2.shape[1], approximate)
-  # None passes over the cuBLASLt products where they cannot take these widths; naming them
-  # raises.
+  # None passes over the cuBLASLt products where they cannot take this call (dtype, GELU form,
+  # widths); naming them raises.
   backends = (_BACKENDS if implementation is not None
               else dict(_BACKENDS, cuda=lambda: cuda.unavailable() or refusal()))
   table = tuned.rows("mlp", _untuned)
@@ -119,7 +120,9 @@ def _mlp_fwd(x, w1, b1, w2, b2, st):
 
 
 def _mlp_bwd(st, residuals, dy):
-  if st.plan.backward == "cuda":
+  # The residuals are the forward's (the pre-activation, or the product without its bias):
+  # the two directions of a plan run one implementation here, the step's choice.
+  if st.plan.forward == "cuda":
     return _cuda_bwd(residuals, dy)
   x, product, w1, b1, w2 = residuals
   # The barrier keeps XLA from merging this GELU with the forward's (common subexpression
@@ -158,7 +161,7 @@ def _cuda_bwd(residuals, dy):
   dy = _rows(dy)
   dh = cuda.backward(dy, w2, pre)
   # The activation again, for w2's gradient: one pass over the pre-activation.
-  activation = jax.nn.gelu(pre, approximate=True)
+  activation = jax.nn.gelu(pre.astype(jnp.float32), approximate=True).astype(pre.dtype)
   accumulate = jnp.promote_types(jnp.float32, dy.dtype)
   db1 = jnp.sum(dh, axis=0, dtype=accumulate)
   db2 = jnp.sum(dy, axis=0, dtype=accumulate)

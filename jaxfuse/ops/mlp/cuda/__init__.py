@@ -48,8 +48,9 @@ def unsupported(dtype, inputs: int, hidden: int, outputs: int, approximate: bool
   if jnp.dtype(dtype) not in _DTYPES:
     return f"the 'cuda' gelu_mlp takes float16 and bfloat16, not {jnp.dtype(dtype).name}"
   widths = dict(inputs=inputs, hidden=hidden, outputs=outputs)
-  if odd := {name: width for name, width in widths.items() if width % 8}:
-    return f"the 'cuda' gelu_mlp needs widths that are multiples of 8 (16-byte rows), got {odd}"
+  if odd := {name: width for name, width in widths.items() if width % 8 or not width}:
+    return ("the 'cuda' gelu_mlp needs widths that are positive multiples of 8 (16-byte rows), "
+            f"got {odd}")
   return None
 
 

@@ -2,7 +2,7 @@
 // bias and applies the GELU, writing the activation and, in training, its input (the
 // pre-activation, which the backward reads); the backward's product dy w2^T applies the GELU's
 // derivative at that input in its epilogue. The bias gradient is left to XLA: cuBLASLt's
-// DGELU_BGRAD sums it in a pass of its own, slower than XLA's.
+// DGELU_BGRAD sums it in a pass of its own (benchmarks/PERFORMANCE.md, session 45).
 //
 // Row-major arrays are cuBLASLt's column-major transposes: a row-major (M, N) result is the
 // column-major N x M matrix D = op(A) B with A the weight (row-major (K, N) is column-major
@@ -157,8 +157,9 @@ Registry& registry() {
 
 // Workspace cuBLASLt may use: what its Hopper kernels are tuned with.
 constexpr size_t kMaxWorkspace = size_t{32} << 20;
-// The alignment algorithms may assume of every operand (cuBLASLt's default, 256, excludes none
-// that XLA's buffers could break): what 16-byte vector loads and bulk copies need.
+// The alignment algorithms may assume of every operand: what 16-byte vector loads and bulk
+// copies need. cuBLASLt's default, 256 bytes, would let it pick algorithms that assume more
+// than XLA's buffers promise.
 constexpr uint32_t kAlignment = 16;
 
 // The current device's handle and the algorithm and workspace bytes of `p` on it, chosen once
@@ -206,7 +207,10 @@ ffi::Error plan(const Problem& p, cublasLtHandle_t* handle, cublasLtMatmulAlgo_t
 
 ffi::Error check(const char* name, const ffi::AnyBuffer& buffer, ffi::DataType type,
                  int64_t count) {
-  if (buffer.element_type() != type) return invalid(std::string(name) + " has another dtype");
+  if (buffer.element_type() != type)
+    return invalid(std::string(name) + " has XLA dtype " +
+                   std::to_string(static_cast<int>(buffer.element_type())) + ", not " +
+                   std::to_string(static_cast<int>(type)) + " as the other operands");
   if (static_cast<int64_t>(buffer.element_count()) != count)
     return invalid(std::string(name) + " has " + std::to_string(buffer.element_count()) +
                    " elements where the product implies " + std::to_string(count));
@@ -313,8 +317,8 @@ extern "C" int jaxfuse_gelu_gemm_workspace(int64_t mode, int64_t dtype, int64_t 
   const jaxfuse::Problem p{mode, dtype, features, rows, inner};
   int current = 0;
   xla::ffi::Error status = xla::ffi::Error::Success();
-  if (const cudaError_t err = cudaGetDevice(&current); err != cudaSuccess)
-    status = jaxfuse::internal("cudaGetDevice", cudaGetErrorString(err));
+  const cudaError_t got = cudaGetDevice(&current);
+  if (got != cudaSuccess) status = jaxfuse::internal("cudaGetDevice", cudaGetErrorString(got));
   *bytes = 0;
   for (int64_t i = 0; i < count && status.success(); ++i) {
     if (const cudaError_t err = cudaSetDevice(static_cast<int>(devices[i])); err != cudaSuccess) {
@@ -327,7 +331,7 @@ extern "C" int jaxfuse_gelu_gemm_workspace(int64_t mode, int64_t dtype, int64_t 
     status = jaxfuse::plan(p, &handle, &algo, &workspace);
     *bytes = std::max<uint64_t>(*bytes, workspace);
   }
-  cudaSetDevice(current);
+  if (got == cudaSuccess) cudaSetDevice(current);
   if (status.success()) return 0;
   if (error != nullptr && error_size > 0)
     std::snprintf(error, static_cast<size_t>(error_size), "%s", status.message().c_str());
