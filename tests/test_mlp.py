@@ -72,6 +72,37 @@ def test_a_batch_sharded_step_never_gathers(rng, axis_type):
     np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("implementation", ["xla", "cuda"])
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=str)
+def test_a_tensor_parallel_step_never_gathers(rng, monkeypatch, axis_type, implementation):
+  """Rows over one mesh axis, the hidden features over another (w1's columns, b1, w2's rows):
+  no operand or gradient is gathered, each gradient is sharded as its operand, and the values
+  are a single device's. 'cuda' runs with XLA stand-ins for its two kernels."""
+  if len(jax.devices()) < 4:
+    pytest.skip("needs four devices")
+  if implementation == "cuda":
+    from jaxfuse.ops.mlp import api, cuda
+    monkeypatch.setattr(api, "_BACKENDS", dict(api._BACKENDS, cuda=lambda: None))
+    monkeypatch.setattr(cuda, "_forward", _stand_in_forward)
+    monkeypatch.setattr(cuda, "_backward", _stand_in_backward)
+  dtype = jnp.float32 if implementation == "xla" else jnp.bfloat16
+  args = [random(rng, s, dtype, scale=0.5) for s in [(4, 6, 8), (8, 16), (16,), (16, 8), (8,)]]
+  loss = lambda *a: jnp.sum(jaxfuse.gelu_mlp(*a, implementation=implementation)
+                            .astype(jnp.float32) ** 2)
+  step = jax.jit(jax.grad(loss, tuple(range(5))))
+  single = step(*args)
+  mesh = jax.make_mesh((2, 2), ("batch", "model"), axis_types=(axis_type,) * 2)
+  specs = [P("batch"), P(None, "model"), P("model"), P("model", None), P()]
+  placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)]
+  compiled = step.lower(*placed).compile()
+  assert "all-gather" not in compiled.as_text()
+  whole = lambda spec, ndim: tuple(spec) + (None,) * (ndim - len(spec))
+  for g, e, spec in zip(compiled(*placed), single, specs):
+    assert whole(g.sharding.spec, g.ndim) == whole(spec, g.ndim)
+    assert_close(g, e.astype(jnp.float32), jnp.float32 if dtype == jnp.float32 else dtype,
+                 factor=4, axis=0 if g.ndim == 1 else -1)
+
+
 @pytest.mark.parametrize("change,error,match", [
     (dict(w1=(9, 32)), ValueError, "w1"),
     (dict(w2=(31, 7)), ValueError, "w2"),

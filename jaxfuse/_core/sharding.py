@@ -126,6 +126,17 @@ def replicated_sharding(*arrays):
   return None if mesh is None else NamedSharding(mesh, PartitionSpec())
 
 
+def explicit_sharding(a, spec_of: Callable[[tuple], tuple]):
+  """Where ``a`` is explicitly sharded, the sharding ``spec_of(a's spec)`` on its mesh (the spec
+  one entry per axis of ``a``): the ``out_sharding`` of a product whose output follows ``a``'s
+  layout; else None."""
+  mesh = _explicit_mesh([a])
+  if mesh is None:
+    return None
+  spec = tuple(jax.typeof(a).sharding.spec)
+  return NamedSharding(mesh, PartitionSpec(*spec_of(spec + (None,) * (a.ndim - len(spec)))))
+
+
 def _explicit_mesh(args):
   """The abstract mesh of explicitly sharded operands, or None."""
   for a in args:

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxfuse._core import op, registry, tuned
-from jaxfuse._core.sharding import replicated_sharding
+from jaxfuse._core.sharding import explicit_sharding, replicated_sharding
 from jaxfuse._core.validation import check_array, describe
 from jaxfuse.ops.mlp import cuda
 
@@ -101,21 +101,34 @@ def _rows(a):
   return a.reshape(-1, a.shape[-1])
 
 
+# Products that contract the hidden features, which tensor parallelism shards: on an explicit
+# mesh they name their output's sharding (the rows' as they come, the last axis whole), as JAX
+# asks there; weight gradients come out sharded as their weights.
+
+def _contracting_last(a, b):
+  """``a @ b`` over ``a``'s last axis, its output laid out as ``a``'s leading axes."""
+  return jnp.matmul(a, b, out_sharding=explicit_sharding(a, lambda spec: spec[:-1] + (None,)))
+
+
+def _weight_gradient_sharding(weight, rows):
+  return explicit_sharding(weight, lambda spec: spec) or replicated_sharding(rows)
+
+
 def _mlp(x, w1, b1, w2, b2, st):
   if st.plan.evaluated == "cuda":
     (activation,) = cuda.forward(_rows(x), w1, b1, training=False)
-    return (activation @ w2 + b2).reshape(*x.shape[:-1], w2.shape[1])
-  return jax.nn.gelu(x @ w1 + b1, approximate=st.approximate) @ w2 + b2
+    return (_contracting_last(activation, w2) + b2).reshape(*x.shape[:-1], w2.shape[1])
+  return _contracting_last(jax.nn.gelu(x @ w1 + b1, approximate=st.approximate), w2) + b2
 
 
 def _mlp_fwd(x, w1, b1, w2, b2, st):
   if st.plan.forward == "cuda":
     # The pre-activation is held (the epilogue's derivative reads it), the activation not.
     activation, pre = cuda.forward(_rows(x), w1, b1, training=True)
-    out = (activation @ w2 + b2).reshape(*x.shape[:-1], w2.shape[1])
+    out = (_contracting_last(activation, w2) + b2).reshape(*x.shape[:-1], w2.shape[1])
     return out, (x, pre, w1, b1, w2)
   product = x @ w1  # held without the bias: the forward then writes the activation alone
-  out = jax.nn.gelu(product + b1, approximate=st.approximate) @ w2 + b2
+  out = _contracting_last(jax.nn.gelu(product + b1, approximate=st.approximate), w2) + b2
   return out, (x, product, w1, b1, w2)
 
 
@@ -134,14 +147,14 @@ def _mlp_bwd(st, residuals, dy):
   # the activation and dh in one elementwise pass over the product.
   accumulate = jnp.promote_types(jnp.float32, dh.dtype)
   ones = jnp.ones((1, _rows(dh).shape[0]), dh.dtype)
-  # Products over the rows, which may be sharded: on an explicit mesh they name their output's
-  # sharding (replicated), as JAX asks there.
-  over_rows = replicated_sharding(x)
-  db1 = jnp.dot(ones, _rows(dh), preferred_element_type=accumulate, out_sharding=over_rows)[0]
+  db1 = jnp.dot(ones, _rows(dh), preferred_element_type=accumulate,
+                out_sharding=explicit_sharding(b1, lambda spec: (None,) + spec)
+                or replicated_sharding(x))[0]
   db2 = jnp.sum(_rows(dy), axis=0, dtype=accumulate)
-  dw1 = _product_over_rows(_rows(x), _rows(dh), over_rows)
-  dw2 = _product_over_rows(_rows(activation), _rows(dy), over_rows)
-  return dh @ w1.T, dw1, db1.astype(b1.dtype), dw2, db2.astype(dy.dtype)
+  dw1 = _product_over_rows(_rows(x), _rows(dh), _weight_gradient_sharding(w1, x))
+  dw2 = _product_over_rows(_rows(activation), _rows(dy), _weight_gradient_sharding(w2, x))
+  return (_contracting_last(dh, w1.T), dw1, db1.astype(b1.dtype), dw2,
+          db2.astype(dy.dtype))
 
 
 _mlp = op.differentiable(_mlp, _mlp_fwd, _mlp_bwd, static=(5,))
@@ -165,8 +178,7 @@ def _cuda_bwd(residuals, dy):
   accumulate = jnp.promote_types(jnp.float32, dy.dtype)
   db1 = jnp.sum(dh, axis=0, dtype=accumulate)
   db2 = jnp.sum(dy, axis=0, dtype=accumulate)
-  dx = (dh @ w1.T).reshape(x.shape)
-  over_rows = replicated_sharding(x)
-  dw1 = _product_over_rows(_rows(x), dh, over_rows)
-  dw2 = _product_over_rows(activation, dy, over_rows)
+  dx = _contracting_last(dh, w1.T).reshape(x.shape)
+  dw1 = _product_over_rows(_rows(x), dh, _weight_gradient_sharding(w1, x))
+  dw2 = _product_over_rows(activation, dy, _weight_gradient_sharding(w2, x))
   return dx, dw1, db1.astype(b1.dtype), dw2, db2.astype(dy.dtype)
