@@ -264,35 +264,3 @@ def test_the_cuda_path_around_its_kernels_matches_the_plain_composition(rng, mon
   batched = jax.jit(jax.vmap(lambda x: fused(x, *args[1:])))(args[0])
   np.testing.assert_allclose(np.asarray(batched, np.float32),
                              np.asarray(fused(*args), np.float32), rtol=2e-2, atol=2e-2)
-
-
-def test_the_cuda_path_joins_mapped_rows_and_maps_weights_one_at_a_time(rng, monkeypatch):
-  """vmap over the rows alone makes one kernel call over all of them (forward and backward);
-  mapped weights run each example's own call. Values and gradients as per example."""
-  from jaxfuse.ops.mlp import api, cuda
-  rows_seen = []
-
-  def forward(x, *rest, **kwargs):
-    rows_seen.append(x.shape[0])
-    return _stand_in_forward(x, *rest, **kwargs)
-
-  monkeypatch.setattr(api, "_BACKENDS", dict(api._BACKENDS, cuda=lambda: None))
-  monkeypatch.setattr(cuda, "_forward", forward)
-  monkeypatch.setattr(cuda, "_backward", _stand_in_backward)
-  args = [random(rng, s, jnp.bfloat16, scale=0.5)
-          for s in [(3, 5, 16), (16, 40), (40,), (40, 16), (16,)]]
-  fused = lambda *a: jaxfuse.gelu_mlp(*a, implementation="cuda")
-  loss = lambda *a: jnp.sum(fused(*a).astype(jnp.float32) ** 2)
-  step = jax.jit(jax.vmap(jax.value_and_grad(loss, (0, 1)), in_axes=(0, None, None, None, None)))
-  values, (dx, dw1) = step(*args)
-  assert max(rows_seen) == 15  # (tracing also sees one example's 5 rows)
-  for i in range(3):
-    value, (dx_i, dw1_i) = jax.value_and_grad(loss, (0, 1))(args[0][i], *args[1:])
-    np.testing.assert_allclose(values[i], value, rtol=1e-6)
-    np.testing.assert_array_equal(np.asarray(dx[i], np.float32), np.asarray(dx_i, np.float32))
-    assert_close(dw1[i], dw1_i.astype(jnp.float32), factor=4, name="dw1")
-  weights = jnp.stack([args[1], 2 * args[1]])
-  per_weight = jax.jit(jax.vmap(lambda w1: fused(args[0], w1, *args[2:])))(weights)
-  for i in range(2):
-    np.testing.assert_array_equal(np.asarray(per_weight[i], np.float32),
-                                  np.asarray(fused(args[0], weights[i], *args[2:]), np.float32))

@@ -4,8 +4,7 @@ Pallas calls wrapped for sharding (``custom_partitioning``) have no batching rul
 For an op that is independent across its leading axis, a mapped axis is just more batch: the
 rule folds it into the leading axis, calls the op once, and unfolds the results. An op whose
 results mix over that axis (a weight gradient summed over the rows) takes the mapped examples
-one at a time instead. An op of independent rows and shared operands (a product's rows and its
-weight) folds the mapped axis into its rows while only rows are mapped.
+one at a time instead.
 """
 
 from __future__ import annotations
@@ -34,45 +33,20 @@ def fold_into_batch(fn):
 
 def one_example_at_a_time(fn):
   """``fn(*operands)`` with a batching rule that calls it on each mapped example in a loop."""
-  wrapped = op.vmappable(fn, lambda axis_size, in_batched, *args: _each_example(
-      wrapped, in_batched, args))
-  return wrapped
-
-
-def mapped_rows_joined(fn, rows: tuple[int, ...]):
-  """``fn(*operands)`` whose operands at positions ``rows`` and every output lead with
-  independent rows, with a batching rule that joins the mapped axis to the rows and calls it
-  once while only those operands are mapped, and otherwise calls it on each mapped example."""
   def rule(axis_size, in_batched, *args):
-    if any(batched and i not in rows for i, batched in enumerate(in_batched)):
-      return _each_example(wrapped, in_batched, args)
+    mapped = [i for i, batched in enumerate(in_batched) if batched]
 
-    def join(i, a):
-      if i not in rows:
-        return a
-      if not in_batched[i]:
-        a = jnp.broadcast_to(a, (axis_size,) + a.shape)
-      return a.reshape((axis_size * a.shape[1],) + a.shape[2:])
+    def one(example):
+      full = list(args)
+      for i, a in zip(mapped, example):
+        full[i] = a
+      return wrapped(*full)
 
-    outs = wrapped(*(join(i, a) for i, a in enumerate(args)))
-    outs = jax.tree.map(lambda o: o.reshape((axis_size, -1) + o.shape[1:]), outs)
+    outs = jax.lax.map(one, [args[i] for i in mapped])
     return outs, jax.tree.map(lambda _: True, outs)
 
   wrapped = op.vmappable(fn, rule)
   return wrapped
-
-
-def _each_example(call, in_batched, args):
-  mapped = [i for i, batched in enumerate(in_batched) if batched]
-
-  def one(example):
-    full = list(args)
-    for i, a in zip(mapped, example):
-      full[i] = a
-    return call(*full)
-
-  outs = jax.lax.map(one, [args[i] for i in mapped])
-  return outs, jax.tree.map(lambda _: True, outs)
 
 
 # A vmap rule receives this level's mapped axis first; the call inside it hands the operand on

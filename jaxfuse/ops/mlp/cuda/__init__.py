@@ -9,8 +9,8 @@ Calling convention (M rows, K inputs, F hidden, E outputs, float16 or bfloat16 t
 ``forward(x (M, K), w1 (K, F), b1 (F,), training)`` -> ``(activation (M, F),)`` and, in
 training, the pre-activation (M, F); ``backward(dy (M, E), w2 (F, E), pre (M, F))`` ->
 ``dh (M, F)``. Rows and hidden features are computed shard by shard (a batch-sharded x, or w1,
-b1 and w2 split by hidden feature as in tensor parallelism, are never gathered); under vmap
-mapped rows join the call's rows, and mapped weights run one example at a time.
+b1 and w2 split by hidden feature as in tensor parallelism, are never gathered); under vmap the
+examples run one at a time.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfuse._core import cuda
-from jaxfuse._core.batching import mapped_rows_joined
+from jaxfuse._core.batching import one_example_at_a_time
 from jaxfuse._core.sharding import parallel_call
 
 _SOURCE = Path(__file__).with_name("gelu_gemm.cu")
@@ -79,17 +79,17 @@ def _attributes(mode, dtype, rows, inner, features) -> dict:
 
 def forward(x, w1, b1, training: bool) -> tuple:
   """``(gelu(x @ w1 + b1),)`` for rows ``x`` (M, K), and ``x @ w1 + b1`` too if ``training``."""
-  return mapped_rows_joined(lambda x, w1, b1: parallel_call(
+  return one_example_at_a_time(lambda x, w1, b1: parallel_call(
       "gelu_mlp", functools.partial(_forward, training=training), x, w1, b1,
       in_dims=[("m", "k"), ("k", "f"), ("f",)], out_dims=[("m", "f")] * (1 + training),
-      parallel={"m", "f"}), rows=(0,))(x, w1, b1)
+      parallel={"m", "f"}))(x, w1, b1)
 
 
 def backward(dy, w2, pre):
   """``dh``: the GELU's input gradient for output cotangents ``dy`` (M, E)."""
-  return mapped_rows_joined(lambda dy, w2, pre: parallel_call(
+  return one_example_at_a_time(lambda dy, w2, pre: parallel_call(
       "gelu_mlp", _backward, dy, w2, pre, in_dims=[("m", "e"), ("f", "e"), ("m", "f")],
-      out_dims=[("m", "f")], parallel={"m", "f"}), rows=(0, 2))(dy, w2, pre)[0]
+      out_dims=[("m", "f")], parallel={"m", "f"}))(dy, w2, pre)[0]
 
 
 def _forward(x, w1, b1, training):
