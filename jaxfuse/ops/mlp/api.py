@@ -106,8 +106,16 @@ def _rows(a):
 # asks there; weight gradients come out sharded as their weights.
 
 def _contracting_last(a, b):
-  """``a @ b`` over ``a``'s last axis, its output laid out as ``a``'s leading axes."""
-  return jnp.matmul(a, b, out_sharding=explicit_sharding(a, lambda spec: spec[:-1] + (None,)))
+  """``a @ b`` over ``a``'s last axis, its output laid out as ``a``'s leading axes; where that
+  axis is explicitly sharded, the shards' partial products are summed in float32 and rounded
+  once."""
+  sharded = explicit_sharding(a, lambda spec: spec)
+  if sharded is None or sharded.spec[-1] is None:
+    return a @ b
+  sharding = explicit_sharding(a, lambda spec: spec[:-1] + (None,))
+  dtype = jnp.result_type(a, b)
+  return jnp.matmul(a, b, preferred_element_type=jnp.promote_types(jnp.float32, dtype),
+                    out_sharding=sharding).astype(dtype)
 
 
 def _weight_gradient_sharding(weight, rows):
