@@ -20,7 +20,7 @@ from jaxfuse.ops.mlp.api import gelu_mlp
 
 CUDA_LIBRARIES = ("jaxfuse.ops.mlp.cuda",)
 
-# (rows, model width, hidden width): GPT-2 small's MLP at 8 x 2048 tokens, and a wider model's.
+# (rows, model width, hidden width): GPT-2 small's MLP in a training batch, and a wider model's.
 GPU_SHAPES = [(16384, 768, 3072), (8192, 2048, 8192)]
 # The regret grid adds few rows (a decoding batch), a mid-sized model and a wide one.
 REGRET_SHAPES = GPU_SHAPES + [(512, 768, 3072), (4096, 1024, 4096), (4096, 4096, 16384)]

@@ -20,6 +20,7 @@
 #include <string>
 #include <tuple>
 
+#include "owned.cuh"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxfuse {
@@ -87,19 +88,6 @@ ffi::Error validate(const Problem& p) {
                    " must be positive multiples of 8, n=" + std::to_string(p.n) + " positive");
   return ffi::Error::Success();
 }
-
-// Owns a cuBLASLt descriptor, so every exit path destroys it.
-template <typename T, cublasStatus_t (*Destroy)(T)>
-struct Owned {
-  T raw = nullptr;
-
-  Owned() = default;
-  Owned(const Owned&) = delete;
-  Owned& operator=(const Owned&) = delete;
-  ~Owned() {
-    if (raw != nullptr) Destroy(raw);
-  }
-};
 
 struct Descriptors {
   Owned<cublasLtMatmulDesc_t, cublasLtMatmulDescDestroy> matmul;

@@ -17,6 +17,7 @@
 #include <tuple>
 #include <utility>
 
+#include "owned.cuh"
 #include "xla/ffi/api/ffi.h"
 
 // Returns from the enclosing function with an Internal error naming `fn` if the call fails.
@@ -138,19 +139,6 @@ ffi::Error check_bytes(const char* name, const ffi::AnyBuffer& buffer, size_t by
                  (exact ? "sizes this RNN's weight space at " : "needs ") +
                  std::to_string(bytes));
 }
-
-// Owns a cuDNN descriptor, so every exit path destroys it.
-template <typename T, cudnnStatus_t (*Destroy)(T)>
-struct Owned {
-  T raw = nullptr;
-
-  Owned() = default;
-  Owned(const Owned&) = delete;
-  Owned& operator=(const Owned&) = delete;
-  ~Owned() {
-    if (raw != nullptr) Destroy(raw);
-  }
-};
 
 // The locked handle of one call and the descriptors it built. Members are destroyed in reverse
 // order, so the descriptors go (the RNN before its dropout) while the handle is still locked.
