@@ -2,6 +2,7 @@
 reading the flat weights by cuDNN's layout as written out here too."""
 
 import dataclasses
+import functools
 import itertools
 import math
 
@@ -944,9 +945,9 @@ def _stand_in_kernels(monkeypatch):
 
 
 def _stand_in_cudnn(monkeypatch):
-  """Replaces cuDNN's calls by the XLA reference under the same contract (the reserve a byte
-  a sequence), so that the custom VJP, empty sequences and sharding around them run on the
-  CPU."""
+  """Replaces cuDNN's calls by the XLA reference under the same contract (the reserve sized
+  by the binding from a size query that, as cuDNN's, is not linear in the batch), so that the
+  custom VJP, empty sequences and sharding around them run on the CPU."""
   from jaxfuse.ops.rnn import cudnn as rnn_cudnn
 
   def run(call, x, h0, c0, w):
@@ -961,7 +962,8 @@ def _stand_in_cudnn(monkeypatch):
     return (*jaxfuse.gru(x, h0, w, lengths, **sizes), None)
 
   def forward(call, x, h0, c0, w, *, training):
-    return (*run(call, x, h0, c0, w), jnp.zeros((call.batch, 1), jnp.uint8))
+    rows = rnn_cudnn.reserve_row_bytes(call, training)
+    return (*run(call, x, h0, c0, w), jnp.zeros((call.batch, rows), jnp.uint8))
 
   def backward(call, dy, dh_n, dc_n, x, h0, c0, w, y, reserve):
     if call.cell == "lstm":
@@ -972,6 +974,9 @@ def _stand_in_cudnn(monkeypatch):
     return dx, dh0, None, dw
 
   monkeypatch.setattr(rnn_cudnn, "unavailable", lambda: None)
+  monkeypatch.setattr(rnn_cudnn, "_sizes", lambda call, training, algo: (
+      16, 8 * call.batch + 64 // call.batch))
+  monkeypatch.setattr(rnn_cudnn, "algorithm", functools.cache(rnn_cudnn.algorithm.__wrapped__))
   monkeypatch.setattr(rnn_cudnn, "forward", forward)
   monkeypatch.setattr(rnn_cudnn, "backward", backward)
 

@@ -12,7 +12,8 @@ instead and reads what it needs at each sequence's end.
 Calling convention (L layers, D directions, B batch, T steps, I input, H hidden, one dtype;
 GRU's cell states are ``(1,)`` placeholders): forward ``(x (B, T, I), h0 (L*D, B, H),
 c0 (L*D, B, H), w (count,)) -> y (B, T, D*H), h_n, c_n`` plus the reserve the backward needs,
-bytes shaped ``(B, bytes / B)`` so that a shard of the batch holds its own; backward ``(dy,
+bytes shaped ``(B, row_bytes)`` (:func:`reserve_row_bytes`) so that a shard of the batch holds
+its own; backward ``(dy,
 dh_n, dc_n, x, h0, c0, w, y, reserve) -> dx, dh0, dc0, dw``.
 """
 
@@ -69,6 +70,9 @@ class Call:
   dtype: jnp.dtype
   exact: bool
   lengths: tuple[int, ...]
+  # The batch this call is a shard of (its own batch where None): every shard's reserve rows
+  # and the whole batch's must be alike.
+  split_from: int | None = None
 
   def attributes(self) -> dict:
     return dict(cell=np.int64(_CELLS[self.cell]), dtype=np.int64(_DTYPES[self.dtype]),
@@ -80,7 +84,8 @@ class Call:
 
   def uniform(self, batch: int) -> Call:
     """This configuration for a shard of ``batch`` sequences, all ``time`` long."""
-    return dataclasses.replace(self, batch=batch, lengths=(self.time,) * batch)
+    return dataclasses.replace(self, batch=batch, lengths=(self.time,) * batch,
+                               split_from=self.split_from or self.batch)
 
   @property
   def whole(self) -> bool:
@@ -147,14 +152,25 @@ def _sizes(call: Call, training: bool, algo: int) -> tuple[int, int]:
   return max(workspace.value, 1), max(reserve.value, 1)
 
 
+def reserve_row_bytes(call: Call, training: bool) -> int:
+  """The reserve's bytes per sequence. cuDNN's reserve is not linear in the batch, so whole
+  sequences, which a mesh may split, take the widest row of every even split of the batch
+  over the devices: the whole batch's reserve and each shard's then have rows alike."""
+  if not call.whole:
+    return -(-scratch_bytes(call, training)[1] // call.batch)
+  whole = call.split_from or call.batch
+  shards = {whole // n for n in range(1, jax.device_count() + 1) if whole % n == 0}
+  return max(-(-scratch_bytes(call.uniform(b), training)[1] // b) for b in shards)
+
+
 def forward(call: Call, x, h0, c0, w, *, training: bool):
   """``(y, h_n, c_n, reserve)``; ``c_n`` is None for GRU."""
-  workspace, reserve = scratch_bytes(call, training)
+  workspace, _ = scratch_bytes(call, training)
   states = jax.ShapeDtypeStruct(call.states, call.dtype)
   directions = 2 if call.bidirectional else 1
   outputs = (jax.ShapeDtypeStruct((call.time, call.batch, directions * call.hidden_size),
                                   call.dtype), states, call.cell_states,
-             jax.ShapeDtypeStruct((call.batch, -(-reserve // call.batch)), jnp.uint8),
+             jax.ShapeDtypeStruct((call.batch, reserve_row_bytes(call, training)), jnp.uint8),
              jax.ShapeDtypeStruct((workspace,), jnp.uint8))
   y, h_n, c_n, reserved, _ = jax.ffi.ffi_call("jaxfuse_cudnn_rnn_forward", outputs)(
       _swap(x), h0, c0, w, training=np.int64(training),
