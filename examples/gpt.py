@@ -49,6 +49,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxfuse
 import jaxfuse.nn as jnn
+from jaxfuse._core.clocks import ClockSampler
 
 
 @dataclasses.dataclass(frozen=True)
@@ -380,60 +381,105 @@ def plot(path: str, curves: dict[str, list[float]], title: str = "GPT on the std
 
 def bench(cfg: Config, variants, mesh, *, packed: bool, steps: int = 100,
           find_max_batch: bool = True):
-  """tokens/s, step ms and temporary memory per variant, on random tokens."""
-  rows = []
+  """tokens/s, step ms and temporary memory per variant, on random tokens. The variants'
+  windows of steps take turns, so that a drift of the GPU's clocks (its power cap reached, its
+  heat) falls on each alike; on a GPU each window's mean SM clock and board power are recorded
+  beside it: at the power cap, a step that draws more power runs at lower clocks."""
+  prepared, failed = {}, {}
   for variant in variants:
     try:
-      row = _bench_variant(cfg, variant, mesh, packed, steps, find_max_batch)
+      prepared[variant] = _BenchVariant(cfg, variant, mesh, packed)
     except Exception as e:  # noqa: BLE001  (a variant jax cannot run is reported, not fatal)
-      row = dict(variant=variant, error=f"{type(e).__name__}: {str(e)[:300]}")
-      print(f"{variant:>16}  failed: {row['error']}", flush=True)
-    else:
-      print(_bench_line(row), flush=True)
+      failed[variant] = dict(variant=variant, error=f"{type(e).__name__}: {str(e)[:300]}")
+      print(f"{variant:>16}  failed: {failed[variant]['error']}", flush=True)
+  with ClockSampler() as sampler:
+    timed = step_windows({v: p.run for v, p in prepared.items()}, steps, sampler=sampler)
+  rows = []
+  for variant in variants:
+    if variant in failed:
+      rows.append(failed[variant])
+      continue
+    row = prepared[variant].row(timed[variant])
+    if find_max_batch:
+      row["max_batch"] = largest_batch(prepared[variant].trainer, packed)
+    print(_bench_line(row), flush=True)
     rows.append(row)
   return rows
 
 
-def _bench_variant(cfg, variant, mesh, packed, steps, find_max_batch) -> dict:
-  trainer = Trainer(cfg, variant, mesh, 1000)
-  step = trainer.compiled(cfg.batch, packed)
-  memory = step.memory_analysis()
-  rng = np.random.default_rng(0)
-  batches = [trainer.device_batch(random_batch(rng, cfg, packed)) for _ in range(2)]
+class _BenchVariant:
+  """One variant compiled, its first steps run (a variant that cannot run fails here)."""
 
-  def run(i):
-    trainer.params, trainer.opt_state, loss = step(trainer.params, trainer.opt_state,
-                                                   batches[i % 2])
+  def __init__(self, cfg, variant, mesh, packed):
+    self.cfg, self.variant, self.packed = cfg, variant, packed
+    self.trainer = Trainer(cfg, variant, mesh, 1000)
+    self.step = self.trainer.compiled(cfg.batch, packed)
+    rng = np.random.default_rng(0)
+    self.batches = [self.trainer.device_batch(random_batch(rng, cfg, packed)) for _ in range(2)]
+    for i in range(WARMUP_STEPS):
+      loss = self.run(i)
+    float(loss)
+
+  def run(self, i):
+    trainer = self.trainer
+    trainer.params, trainer.opt_state, loss = self.step(trainer.params, trainer.opt_state,
+                                                        self.batches[i % 2])
     return loss
 
-  windows, loss = step_ms(run, steps)
-  ms = statistics.median(windows)
-  row = dict(variant=variant, batch=cfg.batch, seq_len=cfg.seq_len, packed=packed,
-             step_ms=ms, step_ms_windows=windows,
-             tokens_per_s=cfg.batch * cfg.seq_len / ms * 1e3,
-             temp_bytes=getattr(memory, "temp_size_in_bytes", None),
-             argument_bytes=getattr(memory, "argument_size_in_bytes", None), loss=loss)
-  del batches
-  if find_max_batch:
-    row["max_batch"] = largest_batch(trainer, packed)
-  return row
+  def row(self, timed: Windows) -> dict:
+    memory = self.step.memory_analysis()
+    ms = statistics.median(timed.ms)
+    row = dict(variant=self.variant, batch=self.cfg.batch, seq_len=self.cfg.seq_len,
+               packed=self.packed, step_ms=ms, step_ms_windows=timed.ms,
+               tokens_per_s=self.cfg.batch * self.cfg.seq_len / ms * 1e3,
+               temp_bytes=getattr(memory, "temp_size_in_bytes", None),
+               argument_bytes=getattr(memory, "argument_size_in_bytes", None), loss=timed.loss)
+    if any(timed.clocks):
+      row["clock_mhz_windows"] = [c and c["clock_mhz"] for c in timed.clocks]
+      row["power_w_windows"] = [c and c["power_w"] for c in timed.clocks]
+    return row
 
 
-def step_ms(run, steps: int, window: int = 10, warmup: int = 3) -> tuple[list[float], float]:
-  """Wall-clock milliseconds per ``run(i)`` (a training step returning its loss) in each
-  window of ``window`` steps over ``steps`` steps after ``warmup``, waiting only at each
-  window's ends (the spread across windows shows how steady a number is); and the last loss."""
-  for i in range(warmup):
-    loss = run(i)
-  float(loss)
-  windows = []
-  for start in range(0, max(steps, window), window):
-    t0 = time.perf_counter()
-    for i in range(start, start + window):
+WARMUP_STEPS = 3
+
+
+@dataclasses.dataclass
+class Windows:
+  """Wall-clock ms per step in each window, the last loss, and each window's clocks
+  (:meth:`ClockSampler.over`, None where unsampled)."""
+  ms: list[float]
+  loss: float
+  clocks: list[dict | None]
+
+
+def step_windows(runs, steps: int, window: int = 10, sampler: ClockSampler | None = None,
+                 warmup: int = 0) -> dict[str, Windows]:
+  """Per name of ``runs`` (``run(i)``: a training step returning its loss), the wall-clock ms a
+  step in each window of ``window`` steps over ``steps`` steps after ``warmup``, the device
+  waited on only at each window's ends; the runs' windows take turns."""
+  for run in runs.values():
+    for i in range(warmup):
       loss = run(i)
-    loss = float(loss)
-    windows.append((time.perf_counter() - t0) / window * 1e3)
-  return windows, loss
+    if warmup:
+      float(loss)
+  timed = {name: Windows([], math.nan, []) for name in runs}
+  for start in range(0, max(steps, window), window):
+    for name, run in runs.items():
+      t0 = time.perf_counter()
+      for i in range(start, start + window):
+        loss = run(i)
+      timed[name].loss = float(loss)
+      t1 = time.perf_counter()
+      timed[name].ms.append((t1 - t0) / window * 1e3)
+      timed[name].clocks.append(sampler.over(t0, t1) if sampler else None)
+  return timed
+
+
+def step_ms(run, steps: int, window: int = 10) -> tuple[list[float], float]:
+  """:func:`step_windows` of one run after its warmup steps: the windows' ms and the last
+  loss."""
+  timed = step_windows({"": run}, steps, window, warmup=WARMUP_STEPS)[""]
+  return timed.ms, timed.loss
 
 
 def largest_batch(trainer: Trainer, packed: bool, limit: int | None = None) -> int | None:
@@ -483,9 +529,13 @@ def _bench_line(row) -> str:
   temp = "-" if row["temp_bytes"] is None else f"{row['temp_bytes'] / 2**30:6.2f} GiB"
   most = row.get("max_batch")
   windows = row["step_ms_windows"]
+  clocks = [c for c in row.get("clock_mhz_windows", ()) if c]
+  powers = [p for p in row.get("power_w_windows", ()) if p]
+  at = (f"  at {statistics.median(clocks):.0f} MHz, {statistics.median(powers):.0f} W"
+        if clocks and powers else "")
   return (f"{row['variant']:>16}  {row['step_ms']:8.1f} ms/step (windows {min(windows):.1f}-"
           f"{max(windows):.1f}, {len(windows)})  {row['tokens_per_s']:10,.0f} tokens/s  temp "
-          f"{temp}  max batch {'-' if most is None else most}")
+          f"{temp}  max batch {'-' if most is None else most}{at}")
 
 
 def _environment(argv):
@@ -493,7 +543,9 @@ def _environment(argv):
   env = environment("python examples/gpt.py")
   env["command"] = " ".join(["python examples/gpt.py"] + list(argv))
   env["timing"] = ("wall clock per step: step_ms the median over windows of 10 steps "
-                   "(step_ms_windows), the device waited on only at each window's ends")
+                   "(step_ms_windows), the device waited on only at each window's ends, the "
+                   "variants' windows in turn; on a GPU each window's mean SM clock and power "
+                   "a GPU (clock_mhz_windows, power_w_windows, sampled by nvidia-smi)")
   return env
 
 

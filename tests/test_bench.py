@@ -615,3 +615,25 @@ def test_a_run_times_over_its_window_and_restores_the_default(monkeypatch):
   bench.run([case], min_seconds=0.01, ceilings={"copy GB/s": 1.0})
   assert windows and set(windows) == {0.01}
   assert timing.MIN_SECONDS.get() == default
+
+
+def test_clock_sampler_averages_the_samples_inside_a_window():
+  """A fake nvidia-smi printing a GPU's clock and power (an unreadable line among them): the
+  window's means; a window with no samples, and a sampler with no command, give None."""
+  import sys
+  from jaxfuse._core.clocks import ClockSampler
+  fake = [sys.executable, "-u", "-c",
+          "import time\nfor i in range(400):\n"
+          "  print('[N/A], [N/A]' if i == 1 else f'{1500 + i % 2 * 100}, {300 + i % 2 * 10}')\n"
+          "  time.sleep(0.005)"]
+  with ClockSampler(fake) as sampler:
+    time.sleep(0.1)
+    start = time.perf_counter()
+    time.sleep(0.5)
+    end = time.perf_counter()
+  means = sampler.over(start, end)
+  assert 1540 < means["clock_mhz"] < 1560 and 304 < means["power_w"] < 306
+  assert sampler.over(end + 100, end + 200) is None
+  with ClockSampler([]) as idle:
+    pass
+  assert idle.over(0, time.perf_counter()) is None
