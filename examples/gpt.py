@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import gc
 import json
 import math
 import pathlib
@@ -167,11 +168,32 @@ class GPT(nnx.Module):
 def build(cfg: Config, variant: str, seed: int = 0):
   """The model of ``variant`` (``fused``, or ``unfused-<attention>`` with attention ``xla``,
   ``cudnn`` or ``default``), initialized from ``seed``: the same parameters for every
-  variant."""
-  fused = variant == "fused"
+  variant. ``fused:<layer>=<implementation>+...`` names the implementation of the fused
+  model's ``attention``, ``mlp`` or ``norm`` layers (else ``None``'s choice), e.g.
+  ``fused:attention=cudnn+mlp=cuda``."""
+  implementations = _layer_implementations(variant)
+  fused = variant.split(":")[0] == "fused"
   attention = None if fused else {"xla": "xla", "cudnn": "cudnn", "default": None}[
       variant.removeprefix("unfused-")]
-  return GPT(cfg, fused=fused, attention=attention, rngs=nnx.Rngs(seed))
+  model = GPT(cfg, fused=fused, attention=attention, rngs=nnx.Rngs(seed))
+  for layer, implementation in implementations.items():
+    for block in model.blocks:
+      modules = {"attention": [block.attn], "mlp": [block.mlp], "norm": [block.ln1, block.ln2]}
+      for module in modules[layer]:
+        module.implementation = implementation
+    if layer == "norm":
+      model.ln_f.implementation = implementation
+  return model
+
+
+def _layer_implementations(variant: str) -> dict[str, str]:
+  name, _, named = variant.partition(":")
+  pairs = [p.partition("=") for p in named.split("+") if p]
+  if (named and name != "fused") or any(
+      not impl or layer not in ("attention", "mlp", "norm") for layer, _, impl in pairs):
+    raise ValueError(f"variant {variant!r}: only 'fused' takes ':<layer>=<implementation>+"
+                     f"...' with layers attention, mlp and norm")
+  return {layer: impl for layer, _, impl in pairs}
 
 
 # --- data ---------------------------------------------------------------------------------
@@ -463,15 +485,24 @@ def step_windows(runs, steps: int, window: int = 10, sampler: ClockSampler | Non
     if warmup:
       float(loss)
   timed = {name: Windows([], math.nan, []) for name in runs}
-  for start in range(0, max(steps, window), window):
-    for name, run in runs.items():
-      t0 = time.perf_counter()
-      for i in range(start, start + window):
-        loss = run(i)
-      timed[name].loss = float(loss)
-      t1 = time.perf_counter()
-      timed[name].ms.append((t1 - t0) / window * 1e3)
-      timed[name].clocks.append(sampler.over(t0, t1) if sampler else None)
+  # Python's collector, run inside a window, can stall the host for longer than the steps it
+  # has queued (the GPU then idles): it runs between windows instead, as timeit does.
+  collecting = gc.isenabled()
+  gc.disable()
+  try:
+    for start in range(0, max(steps, window), window):
+      for name, run in runs.items():
+        gc.collect()
+        t0 = time.perf_counter()
+        for i in range(start, start + window):
+          loss = run(i)
+        timed[name].loss = float(loss)
+        t1 = time.perf_counter()
+        timed[name].ms.append((t1 - t0) / window * 1e3)
+        timed[name].clocks.append(sampler.over(t0, t1) if sampler else None)
+  finally:
+    if collecting:
+      gc.enable()
   return timed
 
 
@@ -544,8 +575,9 @@ def _environment(argv):
   env["command"] = " ".join(["python examples/gpt.py"] + list(argv))
   env["timing"] = ("wall clock per step: step_ms the median over windows of 10 steps "
                    "(step_ms_windows), the device waited on only at each window's ends, the "
-                   "variants' windows in turn; on a GPU each window's mean SM clock and power "
-                   "a GPU (clock_mhz_windows, power_w_windows, sampled by nvidia-smi)")
+                   "variants' windows in turn, Python's collector run between them; on a GPU "
+                   "each window's mean SM clock and power a GPU (clock_mhz_windows, "
+                   "power_w_windows, sampled by nvidia-smi)")
   return env
 
 
@@ -575,7 +607,8 @@ def main(argv=None):
   parser.add_argument("--bench", action="store_true")
   parser.add_argument("--variants", default=None,
                       help="--bench: comma-separated (fused, unfused-xla, unfused-cudnn, "
-                           "unfused-default)")
+                           "unfused-default; fused:mlp=cuda+attention=cudnn names the "
+                           "fused layers' implementations)")
   parser.add_argument("--no-max-batch", action="store_true",
                       help="--bench without searching the largest batch that fits")
   args = parser.parse_args(argv)

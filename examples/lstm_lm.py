@@ -188,7 +188,8 @@ def main(argv=None):
   from jaxfuse._core.bench import environment
   record = dict(environment("python examples/lstm_lm.py"), config=dataclasses.asdict(cfg),
                 timing="wall clock per step: step_ms the median over windows of 10 steps "
-                       "(step_ms_windows), the device waited on only at each window's ends")
+                       "(step_ms_windows), the device waited on only at each window's ends, "
+                       "Python's collector run between them")
   if args.bench:
     record["rows"] = bench(cfg, args.steps)
   else:

@@ -133,3 +133,16 @@ def test_ragged_batches_are_zero_past_each_length():
   assert (tokens[past] == 0).all() and (labels[past] == 0).all()
   inside = ~past[:, :-1] & ~past[:, 1:]
   np.testing.assert_array_equal(labels[:, :-1][inside], tokens[:, 1:][inside])
+
+
+def test_gpt_variant_names_the_fused_layers_implementations():
+  """``fused:<layer>=<implementation>+...`` reaches the layers; other forms are refused."""
+  cfg = _tiny(layers=2)
+  model = gpt.build(cfg, "fused:attention=xla+mlp=xla+norm=xla")
+  assert all(b.attn.implementation == b.mlp.implementation == b.ln1.implementation ==
+             b.ln2.implementation == "xla" for b in model.blocks)
+  assert model.ln_f.implementation == "xla"
+  assert gpt.build(cfg, "fused").blocks[0].mlp.implementation is None
+  for bad in ("fused:loss=xla", "fused:mlp", "unfused-xla:mlp=xla"):
+    with pytest.raises(ValueError, match="only 'fused' takes"):
+      gpt.build(cfg, bad)
