@@ -35,7 +35,8 @@ class ClockSampler:
   :func:`nvidia_smi_command`) with the ``time.perf_counter()`` of their arrival. ``over(start,
   end)`` gives the mean SM clock (MHz) and board power (W a GPU) sampled between two such
   readings, or None where nothing was (no GPU, no ``nvidia-smi``, a window shorter than the
-  interval)."""
+  interval). The clock is the moment's; nvidia-smi's ``power.draw`` is, on recent drivers,
+  an average over about a second, so a short window's power also holds what ran before it."""
 
   def __init__(self, command: list[str] | None = None):
     self._command = nvidia_smi_command() if command is None else command
