@@ -189,10 +189,11 @@ def build(cfg: Config, variant: str, seed: int = 0):
 def _layer_implementations(variant: str) -> dict[str, str]:
   name, _, named = variant.partition(":")
   pairs = [p.partition("=") for p in named.split("+") if p]
-  if (named and name != "fused") or any(
+  layers = [layer for layer, _, _ in pairs]
+  if (named and name != "fused") or len(set(layers)) < len(layers) or any(
       not impl or layer not in ("attention", "mlp", "norm") for layer, _, impl in pairs):
     raise ValueError(f"variant {variant!r}: only 'fused' takes ':<layer>=<implementation>+"
-                     f"...' with layers attention, mlp and norm")
+                     f"...' with layers attention, mlp and norm, each once")
   return {layer: impl for layer, _, impl in pairs}
 
 
@@ -418,6 +419,9 @@ def bench(cfg: Config, variants, mesh, *, packed: bool, steps: int = 100,
     timed = step_windows({v: p.run for v, p in prepared.items()}, steps, sampler=sampler)
   rows = []
   for variant in variants:
+    if variant in prepared and timed[variant].error:
+      failed[variant] = dict(variant=variant, error=timed[variant].error)
+      print(f"{variant:>16}  failed: {timed[variant].error}", flush=True)
     if variant in failed:
       rows.append(failed[variant])
       continue
@@ -468,17 +472,19 @@ WARMUP_STEPS = 3
 @dataclasses.dataclass
 class Windows:
   """Wall-clock ms per step in each window, the last loss, and each window's clocks
-  (:meth:`ClockSampler.over`, None where unsampled)."""
+  (:meth:`ClockSampler.over`, None where unsampled); ``error``: why a run stopped early."""
   ms: list[float]
   loss: float
   clocks: list[dict | None]
+  error: str | None = None
 
 
 def step_windows(runs, steps: int, window: int = 10, sampler: ClockSampler | None = None,
                  warmup: int = 0) -> dict[str, Windows]:
   """Per name of ``runs`` (``run(i)``: a training step returning its loss), the wall-clock ms a
   step in each window of ``window`` steps over ``steps`` steps after ``warmup``, the device
-  waited on only at each window's ends; the runs' windows take turns."""
+  waited on only at each window's ends; the runs' windows take turns. A run that raises while
+  timed (out of memory, say) leaves the turns with its error."""
   for run in runs.values():
     for i in range(warmup):
       loss = run(i)
@@ -492,11 +498,17 @@ def step_windows(runs, steps: int, window: int = 10, sampler: ClockSampler | Non
   try:
     for start in range(0, max(steps, window), window):
       for name, run in runs.items():
+        if timed[name].error:
+          continue
         gc.collect()
         t0 = time.perf_counter()
-        for i in range(start, start + window):
-          loss = run(i)
-        timed[name].loss = float(loss)
+        try:
+          for i in range(start, start + window):
+            loss = run(i)
+          timed[name].loss = float(loss)
+        except Exception as e:  # noqa: BLE001  (one variant's failure is reported, not fatal)
+          timed[name].error = f"{type(e).__name__}: {str(e)[:300]}"
+          continue
         t1 = time.perf_counter()
         timed[name].ms.append((t1 - t0) / window * 1e3)
         timed[name].clocks.append(sampler.over(t0, t1) if sampler else None)

@@ -627,7 +627,8 @@ def test_clock_sampler_averages_the_samples_inside_a_window():
           "  print('[N/A], [N/A]' if i == 1 else f'{1500 + i % 2 * 100}, {300 + i % 2 * 10}')\n"
           "  time.sleep(0.005)"]
   with ClockSampler(fake) as sampler:
-    time.sleep(0.1)
+    while not sampler.over(0, time.perf_counter()):  # the fake's first line read
+      time.sleep(0.01)
     start = time.perf_counter()
     time.sleep(0.5)
     end = time.perf_counter()

@@ -1,6 +1,7 @@
 """The training examples run a few steps on tiny configurations, fused and unfused alike."""
 
 import dataclasses
+import gc
 import json
 import os
 import pathlib
@@ -143,6 +144,27 @@ def test_gpt_variant_names_the_fused_layers_implementations():
              b.ln2.implementation == "xla" for b in model.blocks)
   assert model.ln_f.implementation == "xla"
   assert gpt.build(cfg, "fused").blocks[0].mlp.implementation is None
-  for bad in ("fused:loss=xla", "fused:mlp", "unfused-xla:mlp=xla"):
+  for bad in ("fused:loss=xla", "fused:mlp", "fused:mlp=xla+mlp=cuda", "unfused-xla:mlp=xla"):
     with pytest.raises(ValueError, match="only 'fused' takes"):
       gpt.build(cfg, bad)
+
+
+def test_gpt_bench_windows_take_turns_and_a_failing_run_leaves_them():
+  """Each window runs one variant's steps after the other's; a run that raises leaves with its
+  error while the rest go on; Python's collector is on again afterwards."""
+  order = []
+
+  def run_of(name, fail_at=None):
+    def run(i):
+      if i == fail_at:
+        raise RuntimeError("out of memory")
+      order.append((name, i))
+      return np.float32(i)
+    return run
+
+  timed = gpt.step_windows({"a": run_of("a"), "b": run_of("b", fail_at=12)}, steps=30,
+                           window=5)
+  assert order[:10] == [("a", i) for i in range(5)] + [("b", i) for i in range(5)]
+  assert len(timed["a"].ms) == 6 and timed["a"].loss == 29 and timed["a"].error is None
+  assert len(timed["b"].ms) == 2 and "out of memory" in timed["b"].error
+  assert gc.isenabled()

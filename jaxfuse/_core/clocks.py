@@ -20,11 +20,12 @@ def nvidia_smi_command(interval_ms: int = 100) -> list[str] | None:
   (``clock MHz, power W``); None off a GPU or without ``nvidia-smi``."""
   if jax.default_backend() != "gpu" or shutil.which("nvidia-smi") is None:
     return None
-  # nvidia-smi numbers every GPU of the machine; CUDA numbers the visible ones.
+  # nvidia-smi numbers every GPU of the machine (by PCI bus, as CUDA does with
+  # CUDA_DEVICE_ORDER=PCI_BUS_ID; its default, fastest first, differs only among unlike GPUs);
+  # CUDA numbers the visible ones.
   visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
              if v.strip()]
-  ordinals = [getattr(d, "local_hardware_id", None) for d in jax.local_devices()]
-  ordinals = [d.id if o is None else o for d, o in zip(jax.local_devices(), ordinals)]
+  ordinals = [d.local_hardware_id for d in jax.local_devices()]
   names = [visible[o] if o < len(visible) else str(o) for o in ordinals]
   return ["nvidia-smi", "-i", ",".join(names), "--query-gpu=clocks.sm,power.draw",
           "--format=csv,noheader,nounits", f"--loop-ms={interval_ms}"]
@@ -65,8 +66,13 @@ class ClockSampler:
   def __exit__(self, *exc):
     if self._process is not None:
       self._process.terminate()
-      self._process.wait()
+      try:
+        self._process.wait(timeout=5)
+      except subprocess.TimeoutExpired:
+        self._process.kill()
+        self._process.wait()
       self._reader.join()
+      self._process.stdout.close()
 
   def over(self, start: float, end: float) -> dict | None:
     inside = [s for s in self._samples if start <= s[0] <= end]

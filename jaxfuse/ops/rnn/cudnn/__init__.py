@@ -13,9 +13,9 @@ Calling convention (L layers, D directions, B batch, T steps, I input, H hidden,
 GRU's cell states are ``(1,)`` placeholders): forward ``(x (B, T, I), h0 (L*D, B, H),
 c0 (L*D, B, H), w (count,)) -> y (B, T, D*H), h_n, c_n`` plus the reserve the backward needs,
 bytes shaped ``(B, row_bytes)`` (:func:`reserve_row_bytes`) so that a shard of the batch holds
-its own; backward ``(dy,
-dh_n, dc_n, x, h0, c0, w, y, reserve) -> dx, dh0, dc0, dw``.
-"""
+its own; backward ``(dy, dh_n, dc_n, x, h0, c0, w, y, reserve) -> dx, dh0, dc0, dw``. A shard's
+reserve is one blob in cuDNN's layout, not a row per sequence: the backward must take the batch
+split as the forward did (the residuals keep the activations' sharding)."""
 
 from __future__ import annotations
 
@@ -154,12 +154,13 @@ def _sizes(call: Call, training: bool, algo: int) -> tuple[int, int]:
 
 def reserve_row_bytes(call: Call, training: bool) -> int:
   """The reserve's bytes per sequence. cuDNN's reserve is not linear in the batch, so whole
-  sequences, which a mesh may split, take the widest row of every even split of the batch
-  over the devices: the whole batch's reserve and each shard's then have rows alike."""
+  sequences, which a mesh may split, take the widest row of every split of the batch over up
+  to all the devices (a shard rounded up): the whole batch's reserve and each shard's then
+  have rows alike. On a machine of several devices an unsplit call takes that width too."""
   if not call.whole:
     return -(-scratch_bytes(call, training)[1] // call.batch)
   whole = call.split_from or call.batch
-  shards = {whole // n for n in range(1, jax.device_count() + 1) if whole % n == 0}
+  shards = {-(-whole // n) for n in range(1, jax.device_count() + 1)}
   return max(-(-scratch_bytes(call.uniform(b), training)[1] // b) for b in shards)
 
 
