@@ -20,7 +20,7 @@
 #include <string>
 #include <tuple>
 
-#include "owned.cuh"
+#include "vendor.cuh"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxfuse {
@@ -42,12 +42,6 @@ ffi::Error internal(const char* function, const std::string& reason) {
     const cublasStatus_t status_ = fn(__VA_ARGS__);                                \
     if (status_ != CUBLAS_STATUS_SUCCESS)                                          \
       return ::jaxfuse::internal(#fn, "cublasStatus_t " + std::to_string(status_)); \
-  } while (0)
-
-#define JAXFUSE_TRY(step)                \
-  do {                                   \
-    ::xla::ffi::Error error_ = (step);   \
-    if (error_.failure()) return error_; \
   } while (0)
 
 // What a call computes, indexed by the `mode` attribute.

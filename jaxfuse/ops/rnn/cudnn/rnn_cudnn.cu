@@ -17,7 +17,7 @@
 #include <tuple>
 #include <utility>
 
-#include "owned.cuh"
+#include "vendor.cuh"
 #include "xla/ffi/api/ffi.h"
 
 // Returns from the enclosing function with an Internal error naming `fn` if the call fails.
@@ -29,12 +29,6 @@
   } while (0)
 
 // Returns the error of a failed step from the enclosing function.
-#define JAXFUSE_TRY(step)                \
-  do {                                   \
-    ::xla::ffi::Error error_ = (step);   \
-    if (error_.failure()) return error_; \
-  } while (0)
-
 namespace jaxfuse {
 namespace {
 
