@@ -673,6 +673,38 @@ cudaError_t launch_clustered(void (*kernel)(KernelArgs...), dim3 grid, int threa
   return cudaLaunchKernelEx(&config, kernel, static_cast<KernelArgs>(args)...);
 }
 
+// Hopper's programmatic dependent launch, for a short kernel behind one of ours: launched with
+// launch_early, its CTAs are scheduled as soon as every CTA of the kernel before it has called
+// let_next_kernel_launch (or ended), and wait in wait_for_previous_kernel until that kernel's
+// writes are visible, so the launch hides behind the other's last CTAs. Before sm_90 the launch
+// is a plain one and both calls compile to nothing.
+__device__ __forceinline__ void let_next_kernel_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+__device__ __forceinline__ void wait_for_previous_kernel() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// `kernel` must call wait_for_previous_kernel before it reads what the kernel before wrote.
+template <typename... KernelArgs, typename... Args>
+cudaError_t launch_early(void (*kernel)(KernelArgs...), dim3 grid, int threads,
+                         cudaStream_t stream, Args... args) {
+  cudaLaunchAttribute attribute;
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = dim3(threads, 1, 1);
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = kBuiltForClusters ? 1 : 0;
+  return cudaLaunchKernelEx(&config, kernel, static_cast<KernelArgs>(args)...);
+}
+
 // How many clusters of `cluster` CTAs of `threads` the GPU holds at once (0 when none fits).
 template <typename... KernelArgs>
 int max_active_clusters(void (*kernel)(KernelArgs...), int threads, int cluster,

@@ -323,6 +323,7 @@ __global__ void __launch_bounds__(kThreads, 2) norm_backward_kernel(
     const float* __restrict__ mean_in, const float* __restrict__ rstd_in, TX* __restrict__ dx,
     float* __restrict__ dweight_partial, float* __restrict__ dbias_partial, int64_t groups,
     int64_t rows_per_group, int n, bool has_weight, bool has_bias) {
+  let_next_kernel_launch();  // the partials' sum (launch_early) may take spare room now
   __shared__ ClusterScratch<float2> scratch;
   extern __shared__ uint4 shared[];
   const int param_words = V * Unit<TP>::kVectors * blockDim.x;
@@ -415,6 +416,7 @@ __global__ void __launch_bounds__(kHeldThreads, 2) layer_norm_backward_held_kern
     const float* __restrict__ mean_in, const float* __restrict__ rstd_in, TX* __restrict__ dx,
     float* __restrict__ dweight_partial, float* __restrict__ dbias_partial, int64_t groups,
     int64_t rows_per_group, int n, bool has_weight, bool has_bias) {
+  let_next_kernel_launch();  // the partials' sum (launch_early) may take spare room now
   __shared__ ClusterScratch<float2> scratch;
   const int64_t ctas = gridDim.x, me = blockIdx.x;
   const RowSlice slice = RowSlice::mine<false>(V, n);
@@ -575,6 +577,7 @@ __global__ void __launch_bounds__(kShortThreads) norm_backward_short_kernel(
     const float* __restrict__ mean_in, const float* __restrict__ rstd_in, TX* __restrict__ dx,
     float* __restrict__ dweight_partial, float* __restrict__ dbias_partial, int64_t groups,
     int64_t rows_per_group, int n, bool has_weight, bool has_bias, int lanes) {
+  let_next_kernel_launch();  // the partials' sum (launch_early) may take spare room now
   extern __shared__ float4 group_sums[];  // [CTA's lane group][its row's columns]
   const LaneSlice slice = LaneSlice::mine(lanes, n);
   const RowWalk walk = RowWalk::of_lanes(lanes);
@@ -685,7 +688,8 @@ __global__ void __launch_bounds__(kShortThreads) norm_backward_short_kernel(
 // lanes) and `slices` interleaved subsets of the partials, each summed in order and then folded
 // pairwise in a fixed tree through shared memory. The order depends on P alone, so every run
 // gives the same bits; where P is large and the columns few (short rows), many threads share
-// each column's sum and its load latency.
+// each column's sum and its load latency. Launched early (rows.cuh launch_early) behind stage
+// one, whose CTAs let it be scheduled from their start.
 constexpr int kSumThreads = 256;
 // Slices enough for four partials a thread, up to 64: strips of at least four units, whose
 // rows a warp still reads as whole 128-byte lines. Past 256 partials a thread sums more, with
@@ -713,6 +717,7 @@ __global__ void __launch_bounds__(kSumThreads)
     sum_partials_kernel(const float* __restrict__ partials, TW* __restrict__ dweight,
                         TB* __restrict__ dbias, bool has_weight, int64_t groups, int64_t parts,
                         int n, int slices) {
+  wait_for_previous_kernel();
   __shared__ float folded[kUnit * kSumThreads];  // [element of a unit][thread]
   const int strip_units = kSumThreads / slices;
   const int slice = threadIdx.x / strip_units;
@@ -1082,12 +1087,14 @@ ffi::Error NormBackwardImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuff
     dispatch_float(bias_type, [&](auto tb) {
       using TW = decltype(tw);
       using TB = decltype(tb);
-      sum_partials_kernel<TW, TB><<<sum_grid, kSumThreads, 0, stream>>>(
-          dweight_partial, static_cast<TW*>(dweight->untyped_data()),
-          static_cast<TB*>(dbias->untyped_data()), has_weight != 0, dims[0], clusters, n, slices);
+      err = launch_early(sum_partials_kernel<TW, TB>, sum_grid, kSumThreads, stream,
+                         static_cast<const float*>(dweight_partial),
+                         static_cast<TW*>(dweight->untyped_data()),
+                         static_cast<TB*>(dbias->untyped_data()), has_weight != 0, dims[0],
+                         clusters, n, slices);
     });
   });
-  return launch_error("norm_backward (sum of partials)", cudaSuccess);
+  return launch_error("norm_backward (sum of partials)", err);
 }
 
 }  // namespace
