@@ -176,13 +176,13 @@ def build(cfg: Config, variant: str, seed: int = 0):
   attention = None if fused else {"xla": "xla", "cudnn": "cudnn", "default": None}[
       variant.removeprefix("unfused-")]
   model = GPT(cfg, fused=fused, attention=attention, rngs=nnx.Rngs(seed))
-  for layer, implementation in implementations.items():
-    for block in model.blocks:
-      modules = {"attention": [block.attn], "mlp": [block.mlp], "norm": [block.ln1, block.ln2]}
+  for block in model.blocks:
+    modules = {"attention": [block.attn], "mlp": [block.mlp], "norm": [block.ln1, block.ln2]}
+    for layer, implementation in implementations.items():
       for module in modules[layer]:
         module.implementation = implementation
-    if layer == "norm":
-      model.ln_f.implementation = implementation
+  if "norm" in implementations:
+    model.ln_f.implementation = implementations["norm"]
   return model
 
 

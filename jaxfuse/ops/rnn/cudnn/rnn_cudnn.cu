@@ -28,7 +28,6 @@
       return ::jaxfuse::internal(#fn, cudnnGetErrorString(status_)); \
   } while (0)
 
-// Returns the error of a failed step from the enclosing function.
 namespace jaxfuse {
 namespace {
 
